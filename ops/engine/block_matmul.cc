@@ -1,0 +1,221 @@
+#include "engine/block_matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace ortsparse::engine {
+namespace {
+
+constexpr size_t kSmallM = 2;
+
+uint64_t content_hash(const float* w, size_t count) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ count;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
+  for (size_t i = 0; i < count; ++i) {
+    h ^= words[i];
+    h *= 0x100000001B3ull;
+    h ^= h >> 29;
+  }
+  return h;
+}
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Splits [0, n) into `parts` spans whose starts are multiples of 16 columns.
+struct ColumnSpans {
+  size_t n, span, count;
+  ColumnSpans(size_t n_, size_t parts) : n(n_) {
+    parts = std::max<size_t>(1, parts);
+    span = std::max<size_t>(16, round_up((n + parts - 1) / parts, 16));
+    count = (n + span - 1) / span;
+  }
+  size_t begin(size_t i) const { return i * span; }
+  size_t width(size_t i) const { return std::min(n, (i + 1) * span) - i * span; }
+};
+
+void fill_bias(float* y, const float* bias, size_t width) {
+  if (bias) std::memcpy(y, bias, width * sizeof(float));
+}
+
+}  // namespace
+
+DenseWeights::DenseWeights(const float* w, size_t k, size_t n) : k_(k), n_(n), ldw_(round_up(n, 16)) {
+  data_.resize(k_ * ldw_);
+  for (size_t r = 0; r < k_; ++r) {
+    float* dst = data_.data() + r * ldw_;
+    std::memcpy(dst, w + r * n_, n_ * sizeof(float));
+    std::fill(dst + n_, dst + ldw_, 0.0f);
+  }
+}
+
+std::shared_ptr<const DenseWeights> DenseWeights::pack_shared(const float* w, size_t k, size_t n) {
+  using Key = std::tuple<const float*, size_t, size_t, uint64_t>;
+  static std::mutex mutex;
+  static auto* cache = new std::map<Key, std::weak_ptr<const DenseWeights>>();
+  const Key key{w, k, n, content_hash(w, k * n)};
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = cache->begin(); it != cache->end();) it = it->second.expired() ? cache->erase(it) : std::next(it);
+  auto& slot = (*cache)[key];
+  if (auto existing = slot.lock()) return existing;
+  auto packed = std::make_shared<const DenseWeights>(w, k, n);
+  slot = packed;
+  return packed;
+}
+
+std::vector<float> DenseWeights::block_norms(const BlockPartition& partition) const {
+  std::vector<float> norms(partition.num_blocks, 0.0f);
+  for (size_t b = 0; b < partition.num_blocks; ++b) {
+    double s = 0.0;
+    for (size_t r = partition.begin(b); r < partition.end(b); ++r) {
+      const float* row = data_.data() + r * ldw_;
+      for (size_t j = 0; j < n_; ++j) s += static_cast<double>(row[j]) * row[j];
+    }
+    norms[b] = static_cast<float>(std::sqrt(s));
+  }
+  return norms;
+}
+
+BlockGatedMatMul::BlockGatedMatMul(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning)
+    : weights_(std::move(weights)), tuning_(tuning) {}
+
+void BlockGatedMatMul::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                           const KernelTable& kernels, const TaskRunner& runner) const {
+  if (m == 0 || weights_->n() == 0) return;
+  if (m <= kSmallM) {
+    run_per_token(x, m, gated, bias, y, kernels, runner);
+  } else {
+    run_tiled(x, m, gated, bias, y, kernels, runner);
+  }
+}
+
+// Decode: gather each token's kept inputs once, then split N over tasks; every task streams the
+// kept W rows over its column span.
+void BlockGatedMatMul::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
+                                     float* y, const KernelTable& kernels, const TaskRunner& runner) const {
+  const DenseWeights& w = *weights_;
+  const size_t k = w.k(), n = w.n();
+  std::vector<float> xv(m * k);
+  for (size_t t = 0; t < m; ++t) {
+    const float* xt = x + t * k;
+    float* dst = xv.data() + t * k;
+    const float s = gated.scale[t];
+    if (gated.dense[t]) {
+      for (size_t r = 0; r < k; ++r) dst[r] = xt[r] * s;
+    } else {
+      const int32_t* rows = gated.rows.data() + gated.offset[t];
+      const size_t count = gated.offset[t + 1] - gated.offset[t];
+      for (size_t i = 0; i < count; ++i) dst[i] = xt[rows[i]] * s;
+    }
+  }
+  const ColumnSpans spans(n, (n + tuning_.gemv_task_columns - 1) / tuning_.gemv_task_columns);
+  runner.run(spans.count, [&](size_t task) {
+    const size_t col = spans.begin(task), width = spans.width(task);
+    for (size_t t = 0; t < m; ++t) {
+      float* yt = y + t * n + col;
+      fill_bias(yt, bias ? bias + col : nullptr, width);
+      const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
+      kernels.gemv_rows(w.data() + col, w.ldw(), rows, xv.data() + t * k, gated.row_count(t, k), yt, width,
+                        bias != nullptr);
+    }
+  });
+}
+
+// Prefill: tokens go in tiles of kTokenTile sharing one row list (the union of their rows, with
+// zeros where a token skips a row) when that union is dense enough, else one by one; columns go
+// in panels whose W slice stays in L2 while every tile passes over it.
+void BlockGatedMatMul::run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                                 const KernelTable& kernels, const TaskRunner& runner) const {
+  const DenseWeights& w = *weights_;
+  const size_t k = w.k(), n = w.n();
+  const size_t tiles = (m + kTokenTile - 1) / kTokenTile;
+
+  struct TilePlan {
+    bool shared;                // one union row list for the whole tile
+    size_t rows_begin, nrows;   // into union_rows (shared) — per token lists live in `gated`
+    size_t xv_begin;            // into xv
+  };
+  std::vector<TilePlan> plans(tiles);
+  std::vector<int32_t> union_rows;
+  std::vector<float> xv;
+  std::vector<uint8_t> used(k);
+  union_rows.reserve(tiles * k);
+  for (size_t tile = 0; tile < tiles; ++tile) {
+    const size_t t0 = tile * kTokenTile;
+    const size_t count = std::min(kTokenTile, m - t0);
+    TilePlan& plan = plans[tile];
+    size_t sum_rows = 0;
+    std::fill(used.begin(), used.end(), 0);
+    for (size_t j = 0; j < count; ++j) {
+      const size_t t = t0 + j;
+      sum_rows += gated.row_count(t, k);
+      if (gated.dense[t]) {
+        for (size_t r = 0; r < k; ++r) used[r] |= static_cast<uint8_t>(1u << j);
+      } else {
+        for (size_t i = gated.offset[t]; i < gated.offset[t + 1]; ++i) used[gated.rows[i]] |= static_cast<uint8_t>(1u << j);
+      }
+    }
+    size_t union_count = 0;
+    for (size_t r = 0; r < k; ++r) union_count += used[r] != 0;
+    // A shared row costs ~half a per-token row (the W load is reused by kTokenTile tokens).
+    plan.shared = count == kTokenTile && union_count * kTokenTile <= 2 * sum_rows;
+    plan.xv_begin = xv.size();
+    if (plan.shared) {
+      plan.rows_begin = union_rows.size();
+      plan.nrows = union_count;
+      xv.resize(xv.size() + union_count * kTokenTile);
+      float* dst = xv.data() + plan.xv_begin;
+      for (size_t r = 0; r < k; ++r) {
+        if (!used[r]) continue;
+        union_rows.push_back(static_cast<int32_t>(r));
+        for (size_t j = 0; j < kTokenTile; ++j)
+          *dst++ = (used[r] >> j) & 1 ? x[(t0 + j) * k + r] * gated.scale[t0 + j] : 0.0f;
+      }
+    } else {
+      plan.rows_begin = 0;
+      plan.nrows = 0;
+      xv.resize(xv.size() + count * k);
+      for (size_t j = 0; j < count; ++j) {
+        const size_t t = t0 + j;
+        float* dst = xv.data() + plan.xv_begin + j * k;
+        const float* xt = x + t * k;
+        if (gated.dense[t]) {
+          for (size_t r = 0; r < k; ++r) dst[r] = xt[r] * gated.scale[t];
+        } else {
+          const size_t c = gated.offset[t + 1] - gated.offset[t];
+          const int32_t* rows = gated.rows.data() + gated.offset[t];
+          for (size_t i = 0; i < c; ++i) dst[i] = xt[rows[i]] * gated.scale[t];
+        }
+      }
+    }
+  }
+
+  const size_t panel_cols = std::max<size_t>(64, tuning_.panel_bytes / (k * sizeof(float)) / 64 * 64);
+  const ColumnSpans spans(n, (n + panel_cols - 1) / panel_cols);
+  runner.run(spans.count, [&](size_t task) {
+    const size_t col = spans.begin(task), width = spans.width(task);
+    const float* wp = w.data() + col;
+    for (size_t tile = 0; tile < tiles; ++tile) {
+      const TilePlan& plan = plans[tile];
+      const size_t t0 = tile * kTokenTile;
+      const size_t count = std::min(kTokenTile, m - t0);
+      for (size_t j = 0; j < count; ++j) fill_bias(y + (t0 + j) * n + col, bias ? bias + col : nullptr, width);
+      if (plan.shared) {
+        kernels.gemm_rows(wp, w.ldw(), union_rows.data() + plan.rows_begin, xv.data() + plan.xv_begin, plan.nrows,
+                          y + t0 * n + col, n, width, bias != nullptr);
+      } else {
+        for (size_t j = 0; j < count; ++j) {
+          const size_t t = t0 + j;
+          const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
+          kernels.gemv_rows(wp, w.ldw(), rows, xv.data() + plan.xv_begin + j * k, gated.row_count(t, k),
+                            y + t * n + col, width, bias != nullptr);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace ortsparse::engine

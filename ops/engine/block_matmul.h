@@ -1,0 +1,66 @@
+// The block-gated matmul Y = X·W (+B): an input gate picks rows of W per token (GatedRows), a
+// weight backend supplies them. Today's backend: DenseWeights (pre-packed fp32).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/aligned_buffer.h"
+#include "common/task_runner.h"
+#include "engine/gated_rows.h"
+#include "engine/kernels.h"
+
+namespace ortsparse::engine {
+
+class DenseWeights {
+ public:
+  // Packs W [K, N] (row-major) once; rows padded to 16 floats so every row starts 64-byte aligned.
+  DenseWeights(const float* w, size_t k, size_t n);
+
+  // Shared packing: two kernels (one session or several) that see the same initializer — same
+  // data pointer, shape and contents — get one packed copy.
+  static std::shared_ptr<const DenseWeights> pack_shared(const float* w, size_t k, size_t n);
+
+  size_t k() const { return k_; }
+  size_t n() const { return n_; }
+  size_t ldw() const { return ldw_; }
+  const float* data() const { return data_.data(); }
+  size_t bytes() const { return data_.size() * sizeof(float); }
+  // ||W_b||_F of each block of `partition`.
+  std::vector<float> block_norms(const BlockPartition& partition) const;
+
+ private:
+  size_t k_, n_, ldw_;
+  AlignedBuffer<float> data_;
+};
+
+struct MatMulTuning {
+  // Columns per task at M <= kSmallM (decode): y spans stay in L1, W rows stream once.
+  size_t gemv_task_columns = 1024;
+  // W bytes of one column panel at M > kSmallM, sized to stay in L2 across token tiles.
+  size_t panel_bytes = 384 * 1024;
+};
+
+class BlockGatedMatMul {
+ public:
+  explicit BlockGatedMatMul(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning = {});
+
+  // y [M, N] = per token m: scale[m] * sum over its rows r of x[m, r] * W[r, :] (+ bias).
+  void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+           const KernelTable& kernels, const TaskRunner& runner) const;
+
+  const DenseWeights& weights() const { return *weights_; }
+
+ private:
+  void run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                     const KernelTable& kernels, const TaskRunner& runner) const;
+  void run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                 const KernelTable& kernels, const TaskRunner& runner) const;
+
+  std::shared_ptr<const DenseWeights> weights_;
+  MatMulTuning tuning_;
+};
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,42 @@
+// The engine's inner kernels. Each ISA provides the same table; kernels_scalar.cc is the
+// reference every SIMD variant is tested against (tests/ops/test_kernels.py, tails included).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/cpu_features.h"
+
+namespace ortsparse::engine {
+
+// Token-tile width of gemm_rows: one W row chunk is loaded once and used by this many tokens.
+constexpr size_t kTokenTile = 4;
+
+struct KernelTable {
+  const char* isa;
+
+  // y[0:n] = (accumulate ? y : 0) + sum_i xv[i] * w[row(i) * ldw + 0:n],  row(i) = rows ? rows[i] : i.
+  // One token (M = 1, decode): W rows stream from memory once, y stays in L1.
+  void (*gemv_rows)(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                    float* y, size_t n, bool accumulate);
+
+  // For t < kTokenTile: y[t * ldy + 0:n] = (accumulate ? . : 0) + sum_i xv[i * kTokenTile + t] * w[row(i) * ldw + 0:n].
+  // A tile of tokens sharing one row list (rows a token does not use carry xv = 0).
+  void (*gemm_rows)(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                    float* y, size_t ldy, size_t n, bool accumulate);
+
+  // out[b] = sum over the block's entries of x^2 (sumsq) or |x| (sumabs); the last block may be short.
+  void (*block_sumsq)(const float* x, size_t k, size_t block, float* out);
+  void (*block_sumabs)(const float* x, size_t k, size_t block, float* out);
+};
+
+const KernelTable& kernels_scalar();
+const KernelTable& kernels_avx2();
+const KernelTable& kernels_avx512();
+
+// The table for an ISA the CPU supports (callers check isa_supported first).
+const KernelTable& kernels_for(Isa isa);
+// The table of the process's active ISA (ORTSPARSE_ISA or the best available).
+const KernelTable& active_kernels();
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,149 @@
+// AVX2 + FMA kernels. Compiled with -mavx2 -mfma; only called when the CPU has them.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "engine/kernels.h"
+
+namespace ortsparse::engine {
+namespace {
+
+inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
+
+// Lane mask for the first `count` (< 8) floats, for maskload/maskstore tails.
+inline __m256i tail_mask(size_t count) {
+  alignas(32) static const int32_t ramp[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ramp + 8 - count));
+}
+
+template <int R>
+inline void gemv_group(const float* const* wr, const float* a, float* y, size_t n) {
+  __m256 av[R];
+  for (int r = 0; r < R; ++r) av[r] = _mm256_set1_ps(a[r]);
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 y0 = _mm256_loadu_ps(y + j);
+    __m256 y1 = _mm256_loadu_ps(y + j + 8);
+    for (int r = 0; r < R; ++r) {
+      y0 = _mm256_fmadd_ps(av[r], _mm256_loadu_ps(wr[r] + j), y0);
+      y1 = _mm256_fmadd_ps(av[r], _mm256_loadu_ps(wr[r] + j + 8), y1);
+    }
+    _mm256_storeu_ps(y + j, y0);
+    _mm256_storeu_ps(y + j + 8, y1);
+  }
+  for (; j + 8 <= n; j += 8) {
+    __m256 y0 = _mm256_loadu_ps(y + j);
+    for (int r = 0; r < R; ++r) y0 = _mm256_fmadd_ps(av[r], _mm256_loadu_ps(wr[r] + j), y0);
+    _mm256_storeu_ps(y + j, y0);
+  }
+  if (j < n) {
+    const __m256i m = tail_mask(n - j);
+    __m256 y0 = _mm256_maskload_ps(y + j, m);
+    for (int r = 0; r < R; ++r) y0 = _mm256_fmadd_ps(av[r], _mm256_maskload_ps(wr[r] + j, m), y0);
+    _mm256_maskstore_ps(y + j, m, y0);
+  }
+}
+
+void gemv_rows_avx2(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                    float* y, size_t n, bool accumulate) {
+  if (!accumulate) {
+    for (size_t j = 0; j < n; ++j) y[j] = 0.0f;
+  }
+  const float* wr[8];
+  size_t i = 0;
+  for (; i + 8 <= nrows; i += 8) {
+    for (int r = 0; r < 8; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<8>(wr, xv + i, y, n);
+  }
+  if (i + 4 <= nrows) {
+    for (int r = 0; r < 4; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<4>(wr, xv + i, y, n);
+    i += 4;
+  }
+  for (; i < nrows; ++i) {
+    wr[0] = w + row_of(rows, i) * ldw;
+    gemv_group<1>(wr, xv + i, y, n);
+  }
+}
+
+// Four tokens x 2 vectors of 8 columns in registers (8 accumulators of 16 ymm registers).
+inline void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                       float* y, size_t ldy, size_t ncols, bool accumulate) {
+  const __m256i m0 = ncols >= 8 ? _mm256_set1_epi32(-1) : tail_mask(ncols);
+  const __m256i m1 = ncols >= 16 ? _mm256_set1_epi32(-1) : (ncols > 8 ? tail_mask(ncols - 8) : _mm256_setzero_si256());
+  __m256 acc[kTokenTile][2];
+  for (size_t t = 0; t < kTokenTile; ++t) {
+    acc[t][0] = accumulate ? _mm256_maskload_ps(y + t * ldy, m0) : _mm256_setzero_ps();
+    acc[t][1] = accumulate ? _mm256_maskload_ps(y + t * ldy + 8, m1) : _mm256_setzero_ps();
+  }
+  for (size_t i = 0; i < nrows; ++i) {
+    const float* wr = w + row_of(rows, i) * ldw;
+    const __m256 w0 = _mm256_maskload_ps(wr, m0);
+    const __m256 w1 = _mm256_maskload_ps(wr + 8, m1);
+    const float* a = xv + i * kTokenTile;
+    for (size_t t = 0; t < kTokenTile; ++t) {
+      const __m256 at = _mm256_broadcast_ss(a + t);
+      acc[t][0] = _mm256_fmadd_ps(at, w0, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(at, w1, acc[t][1]);
+    }
+  }
+  for (size_t t = 0; t < kTokenTile; ++t) {
+    _mm256_maskstore_ps(y + t * ldy, m0, acc[t][0]);
+    _mm256_maskstore_ps(y + t * ldy + 8, m1, acc[t][1]);
+  }
+}
+
+void gemm_rows_avx2(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                    float* y, size_t ldy, size_t n, bool accumulate) {
+  for (size_t j = 0; j < n; j += 16) {
+    gemm_chunk(w + j, ldw, rows, xv, nrows, y + j, ldy, n - j < 16 ? n - j : 16, accumulate);
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+template <bool kSquare>
+void block_reduce(const float* x, size_t k, size_t block, float* out) {
+  if (block == 1) {
+    size_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + j);
+      _mm256_storeu_ps(out + j, kSquare ? _mm256_mul_ps(v, v) : abs_ps(v));
+    }
+    for (; j < k; ++j) out[j] = kSquare ? x[j] * x[j] : std::fabs(x[j]);
+    return;
+  }
+  for (size_t b = 0, start = 0; start < k; ++b, start += block) {
+    const size_t end = start + block < k ? start + block : k;
+    __m256 acc = _mm256_setzero_ps();
+    size_t j = start;
+    for (; j + 8 <= end; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + j);
+      acc = kSquare ? _mm256_fmadd_ps(v, v, acc) : _mm256_add_ps(acc, abs_ps(v));
+    }
+    if (j < end) {
+      const __m256 v = _mm256_maskload_ps(x + j, tail_mask(end - j));
+      acc = kSquare ? _mm256_fmadd_ps(v, v, acc) : _mm256_add_ps(acc, abs_ps(v));
+    }
+    out[b] = hsum(acc);
+  }
+}
+
+void block_sumsq_avx2(const float* x, size_t k, size_t block, float* out) { block_reduce<true>(x, k, block, out); }
+void block_sumabs_avx2(const float* x, size_t k, size_t block, float* out) { block_reduce<false>(x, k, block, out); }
+
+}  // namespace
+
+const KernelTable& kernels_avx2() {
+  static const KernelTable table{"avx2", gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2};
+  return table;
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,155 @@
+// AVX-512 (F/BW/VL/DQ) kernels. Compiled with -mavx512*; only called when the CPU has them.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "engine/kernels.h"
+
+namespace ortsparse::engine {
+namespace {
+
+inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
+inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
+// R rows at once: y is loaded and stored once per R rows, the W rows stream side by side.
+template <int R>
+inline void gemv_group(const float* const* wr, const float* a, float* y, size_t n) {
+  __m512 av[R];
+  for (int r = 0; r < R; ++r) av[r] = _mm512_set1_ps(a[r]);
+  size_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m512 y0 = _mm512_loadu_ps(y + j);
+    __m512 y1 = _mm512_loadu_ps(y + j + 16);
+    for (int r = 0; r < R; ++r) {
+      y0 = _mm512_fmadd_ps(av[r], _mm512_loadu_ps(wr[r] + j), y0);
+      y1 = _mm512_fmadd_ps(av[r], _mm512_loadu_ps(wr[r] + j + 16), y1);
+    }
+    _mm512_storeu_ps(y + j, y0);
+    _mm512_storeu_ps(y + j + 16, y1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
+    __m512 y0 = _mm512_maskz_loadu_ps(m, y + j);
+    for (int r = 0; r < R; ++r) y0 = _mm512_fmadd_ps(av[r], _mm512_maskz_loadu_ps(m, wr[r] + j), y0);
+    _mm512_mask_storeu_ps(y + j, m, y0);
+  }
+}
+
+void gemv_rows_avx512(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                      float* y, size_t n, bool accumulate) {
+  if (!accumulate) {
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_setzero_ps());
+    if (j < n) _mm512_mask_storeu_ps(y + j, tail_mask(n - j), _mm512_setzero_ps());
+  }
+  const float* wr[8];
+  size_t i = 0;
+  for (; i + 8 <= nrows; i += 8) {
+    for (int r = 0; r < 8; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<8>(wr, xv + i, y, n);
+  }
+  if (i + 4 <= nrows) {
+    for (int r = 0; r < 4; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<4>(wr, xv + i, y, n);
+    i += 4;
+  }
+  for (; i < nrows; ++i) {
+    wr[0] = w + row_of(rows, i) * ldw;
+    gemv_group<1>(wr, xv + i, y, n);
+  }
+}
+
+// Four tokens x V vectors of 16 columns held in registers over the whole row list.
+template <int V>
+inline void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                       float* y, size_t ldy, size_t ncols, bool accumulate) {
+  __mmask16 masks[V];
+  for (int v = 0; v < V; ++v) {
+    const size_t start = static_cast<size_t>(v) * 16;
+    masks[v] = ncols >= start + 16 ? static_cast<__mmask16>(0xFFFF)
+                                   : (ncols > start ? tail_mask(ncols - start) : static_cast<__mmask16>(0));
+  }
+  __m512 acc[kTokenTile][V];
+  for (size_t t = 0; t < kTokenTile; ++t)
+    for (int v = 0; v < V; ++v)
+      acc[t][v] = accumulate ? _mm512_maskz_loadu_ps(masks[v], y + t * ldy + v * 16) : _mm512_setzero_ps();
+  for (size_t i = 0; i < nrows; ++i) {
+    const float* wr = w + row_of(rows, i) * ldw;
+    __m512 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_maskz_loadu_ps(masks[v], wr + v * 16);
+    const float* a = xv + i * kTokenTile;
+    for (size_t t = 0; t < kTokenTile; ++t) {
+      const __m512 at = _mm512_set1_ps(a[t]);
+      for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(at, wv[v], acc[t][v]);
+    }
+  }
+  for (size_t t = 0; t < kTokenTile; ++t)
+    for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(y + t * ldy + v * 16, masks[v], acc[t][v]);
+}
+
+void gemm_rows_avx512(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                      float* y, size_t ldy, size_t n, bool accumulate) {
+  size_t j = 0;
+  for (; j + 64 <= n; j += 64) gemm_chunk<4>(w + j, ldw, rows, xv, nrows, y + j, ldy, 64, accumulate);
+  if (j < n) gemm_chunk<4>(w + j, ldw, rows, xv, nrows, y + j, ldy, n - j, accumulate);
+}
+
+void block_sumsq_avx512(const float* x, size_t k, size_t block, float* out) {
+  if (block == 1) {
+    size_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(v, v));
+    }
+    if (j < k) {
+      const __mmask16 m = tail_mask(k - j);
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+      _mm512_mask_storeu_ps(out + j, m, _mm512_mul_ps(v, v));
+    }
+    return;
+  }
+  for (size_t b = 0, start = 0; start < k; ++b, start += block) {
+    const size_t end = start + block < k ? start + block : k;
+    __m512 acc = _mm512_setzero_ps();
+    size_t j = start;
+    for (; j + 16 <= end; j += 16) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    if (j < end) {
+      const __m512 v = _mm512_maskz_loadu_ps(tail_mask(end - j), x + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    out[b] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+void block_sumabs_avx512(const float* x, size_t k, size_t block, float* out) {
+  if (block == 1) {
+    size_t j = 0;
+    for (; j + 16 <= k; j += 16) _mm512_storeu_ps(out + j, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    if (j < k) {
+      const __mmask16 m = tail_mask(k - j);
+      _mm512_mask_storeu_ps(out + j, m, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + j)));
+    }
+    return;
+  }
+  for (size_t b = 0, start = 0; start < k; ++b, start += block) {
+    const size_t end = start + block < k ? start + block : k;
+    __m512 acc = _mm512_setzero_ps();
+    size_t j = start;
+    for (; j + 16 <= end; j += 16) acc = _mm512_add_ps(acc, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+    if (j < end) acc = _mm512_add_ps(acc, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail_mask(end - j), x + j)));
+    out[b] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+}  // namespace
+
+const KernelTable& kernels_avx512() {
+  static const KernelTable table{"avx512", gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512,
+                                 block_sumabs_avx512};
+  return table;
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,64 @@
+// Reference kernels: plain loops, the definition the SIMD variants must match.
+#include <cmath>
+
+#include "engine/kernels.h"
+
+namespace ortsparse::engine {
+namespace {
+
+inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
+
+void gemv_rows_scalar(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                      float* y, size_t n, bool accumulate) {
+  if (!accumulate) {
+    for (size_t j = 0; j < n; ++j) y[j] = 0.0f;
+  }
+  for (size_t i = 0; i < nrows; ++i) {
+    const float a = xv[i];
+    const float* wr = w + row_of(rows, i) * ldw;
+    for (size_t j = 0; j < n; ++j) y[j] += a * wr[j];
+  }
+}
+
+void gemm_rows_scalar(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                      float* y, size_t ldy, size_t n, bool accumulate) {
+  for (size_t t = 0; t < kTokenTile; ++t) {
+    float* yt = y + t * ldy;
+    if (!accumulate) {
+      for (size_t j = 0; j < n; ++j) yt[j] = 0.0f;
+    }
+    for (size_t i = 0; i < nrows; ++i) {
+      const float a = xv[i * kTokenTile + t];
+      const float* wr = w + row_of(rows, i) * ldw;
+      for (size_t j = 0; j < n; ++j) yt[j] += a * wr[j];
+    }
+  }
+}
+
+void block_sumsq_scalar(const float* x, size_t k, size_t block, float* out) {
+  for (size_t b = 0, start = 0; start < k; ++b, start += block) {
+    const size_t end = start + block < k ? start + block : k;
+    float s = 0.0f;
+    for (size_t i = start; i < end; ++i) s += x[i] * x[i];
+    out[b] = s;
+  }
+}
+
+void block_sumabs_scalar(const float* x, size_t k, size_t block, float* out) {
+  for (size_t b = 0, start = 0; start < k; ++b, start += block) {
+    const size_t end = start + block < k ? start + block : k;
+    float s = 0.0f;
+    for (size_t i = start; i < end; ++i) s += std::fabs(x[i]);
+    out[b] = s;
+  }
+}
+
+}  // namespace
+
+const KernelTable& kernels_scalar() {
+  static const KernelTable table{"scalar", gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar,
+                                 block_sumabs_scalar};
+  return table;
+}
+
+}  // namespace ortsparse::engine

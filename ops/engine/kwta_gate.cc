@@ -1,0 +1,212 @@
+#include "engine/kwta_gate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/error.h"
+
+namespace ortsparse::engine {
+
+KwtaScore parse_kwta_score(const std::string& name) {
+  if (name == "l2") return KwtaScore::kL2;
+  if (name == "mean_abs") return KwtaScore::kMeanAbs;
+  if (name == "l2_weighted") return KwtaScore::kL2Weighted;
+  fail("attribute score='", name, "' is not one of l2, mean_abs, l2_weighted");
+}
+
+DutyMode parse_duty_mode(const std::string& name) {
+  if (name == "dense") return DutyMode::kDense;
+  if (name == "hold") return DutyMode::kHold;
+  fail("attribute duty_mode='", name, "' is not one of dense, hold");
+}
+
+size_t select_top_k(const float* values, size_t n, size_t k, int32_t* kept, std::vector<uint32_t>& scratch) {
+  if (k >= n) {
+    for (size_t i = 0; i < n; ++i) kept[i] = static_cast<int32_t>(i);
+    return n;
+  }
+  if (k == 0) return 0;
+  constexpr int kShift = 21;  // 2048 bins on sign, exponent and the top 2 mantissa bits
+  constexpr size_t kBins = size_t{1} << (32 - kShift);
+  scratch.resize(n + kBins);
+  uint32_t* keys = scratch.data();
+  uint32_t* hist = scratch.data() + n;
+  std::fill(hist, hist + kBins, 0u);
+  for (size_t i = 0; i < n; ++i) {
+    keys[i] = order_key(values[i]);
+    ++hist[keys[i] >> kShift];
+  }
+  size_t above = 0;
+  size_t bin = kBins;
+  while (bin > 0) {
+    --bin;
+    if (above + hist[bin] >= k) break;
+    above += hist[bin];
+  }
+  // The k-th largest key lies in `bin`: find it among that bin's members.
+  std::vector<uint32_t> members;
+  members.reserve(hist[bin]);
+  for (size_t i = 0; i < n; ++i)
+    if ((keys[i] >> kShift) == bin) members.push_back(keys[i]);
+  const size_t need = k - above;  // 1 <= need <= members.size()
+  std::nth_element(members.begin(), members.begin() + (need - 1), members.end(), std::greater<uint32_t>());
+  const uint32_t tau = members[need - 1];
+  size_t greater = above;
+  for (uint32_t key : members) greater += key > tau;
+  size_t equal_left = k - greater;
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] > tau || (keys[i] == tau && equal_left > 0)) {
+      if (keys[i] == tau) --equal_left;
+      kept[count++] = static_cast<int32_t>(i);
+    }
+  }
+  return count;
+}
+
+KwtaGate::KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<float> block_weight_norms)
+    : partition_(partition), config_(config) {
+  const size_t nb = partition_.num_blocks;
+  if (config_.score == KwtaScore::kL2Weighted) {
+    if (block_weight_norms.size() != nb) fail("l2_weighted needs one weight norm per block");
+    weight_norms_sq_.resize(nb);
+    for (size_t b = 0; b < nb; ++b) weight_norms_sq_[b] = block_weight_norms[b] * block_weight_norms[b];
+  }
+  if (config_.score == KwtaScore::kMeanAbs && partition_.block > 1) {
+    inv_block_len_.resize(nb);
+    for (size_t b = 0; b < nb; ++b)
+      inv_block_len_[b] = 1.0f / static_cast<float>(partition_.end(b) - partition_.begin(b));
+  }
+  if (config_.k_abs > 0) {
+    keep_count_ = (static_cast<size_t>(config_.k_abs) + partition_.block - 1) / partition_.block;
+  } else {
+    keep_count_ = static_cast<size_t>(std::ceil(config_.k_frac * static_cast<double>(nb) - 1e-9));
+  }
+  keep_count_ = std::max<size_t>(1, std::min(keep_count_, nb));
+  threshold_key_ = config_.score == KwtaScore::kMeanAbs ? config_.threshold : config_.threshold * config_.threshold;
+}
+
+void KwtaGate::block_keys(const float* x, const KernelTable& kernels, float* keys) const {
+  const size_t nb = partition_.num_blocks;
+  if (config_.score == KwtaScore::kMeanAbs) {
+    kernels.block_sumabs(x, partition_.k, partition_.block, keys);
+    if (!inv_block_len_.empty())
+      for (size_t b = 0; b < nb; ++b) keys[b] *= inv_block_len_[b];
+    return;
+  }
+  kernels.block_sumsq(x, partition_.k, partition_.block, keys);  // squared l2: same order, no sqrt
+  if (config_.score == KwtaScore::kL2Weighted)
+    for (size_t b = 0; b < nb; ++b) keys[b] *= weight_norms_sq_[b];
+}
+
+float KwtaGate::score_from_key(float key) const {
+  return config_.score == KwtaScore::kMeanAbs ? key : std::sqrt(key);
+}
+
+size_t KwtaGate::select(const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const {
+  const size_t nb = partition_.num_blocks;
+  if (config_.threshold > 0.0f) {
+    size_t count = 0;
+    for (size_t b = 0; b < nb; ++b)
+      if (!(keys[b] < threshold_key_)) kept[count++] = static_cast<int32_t>(b);  // NaN is kept
+    if (count <= keep_count_) return count;
+  }
+  return select_top_k(keys, nb, keep_count_, kept, scratch);
+}
+
+KwtaStats KwtaGate::plan(const float* x, size_t m, const KernelTable& kernels, GatedRows& out) {
+  const uint64_t step = step_.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t duty = static_cast<uint64_t>(config_.duty);
+  const bool on_duty = step % duty == 0;
+  out.clear();
+  KwtaStats stats;
+  stats.blocks_total = static_cast<uint64_t>(m) * partition_.num_blocks;
+  if (config_.duty_mode == DutyMode::kHold && duty > 1) return plan_hold(x, m, kernels, out, on_duty);
+  if (!on_duty) {
+    for (size_t t = 0; t < m; ++t) out.add_dense_token();
+    stats.blocks_kept = stats.blocks_total;
+    return stats;
+  }
+  stats.gated = true;
+  const size_t nb = partition_.num_blocks;
+  std::vector<float> keys(nb);
+  std::vector<int32_t> kept(nb);
+  std::vector<uint32_t> scratch;
+  out.rows.reserve(m * std::min(partition_.k, keep_count_ * partition_.block));
+  for (size_t t = 0; t < m; ++t) {
+    block_keys(x + t * partition_.k, kernels, keys.data());
+    const size_t count = select(keys.data(), kept.data(), scratch);
+    const float scale = config_.renorm && count > 0 ? static_cast<float>(nb) / static_cast<float>(count) : 1.0f;
+    out.add_token_blocks(partition_, kept.data(), count, scale);
+    stats.blocks_kept += count;
+  }
+  return stats;
+}
+
+// hold: p = softmax(score / temp) is summed over the calls since the last recompute; every
+// duty-th call the mask becomes the top-K blocks of the mean p over that window (the threshold,
+// if set, limits the candidates to blocks whose score on this call reaches it); in between, each
+// token position reuses its held mask. temp shapes how strongly a brief spike moves the mean.
+KwtaStats KwtaGate::plan_hold(const float* x, size_t m, const KernelTable& kernels, GatedRows& out,
+                              bool recompute) {
+  const size_t nb = partition_.num_blocks;
+  KwtaStats stats;
+  stats.blocks_total = static_cast<uint64_t>(m) * nb;
+  stats.gated = recompute;
+  std::vector<float> keys(nb), p(nb);
+  std::vector<int32_t> kept(nb);
+  std::vector<uint32_t> scratch;
+  const float inv_temp = 1.0f / config_.temp;
+  std::lock_guard<std::mutex> lock(hold_mutex_);
+  if (held_blocks_.size() < m) {
+    held_blocks_.resize(m);
+    p_sum_.resize(m, std::vector<float>(nb, 0.0f));
+    p_count_.resize(m, 0);
+  }
+  for (size_t t = 0; t < m; ++t) {
+    block_keys(x + t * partition_.k, kernels, keys.data());
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (size_t b = 0; b < nb; ++b) {
+      p[b] = score_from_key(keys[b]) * inv_temp;
+      max_score = std::max(max_score, p[b]);
+    }
+    float total = 0.0f;
+    for (size_t b = 0; b < nb; ++b) {
+      p[b] = std::exp(p[b] - max_score);
+      total += p[b];
+    }
+    std::vector<float>& sum = p_sum_[t];
+    for (size_t b = 0; b < nb; ++b) sum[b] += p[b] / total;
+    ++p_count_[t];
+    const bool fresh = held_blocks_[t].empty();
+    if (recompute || fresh) {
+      for (size_t b = 0; b < nb; ++b) p[b] = sum[b] / static_cast<float>(p_count_[t]);
+      size_t limit = keep_count_;
+      if (config_.threshold > 0.0f) {
+        size_t candidates = 0;
+        for (size_t b = 0; b < nb; ++b) {
+          if (keys[b] < threshold_key_) {
+            p[b] = -1.0f;
+          } else {
+            ++candidates;
+          }
+        }
+        limit = std::min(limit, candidates);
+      }
+      const size_t count = select_top_k(p.data(), nb, limit, kept.data(), scratch);
+      held_blocks_[t].assign(kept.begin(), kept.begin() + count);
+      if (held_blocks_[t].empty()) held_blocks_[t].push_back(-1);  // "held, nothing kept"
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      p_count_[t] = 0;
+    }
+    const std::vector<int32_t>& held = held_blocks_[t];
+    const size_t count = held.size() == 1 && held[0] < 0 ? 0 : held.size();
+    const float scale = config_.renorm && count > 0 ? static_cast<float>(nb) / static_cast<float>(count) : 1.0f;
+    out.add_token_blocks(partition_, held.data(), count, scale);
+    stats.blocks_kept += count;
+  }
+  return stats;
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,91 @@
+// The `kwta` input gate: per token, keep the top-K blocks of X by score (or those above a
+// calibrated threshold), with the duty schedule of seed 000. See docs/ops.md#kwtablockmatmul.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/gated_rows.h"
+#include "engine/kernels.h"
+
+namespace ortsparse::engine {
+
+enum class KwtaScore { kL2, kMeanAbs, kL2Weighted };
+enum class DutyMode { kDense, kHold };
+
+struct KwtaConfig {
+  double k_frac = 0.5;
+  int64_t k_abs = 0;
+  KwtaScore score = KwtaScore::kL2;
+  float threshold = 0.0f;
+  float temp = 1.0f;
+  int64_t duty = 1;
+  DutyMode duty_mode = DutyMode::kDense;
+  bool renorm = false;
+};
+
+KwtaScore parse_kwta_score(const std::string& name);  // throws Error naming the valid values
+DutyMode parse_duty_mode(const std::string& name);
+
+// Orderable unsigned key of a float (NaN sorts above +inf, so NaN blocks are kept and propagate).
+inline uint32_t order_key(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu)) return 0xFFFFFFFFu;
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Writes the indices of the k largest values to kept (ascending index order); ties at the k-th
+// value go to the lower index. Radix histogram + small nth_element: O(n), no full sort.
+// Returns min(k, n).
+size_t select_top_k(const float* values, size_t n, size_t k, int32_t* kept, std::vector<uint32_t>& scratch);
+
+struct KwtaStats {
+  uint64_t blocks_total = 0;
+  uint64_t blocks_kept = 0;
+  bool gated = false;  // the duty schedule applied (dense mode) or recomputed (hold mode) the mask
+};
+
+class KwtaGate {
+ public:
+  // block_weight_norms: ||W_b||_F per block, needed for KwtaScore::kL2Weighted (else may be empty).
+  KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<float> block_weight_norms);
+
+  size_t keep_count() const { return keep_count_; }
+  const BlockPartition& partition() const { return partition_; }
+  const KwtaConfig& config() const { return config_; }
+
+  // Fills `out` for the M rows of x [M, K]. Thread-safe: concurrent calls share the step counter
+  // (and, in hold mode, the held masks under a mutex).
+  KwtaStats plan(const float* x, size_t m, const KernelTable& kernels, GatedRows& out);
+
+  // Selection keys of one token's blocks (monotone in the score; see scores_from_keys).
+  void block_keys(const float* x, const KernelTable& kernels, float* keys) const;
+  // The published score (||x_b||, mean|x_b|, ||x_b||·||W_b||) from a key.
+  float score_from_key(float key) const;
+  // Kept blocks of one token from its keys (threshold and top-K rules); returns the count.
+  size_t select(const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
+
+ private:
+  KwtaStats plan_hold(const float* x, size_t m, const KernelTable& kernels, GatedRows& out, bool recompute);
+
+  BlockPartition partition_;
+  KwtaConfig config_;
+  std::vector<float> weight_norms_sq_;
+  std::vector<float> inv_block_len_;
+  float threshold_key_ = 0.0f;
+  size_t keep_count_ = 1;
+  std::atomic<uint64_t> step_{0};
+
+  // hold mode: per token position, the held mask and the sum of p since the last recompute.
+  std::mutex hold_mutex_;
+  std::vector<std::vector<int32_t>> held_blocks_;
+  std::vector<std::vector<float>> p_sum_;
+  std::vector<uint32_t> p_count_;
+};
+
+}  // namespace ortsparse::engine

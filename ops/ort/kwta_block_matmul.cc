@@ -1,0 +1,107 @@
+// KwtaBlockMatMul(X, W, B?) = the engine with the `kwta` gate and the dense weight backend.
+#include <memory>
+
+#include "common/metrics.h"
+#include "engine/block_matmul.h"
+#include "engine/kwta_gate.h"
+#include "ort/matmul_io.h"
+#include "ort/ops.h"
+
+namespace ortsparse::ort {
+namespace {
+
+enum Counter { kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits };
+enum Constant { kTemp, kKeepCount, kNumBlocks };
+
+std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, const double* constants) {
+  return {
+      {"kwta.keep_ratio", c[kBlocksTotal] ? static_cast<double>(c[kBlocksKept]) / c[kBlocksTotal] : 1.0},
+      {"kwta.duty_hits", static_cast<double>(c[kDutyHits])},
+      {"kwta.temp", constants[kTemp]},
+      {"calls", static_cast<double>(c[kCalls])},
+      {"rows", static_cast<double>(c[kRows])},
+      {"blocks_total", static_cast<double>(c[kBlocksTotal])},
+      {"blocks_kept", static_cast<double>(c[kBlocksKept])},
+  };
+}
+
+engine::KwtaConfig read_config(const Attributes& attrs) {
+  engine::KwtaConfig c;
+  c.k_frac = attrs.get_float("k_frac", 0.5f);
+  c.k_abs = attrs.get_int("k_abs", 0);
+  c.score = engine::parse_kwta_score(attrs.get_string("score", "l2"));
+  c.threshold = attrs.get_float("threshold", 0.0f);
+  c.temp = attrs.get_float("temp", 1.0f);
+  c.duty = attrs.get_int("duty", 1);
+  c.duty_mode = engine::parse_duty_mode(attrs.get_string("duty_mode", "dense"));
+  const int64_t renorm = attrs.get_int("renorm", 0);
+  if (!(c.k_frac > 0.0 && c.k_frac <= 1.0)) fail("attribute k_frac=", c.k_frac, " must be in (0, 1]");
+  if (c.k_abs < 0) fail("attribute k_abs=", c.k_abs, " must be >= 0");
+  if (!(c.threshold >= 0.0f)) fail("attribute threshold=", c.threshold, " must be >= 0");
+  if (!(c.temp > 0.0f)) fail("attribute temp=", c.temp, " must be > 0");
+  if (c.duty < 1) fail("attribute duty=", c.duty, " must be >= 1");
+  if (renorm != 0 && renorm != 1) fail("attribute renorm=", renorm, " must be 0 or 1");
+  c.renorm = renorm == 1;
+  return c;
+}
+
+class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
+ public:
+  static constexpr const char* kOpName = "KwtaBlockMatMul";
+  static std::vector<InputSpec> inputs() {
+    return {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true}};
+  }
+  static size_t output_count() { return 1; }
+
+  KwtaBlockMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
+    const Attributes attrs(info);
+    const engine::KwtaConfig config = read_config(attrs);
+    const int64_t block = attrs.get_int("block", 1);
+    const ConstantTensor w = constant_float_input(info, 1, "W", 2);
+    const size_t k = static_cast<size_t>(w.shape[0]), n = static_cast<size_t>(w.shape[1]);
+    if (k == 0) fail("input W has shape ", shape_string(w.shape), ": K must be >= 1");
+    if (block < 1 || static_cast<size_t>(block) > k)
+      fail("attribute block=", block, " must be in [1, K=", k, "]");
+    if (k > static_cast<size_t>(INT32_MAX)) fail("K=", k, " is too large");
+    auto weights = engine::DenseWeights::pack_shared(w.data, k, n);
+    const engine::BlockPartition partition(k, static_cast<size_t>(block));
+    std::vector<float> norms;
+    if (config.score == engine::KwtaScore::kL2Weighted) norms = weights->block_norms(partition);
+    gate_ = std::make_unique<engine::KwtaGate>(partition, config, std::move(norms));
+    matmul_ = std::make_unique<engine::BlockGatedMatMul>(std::move(weights));
+    metrics_ = metrics_slot(kOpName, node(), describe_kwta);
+    metrics_->set_constant(kTemp, config.temp);
+  }
+
+  void Compute(OrtKernelContext* raw_context) {
+    Ort::KernelContext context(raw_context);
+    const engine::DenseWeights& w = matmul_->weights();
+    const MatMulIo io = bind_matmul_io(context, w.k(), w.n(), 2);
+    if (io.m == 0) return;
+    const engine::KernelTable& kernels = engine::active_kernels();
+    engine::GatedRows gated;
+    const engine::KwtaStats stats = gate_->plan(io.x, io.m, kernels, gated);
+    matmul_->run(io.x, io.m, gated, io.bias, io.y, kernels, OrtTaskRunner(raw_context));
+    metrics_->add(kCalls, 1);
+    metrics_->add(kRows, io.m);
+    metrics_->add(kBlocksTotal, stats.blocks_total);
+    metrics_->add(kBlocksKept, stats.blocks_kept);
+    if (stats.gated) metrics_->add(kDutyHits, 1);
+  }
+
+ private:
+  std::unique_ptr<engine::KwtaGate> gate_;
+  std::unique_ptr<engine::BlockGatedMatMul> matmul_;
+  std::shared_ptr<MetricsSlot> metrics_;
+};
+
+}  // namespace
+
+const OrtCustomOp* kwta_block_matmul_op() {
+  static const OpAdapter<KwtaBlockMatMulKernel> op;
+  return &op;
+}
+
+}  // namespace ortsparse::ort

@@ -1,0 +1,106 @@
+#include "ort/op_adapter.h"
+
+#include <sstream>
+
+namespace ortsparse::ort {
+
+float Attributes::get_float(const char* name, float fallback) const {
+  float value = 0.0f;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info_, name, &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+int64_t Attributes::get_int(const char* name, int64_t fallback) const {
+  int64_t value = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info_, name, &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+std::string Attributes::get_string(const char* name, const std::string& fallback) const {
+  size_t size = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_string(info_, name, nullptr, &size);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  std::string value(size, '\0');
+  status = Ort::GetApi().KernelInfoGetAttribute_string(info_, name, value.data(), &size);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  if (!value.empty() && value.back() == '\0') value.pop_back();
+  return value;
+}
+
+std::string node_name(const OrtKernelInfo* info) {
+  size_t size = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfo_GetNodeName(info, nullptr, &size);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return "?";
+  }
+  std::string name(size, '\0');
+  status = Ort::GetApi().KernelInfo_GetNodeName(info, name.data(), &size);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return "?";
+  }
+  if (!name.empty() && name.back() == '\0') name.pop_back();
+  return name;
+}
+
+namespace {
+void run_task(void* user_data, size_t index) {
+  (*static_cast<const std::function<void(size_t)>*>(user_data))(index);
+}
+}  // namespace
+
+void OrtTaskRunner::run(size_t n_tasks, const std::function<void(size_t)>& fn) const {
+  if (n_tasks == 0) return;
+  if (n_tasks == 1) {
+    fn(0);
+    return;
+  }
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(context_, run_task, n_tasks, 0,
+                                                            const_cast<std::function<void(size_t)>*>(&fn)));
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+ConstantTensor constant_float_input(const OrtKernelInfo* info, size_t index, const char* input_name, size_t rank) {
+  Ort::ConstKernelInfo kinfo(info);
+  if (index >= kinfo.GetInputCount()) fail("input ", input_name, " (#", index, ") is missing");
+  int is_constant = 0;
+  Ort::ConstValue value = kinfo.GetTensorConstantInput(index, &is_constant);
+  if (!is_constant) {
+    fail("input ", input_name, " (#", index, ", '", kinfo.GetInputName(index),
+         "') must be a constant initializer (it is packed once at session creation); "
+         "it is a graph input or computed at run time");
+  }
+  auto info_shape = value.GetTensorTypeAndShapeInfo();
+  if (info_shape.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+    fail("input ", input_name, " must be float32, got element type ", static_cast<int>(info_shape.GetElementType()));
+  ConstantTensor out;
+  out.shape = info_shape.GetShape();
+  if (out.shape.size() != rank)
+    fail("input ", input_name, " must have rank ", rank, ", got shape ", shape_string(out.shape));
+  out.data = value.GetTensorData<float>();
+  return out;
+}
+
+}  // namespace ortsparse::ort

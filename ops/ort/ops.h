@@ -1,0 +1,10 @@
+// One accessor per op; register.cc adds them all to the ai.ortsparse domain.
+#pragma once
+
+#include "ort/op_adapter.h"
+
+namespace ortsparse::ort {
+
+const OrtCustomOp* kwta_block_matmul_op();
+
+}  // namespace ortsparse::ort

@@ -1,0 +1,214 @@
+// ortsparse._kernels: the engine's raw kernels and gates for tests, benchmarks and offline work.
+// Nothing here is used by ORT; every function takes the ISA explicitly so one machine tests all.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "common/cpu_features.h"
+#include "common/error.h"
+#include "engine/block_matmul.h"
+#include "engine/kernels.h"
+#include "engine/kwta_gate.h"
+
+namespace py = pybind11;
+using namespace ortsparse;
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+    if (name == isa_name(isa)) {
+      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
+      return isa;
+    }
+  if (name.empty() || name == "active") return active_isa();
+  throw py::value_error("unknown ISA '" + name + "' (scalar, avx2, avx512, active)");
+}
+
+const engine::KernelTable& table(const std::string& isa) { return engine::kernels_for(parse_isa(isa)); }
+
+const int32_t* rows_ptr(const py::object& rows, size_t k, size_t* nrows) {
+  if (rows.is_none()) return nullptr;
+  IntArray r = rows.cast<IntArray>();
+  *nrows = static_cast<size_t>(r.size());
+  for (ssize_t i = 0; i < r.size(); ++i)
+    if (r.data()[i] < 0 || static_cast<size_t>(r.data()[i]) >= k) throw py::index_error("row index out of range");
+  return r.data();
+}
+
+FloatArray gemv_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
+  if (w.ndim() != 2) throw py::value_error("W must be 2-D");
+  const size_t k = w.shape(0), n = w.shape(1);
+  size_t nrows = static_cast<size_t>(xv.size());
+  IntArray rows_keep;
+  const int32_t* rp = nullptr;
+  if (!rows.is_none()) {
+    rows_keep = rows.cast<IntArray>();
+    size_t count = 0;
+    rp = rows_ptr(rows_keep, k, &count);
+    if (count != nrows) throw py::value_error("rows and xv differ in length");
+  } else if (nrows > k) {
+    throw py::value_error("xv longer than K");
+  }
+  FloatArray y(n);
+  const bool accumulate = !y_init.is_none();
+  if (accumulate) {
+    FloatArray init = y_init.cast<FloatArray>();
+    if (static_cast<size_t>(init.size()) != n) throw py::value_error("y_init must have N values");
+    std::copy(init.data(), init.data() + n, y.mutable_data());
+  }
+  table(isa).gemv_rows(w.data(), n, rp, xv.data(), nrows, y.mutable_data(), n, accumulate);
+  return y;
+}
+
+FloatArray gemm_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
+  if (w.ndim() != 2) throw py::value_error("W must be 2-D");
+  const size_t k = w.shape(0), n = w.shape(1);
+  if (xv.ndim() != 2 || static_cast<size_t>(xv.shape(1)) != engine::kTokenTile)
+    throw py::value_error("xv must be [nrows, kTokenTile]");
+  const size_t nrows = xv.shape(0);
+  IntArray rows_keep;
+  const int32_t* rp = nullptr;
+  if (!rows.is_none()) {
+    rows_keep = rows.cast<IntArray>();
+    size_t count = 0;
+    rp = rows_ptr(rows_keep, k, &count);
+    if (count != nrows) throw py::value_error("rows and xv differ in length");
+  } else if (nrows > k) {
+    throw py::value_error("xv longer than K");
+  }
+  FloatArray y({engine::kTokenTile, n});
+  const bool accumulate = !y_init.is_none();
+  if (accumulate) {
+    FloatArray init = y_init.cast<FloatArray>();
+    if (static_cast<size_t>(init.size()) != engine::kTokenTile * n) throw py::value_error("y_init must be [kTokenTile, N]");
+    std::copy(init.data(), init.data() + init.size(), y.mutable_data());
+  }
+  table(isa).gemm_rows(w.data(), n, rp, xv.data(), nrows, y.mutable_data(), n, n, accumulate);
+  return y;
+}
+
+FloatArray block_reduce(const std::string& isa, FloatArray x, size_t block, bool square) {
+  if (block < 1) throw py::value_error("block must be >= 1");
+  const size_t k = x.size();
+  FloatArray out((k + block - 1) / block);
+  (square ? table(isa).block_sumsq : table(isa).block_sumabs)(x.data(), k, block, out.mutable_data());
+  return out;
+}
+
+IntArray select_top_k(FloatArray values, size_t k) {
+  std::vector<int32_t> kept(values.size());
+  std::vector<uint32_t> scratch;
+  const size_t count = engine::select_top_k(values.data(), values.size(), k, kept.data(), scratch);
+  IntArray out(count);
+  std::copy(kept.begin(), kept.begin() + count, out.mutable_data());
+  return out;
+}
+
+// The KwtaBlockMatMul computation without ORT: the same gate and engine the op runs.
+class KwtaMatMul {
+ public:
+  KwtaMatMul(FloatArray w, size_t block, double k_frac, int64_t k_abs, const std::string& score, float threshold,
+             float temp, int64_t duty, const std::string& duty_mode, bool renorm, const std::string& isa)
+      : kernels_(&table(isa)) {
+    if (w.ndim() != 2) throw py::value_error("W must be 2-D");
+    const size_t k = w.shape(0), n = w.shape(1);
+    if (block < 1 || block > k) throw py::value_error("block must be in [1, K]");
+    engine::KwtaConfig c;
+    c.k_frac = k_frac;
+    c.k_abs = k_abs;
+    c.score = engine::parse_kwta_score(score);
+    c.threshold = threshold;
+    c.temp = temp;
+    c.duty = duty;
+    c.duty_mode = engine::parse_duty_mode(duty_mode);
+    c.renorm = renorm;
+    auto weights = std::make_shared<const engine::DenseWeights>(w.data(), k, n);
+    const engine::BlockPartition part(k, block);
+    gate_ = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
+                                                             ? weights->block_norms(part)
+                                                             : std::vector<float>{});
+    matmul_ = std::make_unique<engine::BlockGatedMatMul>(weights);
+  }
+
+  FloatArray call(FloatArray x, py::object bias) {
+    const size_t k = matmul_->weights().k(), n = matmul_->weights().n();
+    if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
+    const size_t m = x.shape(0);
+    FloatArray bias_arr;
+    const float* bp = nullptr;
+    if (!bias.is_none()) {
+      bias_arr = bias.cast<FloatArray>();
+      if (static_cast<size_t>(bias_arr.size()) != n) throw py::value_error("bias must have N values");
+      bp = bias_arr.data();
+    }
+    FloatArray y({m, n});
+    {
+      py::gil_scoped_release release;
+      engine::GatedRows gated;
+      gate_->plan(x.data(), m, *kernels_, gated);
+      matmul_->run(x.data(), m, gated, bp, y.mutable_data(), *kernels_, SerialTaskRunner());
+    }
+    return y;
+  }
+
+  // Kept K-rows per token (all rows for a dense token), as the gate decides for this call.
+  py::list plan(FloatArray x) {
+    const size_t k = matmul_->weights().k();
+    if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
+    engine::GatedRows gated;
+    gate_->plan(x.data(), x.shape(0), *kernels_, gated);
+    py::list out;
+    for (size_t t = 0; t < gated.tokens(); ++t) {
+      const size_t count = gated.row_count(t, k);
+      IntArray rows(count);
+      for (size_t i = 0; i < count; ++i)
+        rows.mutable_data()[i] = gated.dense[t] ? static_cast<int32_t>(i) : gated.rows[gated.offset[t] + i];
+      out.append(rows);
+    }
+    return out;
+  }
+
+ private:
+  const engine::KernelTable* kernels_;
+  std::unique_ptr<engine::KwtaGate> gate_;
+  std::unique_ptr<engine::BlockGatedMatMul> matmul_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_kernels, m) {
+  m.doc() = "ortsparse raw kernels (tests, benchmarks, offline builders)";
+  py::register_exception<Error>(m, "Error", PyExc_ValueError);
+  m.attr("TOKEN_TILE") = engine::kTokenTile;
+  m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
+  m.def("isa_supported", [](const std::string& name) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+      if (name == isa_name(isa)) return isa_supported(isa);
+    throw py::value_error("unknown ISA '" + name + "'");
+  });
+  m.def("supported_isas", [] {
+    std::vector<std::string> out;
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+      if (isa_supported(isa)) out.push_back(isa_name(isa));
+    return out;
+  });
+  m.def("gemv_rows", &gemv_rows, py::arg("isa"), py::arg("w"), py::arg("rows"), py::arg("xv"), py::arg("y_init") = py::none());
+  m.def("gemm_rows", &gemm_rows, py::arg("isa"), py::arg("w"), py::arg("rows"), py::arg("xv"), py::arg("y_init") = py::none());
+  m.def("block_sumsq", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, true); });
+  m.def("block_sumabs", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, false); });
+  m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"));
+  py::class_<KwtaMatMul>(m, "KwtaMatMul")
+      .def(py::init<FloatArray, size_t, double, int64_t, const std::string&, float, float, int64_t, const std::string&, bool,
+                    const std::string&>(),
+           py::arg("w"), py::arg("block") = 1, py::arg("k_frac") = 0.5, py::arg("k_abs") = 0, py::arg("score") = "l2",
+           py::arg("threshold") = 0.0f, py::arg("temp") = 1.0f, py::arg("duty") = 1, py::arg("duty_mode") = "dense",
+           py::arg("renorm") = false, py::arg("isa") = "active")
+      .def("__call__", &KwtaMatMul::call, py::arg("x"), py::arg("bias") = py::none())
+      .def("plan", &KwtaMatMul::plan, py::arg("x"));
+}

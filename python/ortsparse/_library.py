@@ -1,0 +1,97 @@
+"""The one place Python hands the native op library to ONNX Runtime."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DOMAIN = "ai.ortsparse"
+_LIBRARY_NAME = "libortsparse_ops.so"
+_loaded: ctypes.CDLL | None = None
+
+
+def get_library_path() -> str:
+    """Absolute path of the custom-op library, for ``SessionOptions.register_custom_ops_library``.
+
+    ``ORTSPARSE_LIBRARY`` overrides it (e.g. a sanitizer build).
+    """
+    override = os.environ.get("ORTSPARSE_LIBRARY")
+    if override:
+        path = Path(override)
+    else:
+        path = Path(__file__).resolve().parent / _LIBRARY_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ortsparse: native op library not found at {path}; reinstall the package "
+            "(pip install .) or set ORTSPARSE_LIBRARY to a built libortsparse_ops.so"
+        )
+    return str(path)
+
+
+def session_options(
+    *, intra_op_num_threads: int | None = None, allow_spinning: bool | None = None, **attrs: Any
+):
+    """An ``onnxruntime.SessionOptions`` with the ortsparse library registered.
+
+    ``intra_op_num_threads`` and ``allow_spinning`` (``session.intra_op.allow_spinning``) are the
+    two knobs benchmarks here care about; any other keyword is set as an attribute of the options
+    (``graph_optimization_level=...``, ``log_severity_level=...``).
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    if intra_op_num_threads is not None:
+        options.intra_op_num_threads = int(intra_op_num_threads)
+    if allow_spinning is not None:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    for name, value in attrs.items():
+        if not hasattr(options, name):
+            raise TypeError(f"onnxruntime.SessionOptions has no attribute {name!r}")
+        setattr(options, name, value)
+    return options
+
+
+def inference_session(model: Any, **options: Any):
+    """Open a (rewritten) model as an ``onnxruntime.InferenceSession`` on the CPU with the library.
+
+    ``model``: a path, serialized bytes or an ``onnx.ModelProto``; keywords go to :func:`session_options`.
+    """
+    import onnxruntime as ort
+
+    if hasattr(model, "SerializeToString"):
+        model = model.SerializeToString()
+    elif isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    return ort.InferenceSession(model, sess_options=session_options(**options),
+                                providers=["CPUExecutionProvider"])
+
+
+def _library() -> ctypes.CDLL:
+    # dlopen of the same path returns the handle ORT uses, so counters are the ones the kernels bump.
+    global _loaded
+    if _loaded is None:
+        lib = ctypes.CDLL(get_library_path())
+        lib.OrtSparseMetricsJson.restype = ctypes.c_size_t
+        lib.OrtSparseMetricsJson.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.OrtSparseResetMetrics.restype = None
+        lib.OrtSparseResetMetrics.argtypes = []
+        _loaded = lib
+    return _loaded
+
+
+def metrics() -> dict[str, dict[str, float]]:
+    """Counters of every kernel instance created so far in this process, keyed by node name, plus
+    ``"total"`` per op type (``"total/KwtaBlockMatMul"``). Names follow the seeds (``kwta.keep_ratio``...)."""
+    lib = _library()
+    needed = lib.OrtSparseMetricsJson(None, 0)
+    buffer = ctypes.create_string_buffer(needed + 1)
+    lib.OrtSparseMetricsJson(buffer, needed + 1)
+    return json.loads(buffer.value.decode("utf-8"))
+
+
+def reset_metrics() -> None:
+    """Zero every counter (kernel instances stay registered)."""
+    _library().OrtSparseResetMetrics()
