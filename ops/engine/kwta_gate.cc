@@ -81,7 +81,8 @@ KwtaGate::KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<floa
   if (config_.k_abs > 0) {
     keep_count_ = (static_cast<size_t>(config_.k_abs) + partition_.block - 1) / partition_.block;
   } else {
-    keep_count_ = static_cast<size_t>(std::ceil(config_.k_frac * static_cast<double>(nb) - 1e-9));
+    // k_frac arrives as float32 (0.1f * 100 = 10.0000001): a relative slack keeps it at 10.
+    keep_count_ = static_cast<size_t>(std::ceil(config_.k_frac * static_cast<double>(nb) * (1.0 - 1e-6)));
   }
   keep_count_ = std::max<size_t>(1, std::min(keep_count_, nb));
   threshold_key_ = config_.score == KwtaScore::kMeanAbs ? config_.threshold : config_.threshold * config_.threshold;

@@ -36,6 +36,7 @@ inline uint32_t order_key(float value) {
   uint32_t bits;
   __builtin_memcpy(&bits, &value, sizeof(bits));
   if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu)) return 0xFFFFFFFFu;
+  if (bits == 0x80000000u) bits = 0;  // -0 ties with +0
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

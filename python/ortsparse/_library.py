@@ -21,13 +21,26 @@ def get_library_path() -> str:
     if override:
         path = Path(override)
     else:
-        path = Path(__file__).resolve().parent / _LIBRARY_NAME
+        path = _installed_library()
     if not path.is_file():
         raise FileNotFoundError(
             f"ortsparse: native op library not found at {path}; reinstall the package "
             "(pip install .) or set ORTSPARSE_LIBRARY to a built libortsparse_ops.so"
         )
     return str(path)
+
+
+def _installed_library() -> Path:
+    # Next to the package, or (editable installs) next to the compiled _kernels module.
+    here = Path(__file__).resolve().parent / _LIBRARY_NAME
+    if here.is_file():
+        return here
+    import importlib.util
+
+    spec = importlib.util.find_spec("ortsparse._kernels")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).resolve().parent / _LIBRARY_NAME
+    return here
 
 
 def session_options(

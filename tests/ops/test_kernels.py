@@ -1,0 +1,113 @@
+"""Every SIMD kernel against its scalar reference twin, tails included, on every ISA this CPU has."""
+import numpy as np
+import pytest
+
+from ortsparse import _kernels as K
+
+ISAS = K.supported_isas()
+SIMD_ISAS = [isa for isa in ISAS if isa != "scalar"]
+TILE = K.TOKEN_TILE
+
+
+def test_this_machine_tests_simd_paths():
+    # The project's CI machines have AVX-512; if this fails, the SIMD twins below are not being run.
+    assert "avx2" in ISAS
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100])
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_rows_matches_scalar(isa, n, keep, accumulate, rng):
+    k = 37
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    rows = np.flatnonzero(rng.random(k) < keep).astype(np.int32)
+    xv = rng.standard_normal(len(rows)).astype(np.float32)
+    y0 = rng.standard_normal(n).astype(np.float32) if accumulate else None
+    got = K.gemv_rows(isa, w, rows, xv, y0)
+    ref = K.gemv_rows("scalar", w, rows, xv, y0)
+    exact = (y0 if accumulate else 0) + xv.astype(np.float64) @ w[rows].astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("nrows", [0, 1, 3, 4, 5, 8, 9, 12, 13, 17])
+def test_gemv_rows_all_row_groupings(isa, nrows, rng):
+    n = 33
+    w = rng.standard_normal((20, n)).astype(np.float32)
+    xv = rng.standard_normal(nrows).astype(np.float32)
+    got = K.gemv_rows(isa, w, None, xv)  # rows = None: the first nrows rows
+    np.testing.assert_allclose(got, xv @ w[:nrows] if nrows else np.zeros(n), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("n", [1, 8, 15, 16, 17, 40, 63, 64, 65, 129])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_rows_matches_scalar(isa, n, accumulate, rng):
+    k = 29
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    rows = np.flatnonzero(rng.random(k) < 0.6).astype(np.int32)
+    xv = rng.standard_normal((len(rows), TILE)).astype(np.float32)
+    xv[rng.random(xv.shape) < 0.3] = 0.0  # tokens that skip a shared row
+    y0 = rng.standard_normal((TILE, n)).astype(np.float32) if accumulate else None
+    got = K.gemm_rows(isa, w, rows, xv, y0)
+    ref = K.gemm_rows("scalar", w, rows, xv, y0)
+    exact = (y0 if accumulate else 0) + xv.T.astype(np.float64) @ w[rows].astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("k", [1, 5, 16, 17, 33, 100])
+@pytest.mark.parametrize("block", [1, 3, 16, 32])
+def test_block_reductions_match_scalar(isa, k, block, rng):
+    x = rng.standard_normal(k).astype(np.float32)
+    for name in ("block_sumsq", "block_sumabs"):
+        got = getattr(K, name)(isa, x, block)
+        ref = getattr(K, name)("scalar", x, block)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    nb = -(-k // block)
+    expected = [np.sum(x[b * block:(b + 1) * block] ** 2) for b in range(nb)]
+    np.testing.assert_allclose(K.block_sumsq("scalar", x, block), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_nan_prefilled_output_is_overwritten(isa, rng):
+    # accumulate=False must never read y: a NaN left in the buffer would leak through.
+    w = rng.standard_normal((8, 19)).astype(np.float32)
+    xv = rng.standard_normal(8).astype(np.float32)
+    got = K.gemv_rows(isa, w, None, xv)
+    assert np.isfinite(got).all()
+
+
+class TestSelectTopK:
+    def test_keeps_largest_in_index_order(self):
+        v = np.array([0.1, 5.0, 3.0, 5.0, -1.0, 4.0], dtype=np.float32)
+        assert K.select_top_k(v, 3).tolist() == [1, 3, 5]
+
+    def test_ties_go_to_lower_index(self):
+        v = np.ones(10, dtype=np.float32)
+        assert K.select_top_k(v, 4).tolist() == [0, 1, 2, 3]
+        v = np.array([2, 1, 1, 1, 1, 0], dtype=np.float32)
+        assert K.select_top_k(v, 3).tolist() == [0, 1, 2]
+
+    def test_nan_counts_as_largest(self):
+        v = np.array([1.0, np.nan, 3.0, 2.0], dtype=np.float32)
+        assert K.select_top_k(v, 2).tolist() == [1, 2]
+
+    def test_k_edge_cases(self):
+        v = np.arange(5, dtype=np.float32)
+        assert K.select_top_k(v, 0).tolist() == []
+        assert K.select_top_k(v, 5).tolist() == [0, 1, 2, 3, 4]
+        assert K.select_top_k(v, 9).tolist() == [0, 1, 2, 3, 4]
+
+    @pytest.mark.parametrize("n", [1, 2, 17, 300, 5000])
+    def test_random_against_lexsort(self, n, rng):
+        for trial in range(20):
+            v = rng.standard_normal(n).astype(np.float32)
+            if trial % 3 == 0:
+                v = np.round(v, 1)  # many exact ties
+            k = int(rng.integers(1, n + 1))
+            expected = np.sort(np.lexsort((np.arange(n), -v))[:k])
+            assert K.select_top_k(v, k).tolist() == expected.tolist()
