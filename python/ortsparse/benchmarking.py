@@ -1,0 +1,92 @@
+"""Timing helpers every ortsparse benchmark uses: A/B alternation in one process, medians,
+machine facts and the machine's read bandwidth (the M = 1 physical limit)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def alternate(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
+              min_seconds: float = 0.0) -> dict[str, list[float]]:
+    """Runs the callables round-robin (A B A B ...) and returns each one's wall times in seconds.
+
+    Alternating spreads machine noise (other tenants, frequency changes) over all candidates
+    alike, so the ratio of medians is fair even when absolute times drift.
+    """
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or time.perf_counter() - start < min_seconds:
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Read bandwidth from DRAM two ways (a reduction and a matrix-vector product), best of N."""
+    n = megabytes * 1024 * 1024 // 4
+    a = np.ones(n, dtype=np.float32)
+    matrix = a.reshape(-1, 4096)
+    vec = np.ones(4096, dtype=np.float32)
+    best_sum = best_dot = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best_sum = min(best_sum, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        matrix @ vec
+        best_dot = min(best_dot, time.perf_counter() - t0)
+    return {"numpy_sum_gbs": a.nbytes / best_sum / 1e9, "numpy_matvec_gbs": a.nbytes / best_dot / 1e9}
+
+
+def machine_info() -> dict[str, object]:
+    import onnxruntime
+
+    from . import __version__, _kernels
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "isa": _kernels.active_isa(),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": np.__version__,
+        "ortsparse": __version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def write_report(path_stem: str, payload: dict, markdown: str) -> tuple[str, str]:
+    """Writes <stem>.json and <stem>.md; returns both paths."""
+    os.makedirs(os.path.dirname(os.path.abspath(path_stem)), exist_ok=True)
+    json_path, md_path = path_stem + ".json", path_stem + ".md"
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(md_path, "w") as f:
+        f.write(markdown)
+    return json_path, md_path
