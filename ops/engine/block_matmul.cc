@@ -41,6 +41,18 @@ void fill_bias(float* y, const float* bias, size_t width) {
   if (bias) std::memcpy(y, bias, width * sizeof(float));
 }
 
+// The inputs token t uses, in row-list order, times its scale (dense: all K).
+void gather_token(const float* xt, const GatedRows& gated, size_t t, size_t k, float* dst) {
+  const float s = gated.scale[t];
+  if (gated.dense[t]) {
+    for (size_t r = 0; r < k; ++r) dst[r] = xt[r] * s;
+    return;
+  }
+  const int32_t* rows = gated.rows.data() + gated.offset[t];
+  const size_t count = gated.offset[t + 1] - gated.offset[t];
+  for (size_t i = 0; i < count; ++i) dst[i] = xt[rows[i]] * s;
+}
+
 }  // namespace
 
 DenseWeights::DenseWeights(const float* w, size_t k, size_t n) : k_(k), n_(n), ldw_(round_up(n, 16)) {
@@ -92,36 +104,40 @@ void BlockGatedMatMul::run(const float* x, size_t m, const GatedRows& gated, con
   }
 }
 
-// Decode: gather each token's kept inputs once, then split N over tasks; every task streams the
-// kept W rows over its column span.
+// Decode: gather each token's kept inputs once, then split its row list into a few chunks; each
+// task streams whole W rows (full N, so hardware prefetch sees long runs) into a partial sum, and
+// the partials are added at the end. Splitting rows rather than columns keeps the streams long
+// at one thread and still feeds every thread of the pool.
 void BlockGatedMatMul::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
                                      float* y, const KernelTable& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
   std::vector<float> xv(m * k);
+  for (size_t t = 0; t < m; ++t) gather_token(x + t * k, gated, t, k, xv.data() + t * k);
+  const size_t chunks = std::max<size_t>(1, std::min(tuning_.gemv_row_chunks, k / tuning_.gemv_min_chunk_rows));
+  AlignedBuffer<float> partial(m * chunks * n);
+  runner.run(m * chunks, [&](size_t task) {
+    const size_t t = task / chunks, chunk = task % chunks;
+    const size_t count = gated.row_count(t, k);
+    const size_t begin = count * chunk / chunks, end = count * (chunk + 1) / chunks;
+    const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
+    float* out = chunks == 1 ? y + t * n : partial.data() + task * n;
+    if (chunks == 1) fill_bias(out, bias, n);
+    const float* wbase = w.data();
+    if (rows == nullptr) wbase += begin * w.ldw();
+    kernels.gemv_rows(wbase, w.ldw(), rows ? rows + begin : nullptr, xv.data() + t * k + begin, end - begin, out, n,
+                      chunks == 1 && bias != nullptr);
+  });
+  if (chunks == 1) return;
   for (size_t t = 0; t < m; ++t) {
-    const float* xt = x + t * k;
-    float* dst = xv.data() + t * k;
-    const float s = gated.scale[t];
-    if (gated.dense[t]) {
-      for (size_t r = 0; r < k; ++r) dst[r] = xt[r] * s;
-    } else {
-      const int32_t* rows = gated.rows.data() + gated.offset[t];
-      const size_t count = gated.offset[t + 1] - gated.offset[t];
-      for (size_t i = 0; i < count; ++i) dst[i] = xt[rows[i]] * s;
+    float* yt = y + t * n;
+    const float* p = partial.data() + t * chunks * n;
+    for (size_t j = 0; j < n; ++j) {
+      float s = bias ? bias[j] : 0.0f;
+      for (size_t c = 0; c < chunks; ++c) s += p[c * n + j];
+      yt[j] = s;
     }
   }
-  const ColumnSpans spans(n, (n + tuning_.gemv_task_columns - 1) / tuning_.gemv_task_columns);
-  runner.run(spans.count, [&](size_t task) {
-    const size_t col = spans.begin(task), width = spans.width(task);
-    for (size_t t = 0; t < m; ++t) {
-      float* yt = y + t * n + col;
-      fill_bias(yt, bias ? bias + col : nullptr, width);
-      const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
-      kernels.gemv_rows(w.data() + col, w.ldw(), rows, xv.data() + t * k, gated.row_count(t, k), yt, width,
-                        bias != nullptr);
-    }
-  });
 }
 
 // Prefill: tokens go in tiles of kTokenTile sharing one row list (the union of their rows, with
@@ -178,18 +194,7 @@ void BlockGatedMatMul::run_tiled(const float* x, size_t m, const GatedRows& gate
       plan.rows_begin = 0;
       plan.nrows = 0;
       xv.resize(xv.size() + count * k);
-      for (size_t j = 0; j < count; ++j) {
-        const size_t t = t0 + j;
-        float* dst = xv.data() + plan.xv_begin + j * k;
-        const float* xt = x + t * k;
-        if (gated.dense[t]) {
-          for (size_t r = 0; r < k; ++r) dst[r] = xt[r] * gated.scale[t];
-        } else {
-          const size_t c = gated.offset[t + 1] - gated.offset[t];
-          const int32_t* rows = gated.rows.data() + gated.offset[t];
-          for (size_t i = 0; i < c; ++i) dst[i] = xt[rows[i]] * gated.scale[t];
-        }
-      }
+      for (size_t j = 0; j < count; ++j) gather_token(x + (t0 + j) * k, gated, t0 + j, k, xv.data() + plan.xv_begin + j * k);
     }
   }
 

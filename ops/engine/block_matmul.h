@@ -37,8 +37,10 @@ class DenseWeights {
 };
 
 struct MatMulTuning {
-  // Columns per task at M <= kSmallM (decode): y spans stay in L1, W rows stream once.
-  size_t gemv_task_columns = 1024;
+  // M <= 2 (decode): a token's kept rows are split into at most this many tasks, each at least
+  // gemv_min_chunk_rows rows (partial sums are added at the end).
+  size_t gemv_row_chunks = 4;
+  size_t gemv_min_chunk_rows = 128;
   // W bytes of one column panel at M > kSmallM, sized to stay in L2 across token tiles.
   size_t panel_bytes = 384 * 1024;
 };

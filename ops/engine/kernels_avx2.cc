@@ -49,8 +49,12 @@ void gemv_rows_avx2(const float* w, size_t ldw, const int32_t* rows, const float
   if (!accumulate) {
     for (size_t j = 0; j < n; ++j) y[j] = 0.0f;
   }
-  const float* wr[8];
+  const float* wr[16];
   size_t i = 0;
+  for (; i + 16 <= nrows; i += 16) {
+    for (int r = 0; r < 16; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<16>(wr, xv + i, y, n);
+  }
   for (; i + 8 <= nrows; i += 8) {
     for (int r = 0; r < 8; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
     gemv_group<8>(wr, xv + i, y, n);

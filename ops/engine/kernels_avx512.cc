@@ -12,6 +12,7 @@ inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<
 inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
 // R rows at once: y is loaded and stored once per R rows, the W rows stream side by side.
+// 16 rows measured best out of cache (1536x576, M=1: 0.80x ORT at 8 rows, 0.94x at 16, 0.51x at 32).
 template <int R>
 inline void gemv_group(const float* const* wr, const float* a, float* y, size_t n) {
   __m512 av[R];
@@ -42,8 +43,12 @@ void gemv_rows_avx512(const float* w, size_t ldw, const int32_t* rows, const flo
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_setzero_ps());
     if (j < n) _mm512_mask_storeu_ps(y + j, tail_mask(n - j), _mm512_setzero_ps());
   }
-  const float* wr[8];
+  const float* wr[16];
   size_t i = 0;
+  for (; i + 16 <= nrows; i += 16) {
+    for (int r = 0; r < 16; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
+    gemv_group<16>(wr, xv + i, y, n);
+  }
   for (; i + 8 <= nrows; i += 8) {
     for (int r = 0; r < 8; ++r) wr[r] = w + row_of(rows, i + r) * ldw;
     gemv_group<8>(wr, xv + i, y, n);
