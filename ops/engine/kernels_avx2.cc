@@ -70,37 +70,58 @@ void gemv_rows_avx2(const float* w, size_t ldw, const int32_t* rows, const float
   }
 }
 
-// Four tokens x 2 vectors of 8 columns in registers (8 accumulators of 16 ymm registers).
-inline void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
-                       float* y, size_t ldy, size_t ncols, bool accumulate) {
+// Four tokens x 16 columns in 8 named registers (an array of __m256 accumulators gets spilled).
+template <bool kRowList>
+void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
+                float* y, size_t ldy, size_t ncols, bool accumulate) {
   const __m256i m0 = ncols >= 8 ? _mm256_set1_epi32(-1) : tail_mask(ncols);
   const __m256i m1 = ncols >= 16 ? _mm256_set1_epi32(-1) : (ncols > 8 ? tail_mask(ncols - 8) : _mm256_setzero_si256());
-  __m256 acc[kTokenTile][2];
-  for (size_t t = 0; t < kTokenTile; ++t) {
-    acc[t][0] = accumulate ? _mm256_maskload_ps(y + t * ldy, m0) : _mm256_setzero_ps();
-    acc[t][1] = accumulate ? _mm256_maskload_ps(y + t * ldy + 8, m1) : _mm256_setzero_ps();
-  }
+#define ORTSPARSE_LOAD_ACC(t)                                                                 \
+  __m256 c##t##0 = accumulate ? _mm256_maskload_ps(y + t * ldy, m0) : _mm256_setzero_ps();   \
+  __m256 c##t##1 = accumulate ? _mm256_maskload_ps(y + t * ldy + 8, m1) : _mm256_setzero_ps();
+  ORTSPARSE_LOAD_ACC(0)
+  ORTSPARSE_LOAD_ACC(1)
+  ORTSPARSE_LOAD_ACC(2)
+  ORTSPARSE_LOAD_ACC(3)
+#undef ORTSPARSE_LOAD_ACC
   for (size_t i = 0; i < nrows; ++i) {
-    const float* wr = w + row_of(rows, i) * ldw;
+    const float* wr = w + (kRowList ? static_cast<size_t>(rows[i]) : i) * ldw;
     const __m256 w0 = _mm256_maskload_ps(wr, m0);
     const __m256 w1 = _mm256_maskload_ps(wr + 8, m1);
     const float* a = xv + i * kTokenTile;
-    for (size_t t = 0; t < kTokenTile; ++t) {
-      const __m256 at = _mm256_broadcast_ss(a + t);
-      acc[t][0] = _mm256_fmadd_ps(at, w0, acc[t][0]);
-      acc[t][1] = _mm256_fmadd_ps(at, w1, acc[t][1]);
-    }
+#define ORTSPARSE_FMA_TOKEN(t)                 \
+  {                                            \
+    const __m256 at = _mm256_broadcast_ss(a + t); \
+    c##t##0 = _mm256_fmadd_ps(at, w0, c##t##0); \
+    c##t##1 = _mm256_fmadd_ps(at, w1, c##t##1); \
   }
-  for (size_t t = 0; t < kTokenTile; ++t) {
-    _mm256_maskstore_ps(y + t * ldy, m0, acc[t][0]);
-    _mm256_maskstore_ps(y + t * ldy + 8, m1, acc[t][1]);
+    ORTSPARSE_FMA_TOKEN(0)
+    ORTSPARSE_FMA_TOKEN(1)
+    ORTSPARSE_FMA_TOKEN(2)
+    ORTSPARSE_FMA_TOKEN(3)
+#undef ORTSPARSE_FMA_TOKEN
   }
+#define ORTSPARSE_STORE_ACC(t)                          \
+  _mm256_maskstore_ps(y + t * ldy, m0, c##t##0);        \
+  _mm256_maskstore_ps(y + t * ldy + 8, m1, c##t##1);
+  ORTSPARSE_STORE_ACC(0)
+  ORTSPARSE_STORE_ACC(1)
+  ORTSPARSE_STORE_ACC(2)
+  ORTSPARSE_STORE_ACC(3)
+#undef ORTSPARSE_STORE_ACC
 }
+
+static_assert(kTokenTile == 4, "gemm_chunk holds exactly four tokens");
 
 void gemm_rows_avx2(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
                     float* y, size_t ldy, size_t n, bool accumulate) {
   for (size_t j = 0; j < n; j += 16) {
-    gemm_chunk(w + j, ldw, rows, xv, nrows, y + j, ldy, n - j < 16 ? n - j : 16, accumulate);
+    const size_t width = n - j < 16 ? n - j : 16;
+    if (rows) {
+      gemm_chunk<true>(w + j, ldw, rows, xv, nrows, y + j, ldy, width, accumulate);
+    } else {
+      gemm_chunk<false>(w + j, ldw, rows, xv, nrows, y + j, ldy, width, accumulate);
+    }
   }
 }
 

@@ -64,39 +64,69 @@ void gemv_rows_avx512(const float* w, size_t ldw, const int32_t* rows, const flo
   }
 }
 
-// Four tokens x V vectors of 16 columns held in registers over the whole row list.
-template <int V>
-inline void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
-                       float* y, size_t ldy, size_t ncols, bool accumulate) {
-  __mmask16 masks[V];
-  for (int v = 0; v < V; ++v) {
-    const size_t start = static_cast<size_t>(v) * 16;
-    masks[v] = ncols >= start + 16 ? static_cast<__mmask16>(0xFFFF)
-                                   : (ncols > start ? tail_mask(ncols - start) : static_cast<__mmask16>(0));
-  }
-  __m512 acc[kTokenTile][V];
-  for (size_t t = 0; t < kTokenTile; ++t)
-    for (int v = 0; v < V; ++v)
-      acc[t][v] = accumulate ? _mm512_maskz_loadu_ps(masks[v], y + t * ldy + v * 16) : _mm512_setzero_ps();
+// Four tokens x 64 columns in 16 named registers over the whole row list (GCC spills an array
+// of __m512 accumulators to the stack every iteration, 3x slower).
+template <bool kRowList>
+void gemm_chunk(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows, float* y,
+                size_t ldy, size_t ncols, bool accumulate) {
+  auto mask_for = [ncols](size_t start) -> __mmask16 {
+    return ncols >= start + 16 ? static_cast<__mmask16>(0xFFFF)
+                               : (ncols > start ? tail_mask(ncols - start) : static_cast<__mmask16>(0));
+  };
+  const __mmask16 m0 = mask_for(0), m1 = mask_for(16), m2 = mask_for(32), m3 = mask_for(48);
+#define ORTSPARSE_LOAD_ACC(t)                                                                     \
+  __m512 c##t##0 = accumulate ? _mm512_maskz_loadu_ps(m0, y + t * ldy) : _mm512_setzero_ps();      \
+  __m512 c##t##1 = accumulate ? _mm512_maskz_loadu_ps(m1, y + t * ldy + 16) : _mm512_setzero_ps(); \
+  __m512 c##t##2 = accumulate ? _mm512_maskz_loadu_ps(m2, y + t * ldy + 32) : _mm512_setzero_ps(); \
+  __m512 c##t##3 = accumulate ? _mm512_maskz_loadu_ps(m3, y + t * ldy + 48) : _mm512_setzero_ps();
+  ORTSPARSE_LOAD_ACC(0)
+  ORTSPARSE_LOAD_ACC(1)
+  ORTSPARSE_LOAD_ACC(2)
+  ORTSPARSE_LOAD_ACC(3)
+#undef ORTSPARSE_LOAD_ACC
   for (size_t i = 0; i < nrows; ++i) {
-    const float* wr = w + row_of(rows, i) * ldw;
-    __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_maskz_loadu_ps(masks[v], wr + v * 16);
+    const float* wr = w + (kRowList ? static_cast<size_t>(rows[i]) : i) * ldw;
+    const __m512 w0 = _mm512_maskz_loadu_ps(m0, wr), w1 = _mm512_maskz_loadu_ps(m1, wr + 16);
+    const __m512 w2 = _mm512_maskz_loadu_ps(m2, wr + 32), w3 = _mm512_maskz_loadu_ps(m3, wr + 48);
     const float* a = xv + i * kTokenTile;
-    for (size_t t = 0; t < kTokenTile; ++t) {
-      const __m512 at = _mm512_set1_ps(a[t]);
-      for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(at, wv[v], acc[t][v]);
-    }
+#define ORTSPARSE_FMA_TOKEN(t)                 \
+  {                                            \
+    const __m512 at = _mm512_set1_ps(a[t]);    \
+    c##t##0 = _mm512_fmadd_ps(at, w0, c##t##0); \
+    c##t##1 = _mm512_fmadd_ps(at, w1, c##t##1); \
+    c##t##2 = _mm512_fmadd_ps(at, w2, c##t##2); \
+    c##t##3 = _mm512_fmadd_ps(at, w3, c##t##3); \
   }
-  for (size_t t = 0; t < kTokenTile; ++t)
-    for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(y + t * ldy + v * 16, masks[v], acc[t][v]);
+    ORTSPARSE_FMA_TOKEN(0)
+    ORTSPARSE_FMA_TOKEN(1)
+    ORTSPARSE_FMA_TOKEN(2)
+    ORTSPARSE_FMA_TOKEN(3)
+#undef ORTSPARSE_FMA_TOKEN
+  }
+#define ORTSPARSE_STORE_ACC(t)                                 \
+  _mm512_mask_storeu_ps(y + t * ldy, m0, c##t##0);             \
+  _mm512_mask_storeu_ps(y + t * ldy + 16, m1, c##t##1);        \
+  _mm512_mask_storeu_ps(y + t * ldy + 32, m2, c##t##2);        \
+  _mm512_mask_storeu_ps(y + t * ldy + 48, m3, c##t##3);
+  ORTSPARSE_STORE_ACC(0)
+  ORTSPARSE_STORE_ACC(1)
+  ORTSPARSE_STORE_ACC(2)
+  ORTSPARSE_STORE_ACC(3)
+#undef ORTSPARSE_STORE_ACC
 }
+
+static_assert(kTokenTile == 4, "gemm_chunk holds exactly four tokens");
 
 void gemm_rows_avx512(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
                       float* y, size_t ldy, size_t n, bool accumulate) {
-  size_t j = 0;
-  for (; j + 64 <= n; j += 64) gemm_chunk<4>(w + j, ldw, rows, xv, nrows, y + j, ldy, 64, accumulate);
-  if (j < n) gemm_chunk<4>(w + j, ldw, rows, xv, nrows, y + j, ldy, n - j, accumulate);
+  for (size_t j = 0; j < n; j += 64) {
+    const size_t width = n - j < 64 ? n - j : 64;
+    if (rows) {
+      gemm_chunk<true>(w + j, ldw, rows, xv, nrows, y + j, ldy, width, accumulate);
+    } else {
+      gemm_chunk<false>(w + j, ldw, rows, xv, nrows, y + j, ldy, width, accumulate);
+    }
+  }
 }
 
 void block_sumsq_avx512(const float* x, size_t k, size_t block, float* out) {
