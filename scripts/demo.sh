@@ -10,5 +10,5 @@ model=${1:-models/tiny/llama_tiny.torchscript.onnx}
 shift || true
 out=$(mktemp -d)/$(basename "${model%.onnx}").kwta.onnx
 rewrite-onnx "$model" -o "$out" --kwta=on --kwta-k 1.0 --kwta-target both --verify 2 "$@"
-rewrite-onnx "$model" -o "$out" --kwta=on --kwta-k 0.5 --kwta-target mlp --verify 2 "$@"
+rewrite-onnx "$model" -o "$out" --kwta=on --kwta-k 0.75 --kwta-target mlp --verify 2 "$@"
 echo "rewritten model: $out"

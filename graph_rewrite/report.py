@@ -1,0 +1,149 @@
+"""What a rewrite did, per layer, and its text/JSON renderings."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any
+
+from .config import LAYER_CLASSES, KwtaSettings, RewriteConfig
+
+REWRITTEN = "rewritten"
+SKIPPED = "skipped"
+
+
+@dataclasses.dataclass
+class LayerRecord:
+    index: int
+    name: str
+    op_type: str
+    layer_class: str
+    role: str
+    k: int | None
+    n: int | None
+    weight: str
+    rule: str | None  # the rule whose pattern fits the layer (None: none fits)
+    decision: str  # "rewritten" | "skipped"
+    reason: str  # why selected / why skipped
+    new_op: str | None = None
+    settings: KwtaSettings | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    near_misses: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    class_reason: str = ""
+
+    @property
+    def rewritten(self) -> bool:
+        return self.decision == REWRITTEN
+
+    @property
+    def exact(self) -> bool:
+        """Rewritten with settings that keep every input block (or not rewritten at all)."""
+        if not self.rewritten or self.settings is None:
+            return True
+        return self.settings.is_exact(self.k or 0)
+
+    def detail(self) -> str:
+        if self.rewritten:
+            text = f"{self.new_op} {self.settings.short() if self.settings else ''}".rstrip()
+            overridden = [self.reason] if self.reason.startswith("set by") else []
+            return "; ".join([text, *overridden, *self.notes])
+        return self.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["settings"] = self.settings.attributes() if self.settings else None
+        data["near_misses"] = [{"rule": r, "reason": why} for r, why in self.near_misses]
+        data["exact"] = self.exact
+        return data
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    layers: list[LayerRecord]
+    config: RewriteConfig
+    attention_cores: int = 0
+    added_initializers: list[str] = dataclasses.field(default_factory=list)
+    removed_initializers: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    preview: bool = False  # True: a plan (``--list-layers``), nothing was changed
+
+    @property
+    def rewritten(self) -> list[LayerRecord]:
+        return [r for r in self.layers if r.rewritten]
+
+    @property
+    def skipped(self) -> list[LayerRecord]:
+        return [r for r in self.layers if not r.rewritten]
+
+    @property
+    def exact(self) -> bool:
+        """True when every rewritten layer keeps all its inputs: the rewritten model must then
+        match the original up to float rounding."""
+        return all(r.exact for r in self.layers)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{class: {"layers": n, "rewritten": n, "skipped": n}} for the classes present."""
+        result: dict[str, dict[str, int]] = {}
+        for record in self.layers:
+            row = result.setdefault(record.layer_class, {"layers": 0, "rewritten": 0, "skipped": 0})
+            row["layers"] += 1
+            row["rewritten" if record.rewritten else "skipped"] += 1
+        return {c: result[c] for c in LAYER_CLASSES if c in result}
+
+    def layer_table(self) -> str:
+        header = ("#", "name", "op", "class", "role", "K", "N", "decision", "detail")
+        def decision(r: LayerRecord) -> str:
+            return ("rewrite" if r.rewritten else "skip") if self.preview else r.decision
+
+        rows = [(str(r.index), r.name or "<unnamed>", r.op_type, r.layer_class, r.role,
+                 "?" if r.k is None else str(r.k), "?" if r.n is None else str(r.n), decision(r),
+                 r.detail()) for r in self.layers]
+        return _table(header, rows)
+
+    def summary(self) -> str:
+        if not self.layers:
+            return "no linear layers found (nothing to rewrite)"
+        counts = self.counts()
+        ops = Counter(r.new_op for r in self.rewritten)
+        done = ", ".join(f"{n} -> {op}" for op, n in ops.items()) or "none"
+        verb = "to rewrite" if self.preview else "rewritten"
+        lines = [f"{len(self.layers)} linear layers, {len(self.rewritten)} {verb} ({done}); "
+                 f"{self.attention_cores} attention core(s) found"]
+        rows = [(c, str(v["layers"]), str(v["rewritten"]), str(v["skipped"])) for c, v in counts.items()]
+        lines.append(_table(("class", "layers", verb, "skipped"), rows))
+        reasons = Counter(_generic(r.reason) for r in self.skipped)
+        if reasons:
+            lines.append("skipped because:")
+            lines.extend(f"  {count:4d}  {reason}" for reason, count in reasons.most_common())
+        if not self.rewritten and not self.preview:
+            lines.append("note: no layer matched the selection; the output is the input model unchanged")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        config = dataclasses.asdict(self.config)
+        config["kwta"] = self.config.kwta.attributes()
+        config["overrides"] = [dataclasses.asdict(o) for o in self.config.overrides]
+        return {
+            "layers": [r.to_dict() for r in self.layers],
+            "counts": self.counts(),
+            "exact": self.exact,
+            "preview": self.preview,
+            "attention_cores": self.attention_cores,
+            "added_initializers": self.added_initializers,
+            "removed_initializers": self.removed_initializers,
+            "notes": self.notes,
+            "config": config,
+        }
+
+
+def _generic(reason: str) -> str:
+    # Group "weight 'h.0.w' is ..." and "weight 'h.1.w' is ..." into one line of the summary.
+    return re.sub(r"'[^']*'", "'…'", reason)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    def fmt(cells):
+        return "  ".join(c.rjust(w) if c.isdigit() else c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(r) for r in rows)])

@@ -1,0 +1,232 @@
+"""Command line: ``rewrite-onnx IN.onnx -o OUT.onnx [flags]`` and ``ortsparse <command> ...``.
+
+Exit codes: 0 ok (also when no layer matched: the output is then the unchanged model, with a
+note), 1 ``--verify`` found an error over budget, 2 usage or input errors (bad file or flag,
+IN == OUT, unwritable output, invalid override file, missing native library for --verify).
+
+New subcommands (models, quality, bench, validate, sweep, calibrate) are one entry in
+``SUBCOMMANDS``: a help line, a function adding the arguments and a function running them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_VERIFY_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"ortsparse {__version__}"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
+    from .graph_rewrite.config import KWTA_DUTY_MODES, KWTA_SCORES, TARGETS, KwtaSettings
+
+    default = KwtaSettings()
+    parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
+    parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
+    parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
+
+    kwta = parser.add_argument_group("KWTA (KwtaBlockMatMul) global settings; --config entries override per layer")
+    kwta.add_argument("--kwta", choices=("on", "off"), default="on", help="rewrite with KWTA gating (default on)")
+    kwta.add_argument("--kwta-target", choices=TARGETS, default="mlp",
+                      help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down "
+                           "projections), all (also head and other) (default mlp)")
+    kwta.add_argument("--kwta-k", type=float, default=default.k_frac, metavar="FRAC",
+                      help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {default.k_frac})")
+    kwta.add_argument("--kwta-k-abs", type=_positive_int, default=default.k_abs, metavar="N",
+                      help="k_abs: input columns kept per row (overrides --kwta-k when > 0)")
+    kwta.add_argument("--kwta-score", choices=KWTA_SCORES, default=default.score, help="block score (default l2)")
+    kwta.add_argument("--kwta-threshold", type=float, default=default.threshold, metavar="T",
+                      help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)")
+    kwta.add_argument("--kwta-temp", type=float, default=default.temp, metavar="T", help="softmax temperature")
+    kwta.add_argument("--kwta-duty", type=int, default=default.duty, metavar="N", help="gate every N-th call")
+    kwta.add_argument("--kwta-duty-mode", choices=KWTA_DUTY_MODES, default=default.duty_mode,
+                      help="dense: run dense between gated calls; hold: reuse the last mask")
+    kwta.add_argument("--kwta-renorm", type=int, choices=(0, 1), default=default.renorm,
+                      help="scale the gated product by blocks_total/blocks_kept (default 0: off)")
+    kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
+                      help=f"rows of W per block (default {default.block}: single rows)")
+
+    check = parser.add_argument_group("checking")
+    check.add_argument("--verify", type=_positive_int, default=0, metavar="N",
+                       help="run original and rewritten in onnxruntime on N generated input sets")
+    check.add_argument("--verify-shape", action="append", metavar="SPEC",
+                       help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
+    check.add_argument("--verify-budget", type=float, default=None, metavar="REL",
+                       help="relative L2 error allowed when some layer is approximate (default 0.5); "
+                            "exact rewrites always use 1e-4")
+    check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
+    check.add_argument("--no-check", action="store_true",
+                       help="skip onnx.checker.check_model(full_check=True) on the output")
+
+    info = parser.add_argument_group("information")
+    info.add_argument("--list-rules", action="store_true", help="print the rewrite rules and exit")
+    info.add_argument("--list-layers", action="store_true",
+                      help="print the linear layers, their class and what a rewrite would do, and exit")
+    info.add_argument("--report", metavar="FILE", help="also write the per-layer report as JSON")
+    info.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    info.add_argument("--version", action="version", version=_version())
+
+
+def _config_from_args(args: argparse.Namespace):
+    from .graph_rewrite.config import KwtaSettings, RewriteConfig, load_overrides
+
+    kwta = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
+                        threshold=args.kwta_threshold, temp=args.kwta_temp, duty=args.kwta_duty,
+                        duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block)
+    overrides = load_overrides(args.config) if args.config else ()
+    return RewriteConfig(kwta=kwta, kwta_enabled=args.kwta == "on", kwta_target=args.kwta_target,
+                         overrides=overrides)
+
+
+def _print_rules() -> None:
+    from .graph_rewrite import describe_rules
+
+    print("Rewrite rules (a layer takes the first that matches):")
+    for name, before_after, _ in describe_rules():
+        print(f"  {name:26s} {before_after}")
+
+
+def _write_report(report, path: str) -> None:
+    try:
+        Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        from .graph_rewrite.errors import ModelFileError
+
+        raise ModelFileError(f"cannot write report {path}: {error.strerror or error}") from None
+
+
+def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool) -> int:
+    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, parse_shape_overrides, verify_models
+
+    if report.exact:
+        budget, reason = EXACT_BUDGET, "tight: every rewritten layer keeps all inputs (k=1, threshold=0)"
+    else:
+        budget = DEFAULT_BUDGET if args.verify_budget is None else args.verify_budget
+        reason = "approximate layers present; set with --verify-budget"
+    shapes = parse_shape_overrides(args.verify_shape)
+    try:
+        result = verify_models(args.input, args.output, runs=args.verify, budget=budget, budget_reason=reason,
+                               shapes=shapes, seed=args.verify_seed, progress=progress)
+    except Exception as error:
+        if not type(error).__module__.startswith("onnxruntime"):
+            raise
+        print(f"verify failed: onnxruntime could not run the models: {error}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    say(result.format())
+    if not result.passed:
+        worst = max(result.outputs, key=lambda o: o.rel_l2)
+        print(f"verify failed: output {worst.name!r} relative L2 error {worst.rel_l2:.3e} > budget {budget:g}; "
+              f"the rewritten model was kept at {args.output}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    return EXIT_OK
+
+
+def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .graph_rewrite.files import list_file_layers, rewrite_file
+
+    say = (lambda text: None) if args.quiet else print
+    if args.list_rules:
+        _print_rules()
+        return EXIT_OK
+    if not args.input:
+        parser.error("the input model IN.onnx is required")
+    config = _config_from_args(args)
+    if args.list_layers:
+        report = list_file_layers(args.input, config)
+        print(report.layer_table())
+        print(report.summary())
+        if args.report:
+            _write_report(report, args.report)
+        return EXIT_OK
+    if not args.output:
+        parser.error("-o/--output OUT.onnx is required (the input file is never modified)")
+    progress = not args.quiet and sys.stderr.isatty()
+    report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check)
+    say(f"wrote {args.output}")
+    say(report.summary())
+    if args.report:
+        _write_report(report, args.report)
+    if args.verify:
+        return _verify(args, report, say, progress)
+    return EXIT_OK
+
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "rewrite": Subcommand("replace linear layers by ortsparse ops (same as rewrite-onnx)",
+                          add_rewrite_arguments, run_rewrite),
+}
+
+
+def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+             run: Callable[[argparse.Namespace], int]) -> int:
+    from .graph_rewrite.errors import RewriteError
+    from .verify import VerifyInputError
+
+    try:
+        args = parser.parse_args(argv)
+        return run(args)
+    except SystemExit as exit_request:  # argparse: --help/--version (0) or a usage error (2)
+        code = exit_request.code
+        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
+    except (RewriteError, VerifyInputError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as error:  # e.g. the native op library, needed by --verify
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `... --list-layers | head`: the reader left, not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
+    """``rewrite-onnx IN.onnx -o OUT.onnx``."""
+    parser = argparse.ArgumentParser(
+        prog="rewrite-onnx",
+        description="Replace linear layers of an ONNX model by ortsparse ops (KwtaBlockMatMul).",
+        epilog="Exit codes: 0 ok, 1 --verify over budget, 2 usage or input error.")
+    add_rewrite_arguments(parser)
+    return _execute(parser, argv, lambda args: run_rewrite(args, parser))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ortsparse <command> ...``."""
+    parser = argparse.ArgumentParser(prog="ortsparse", description="ortsparse tools",
+                                     epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(_run=command.run, _parser=sub)
+    return _execute(parser, argv, lambda args: args._run(args, args._parser))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

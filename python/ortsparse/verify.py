@@ -1,0 +1,326 @@
+"""Check a rewritten model against its original: run both in ONNX Runtime on the same generated
+inputs and compare every output (max abs error and relative L2 error against a stated budget).
+
+Generated inputs: token ids (int inputs named like ``input_ids``) uniform in the vocabulary found
+from the embedding Gather they feed; ``*mask*`` inputs all ones; ``*position*`` inputs 0..S-1;
+``token_type_ids`` zeros; float inputs standard normal. Dynamic dims resolve to small sizes
+(batch 1, past lengths 4, anything else 8), overridable per dim name (``sequence=16``) or per
+input (``input_ids=1x16``).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+DEFAULT_BUDGET = 0.5  # relative L2 error allowed when layers are approximate
+EXACT_BUDGET = 1e-4  # relative L2 error allowed when every rewritten layer is exact
+
+_ORT_NUMPY_TYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+}
+
+
+class VerifyInputError(ValueError):
+    """Inputs cannot be generated for the model (unsupported type, bad shape override)."""
+
+
+@dataclasses.dataclass
+class OutputError:
+    name: str
+    shape: tuple[int, ...]
+    max_abs: float
+    rel_l2: float
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    outputs: list[OutputError]
+    budget: float
+    budget_reason: str
+    runs: int
+    input_shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def passed(self) -> bool:
+        return all(o.rel_l2 <= self.budget for o in self.outputs)
+
+    def format(self) -> str:
+        shapes = ", ".join(f"{k} {list(v)}" for k, v in self.input_shapes.items())
+        lines = [f"verify: {self.runs} generated input set(s) ({shapes})",
+                 f"verify: budget relative L2 <= {self.budget:g} ({self.budget_reason})"]
+        width = max([len("output"), *(len(o.name) for o in self.outputs)])
+        lines.append(f"  {'output'.ljust(width)}  {'max_abs':>10}  {'rel_l2':>10}  status")
+        for o in self.outputs:
+            status = "ok" if o.rel_l2 <= self.budget else "OVER BUDGET"
+            lines.append(f"  {o.name.ljust(width)}  {o.max_abs:10.3e}  {o.rel_l2:10.3e}  {status}")
+        lines.append("verify: PASSED" if self.passed else "verify: FAILED (relative L2 error over budget)")
+        return "\n".join(lines)
+
+
+def parse_shape_overrides(specs: str | Sequence[str] | None) -> dict[str, int | tuple[int, ...]]:
+    """``"sequence=16,batch=2"`` (dim names -> size) and ``"input_ids=1x16"`` (input -> shape)."""
+    if not specs:
+        return {}
+    if isinstance(specs, str):
+        specs = [specs]
+    result: dict[str, int | tuple[int, ...]] = {}
+    for spec in specs:
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, value = item.partition("=")
+            try:
+                if not sep or not name:
+                    raise ValueError
+                sizes = tuple(int(v) for v in value.lower().split("x"))
+                if any(s < 0 for s in sizes):
+                    raise ValueError
+            except ValueError:
+                raise VerifyInputError(f"bad --verify-shape item {item!r}: use name=INT or input=AxBxC") from None
+            result[name.strip()] = sizes[0] if "x" not in value.lower() else sizes
+    return result
+
+
+def _default_dim(name: str) -> int:
+    lowered = name.lower()
+    if "batch" in lowered:
+        return 1
+    if "past" in lowered or "cache" in lowered:
+        return 4
+    return 8
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def _eval_dim(expression: str, sizes: Mapping[str, int]) -> int | None:
+    """Value of a symbolic dim such as ``past_sequence_length + 1`` from the sizes known so far."""
+    def evaluate(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return evaluate(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in sizes:
+            return sizes[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](evaluate(node.left), evaluate(node.right))
+        raise ValueError(expression)
+
+    try:
+        return int(evaluate(ast.parse(expression, mode="eval")))
+    except (ValueError, SyntaxError, KeyError):
+        return None
+
+
+def _is_expression(symbol: str) -> bool:
+    return any(c in symbol for c in "+-*/ ")
+
+
+def resolve_dims(input_specs: Sequence[Any], overrides: Mapping[str, Any]) -> dict[str, int]:
+    """A size for every symbolic dim: overrides first, then defaults; ``total*`` dims are
+    past + sequence (KV-cache masks); expressions (``past_seq + 1``) are evaluated last."""
+    symbols = []
+    for spec in input_specs:
+        symbols.extend(d for d in spec.shape if isinstance(d, str) and d not in symbols)
+    sizes: dict[str, int] = {}
+    for spec in input_specs:  # a whole-input override also fixes the dims it names
+        shape = overrides.get(spec.name)
+        if isinstance(shape, tuple) and len(shape) == len(spec.shape):
+            for dim, size in zip(spec.shape, shape):
+                if isinstance(dim, str) and not isinstance(overrides.get(dim), int):
+                    sizes.setdefault(dim, size)
+    for symbol in symbols:
+        if symbol in sizes:
+            continue
+        if isinstance(overrides.get(symbol), int):
+            sizes[symbol] = overrides[symbol]
+        elif not _is_expression(symbol) and "total" not in symbol.lower():
+            sizes[symbol] = _default_dim(symbol)
+    past = next((v for k, v in sizes.items() if "past" in k.lower()), None)
+    sequence = next((v for k, v in sizes.items() if "seq" in k.lower() and "past" not in k.lower()), None)
+    for symbol in symbols:
+        if symbol in sizes:
+            continue
+        if _is_expression(symbol):
+            value = _eval_dim(symbol, sizes)
+        elif past is not None and sequence is not None:
+            value = past + sequence
+        else:
+            value = None
+        sizes[symbol] = value if value is not None and value >= 0 else _default_dim(symbol)
+    return sizes
+
+
+def _resolve_shape(name: str, dims: Sequence[Any], overrides: Mapping[str, Any], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    if isinstance(overrides.get(name), tuple):
+        shape = overrides[name]
+        if len(shape) != len(dims):
+            raise VerifyInputError(f"--verify-shape {name}: rank {len(shape)} given, the input has rank {len(dims)}")
+        return shape
+    shape = []
+    for axis, dim in enumerate(dims):
+        if isinstance(dim, int) and dim >= 0:
+            shape.append(dim)
+        elif isinstance(dim, str):
+            shape.append(sizes[dim])
+        else:  # an unnamed dynamic dim
+            shape.append(1 if axis == 0 and len(dims) > 1 else 8)
+    return tuple(shape)
+
+
+def _embedding_sizes(model_source: Any) -> dict[str, int]:
+    """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
+    import onnx
+
+    if isinstance(model_source, onnx.ModelProto):
+        proto = model_source
+    elif isinstance(model_source, (bytes, bytearray)):
+        proto = onnx.load_from_string(bytes(model_source))
+    else:
+        proto = onnx.load(os.fspath(model_source), load_external_data=False)
+    graph = proto.graph
+    rows = {init.name: int(init.dims[0]) for init in graph.initializer if len(init.dims) >= 1}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, position))
+    passthrough = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}
+    found: dict[str, int] = {}
+    for graph_input in graph.input:
+        frontier, seen = [graph_input.name], set()
+        while frontier:
+            value = frontier.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for node, position in consumers.get(value, []):
+                table = None
+                if node.op_type == "Gather" and position == 1:
+                    table = node.input[0]
+                elif node.op_type == "EmbedLayerNormalization" and position in (0, 1):
+                    table = node.input[2 if position == 0 else 3]
+                if table in rows:
+                    found[graph_input.name] = min(found.get(graph_input.name, rows[table]), rows[table])
+                elif node.op_type in passthrough and position == 0:
+                    frontier.extend(node.output)
+    return found
+
+
+def make_inputs(input_specs: Sequence[Any], vocab: Mapping[str, int], overrides: Mapping[str, Any],
+                rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One set of inputs for ``session.get_inputs()``-like specs (name, type, shape)."""
+    sizes = resolve_dims(input_specs, overrides)
+    feeds = {}
+    for spec in input_specs:
+        dtype = _ORT_NUMPY_TYPES.get(spec.type)
+        if dtype is None:
+            raise VerifyInputError(f"cannot generate input {spec.name!r} of type {spec.type}")
+        shape = _resolve_shape(spec.name, spec.shape, overrides, sizes)
+        lowered = spec.name.lower()
+        if dtype == np.bool_:
+            feeds[spec.name] = np.ones(shape, dtype=np.bool_)
+        elif np.issubdtype(dtype, np.floating):
+            feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif "mask" in lowered:
+            feeds[spec.name] = np.ones(shape, dtype=dtype)
+        elif "position" in lowered:
+            last = shape[-1] if shape else 1
+            feeds[spec.name] = np.broadcast_to(np.arange(last, dtype=dtype), shape).copy()
+        elif "ids" in lowered and "type" not in lowered:
+            feeds[spec.name] = rng.integers(0, max(vocab.get(spec.name, 2), 1), size=shape).astype(dtype)
+        else:
+            feeds[spec.name] = np.zeros(shape, dtype=dtype)
+    return feeds
+
+
+def compare(expected: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
+    """(max abs error, relative L2 error); inf when NaN/Inf appear in one output only."""
+    expected = np.asarray(expected, dtype=np.float64)
+    actual = np.asarray(actual, dtype=np.float64)
+    if expected.shape != actual.shape:
+        return float("inf"), float("inf")
+    finite_e, finite_a = np.isfinite(expected), np.isfinite(actual)
+    if not np.array_equal(finite_e, finite_a):
+        return float("inf"), float("inf")
+    diff = np.where(finite_e, expected - actual, 0.0)
+    if diff.size == 0:
+        return 0.0, 0.0
+    norm = float(np.linalg.norm(np.where(finite_e, expected, 0.0)))
+    error = float(np.linalg.norm(diff))
+    return float(np.abs(diff).max()), (error / norm if norm > 0 else error)
+
+
+def _uses_ortsparse(model_source: Any) -> bool:
+    import onnx
+
+    if isinstance(model_source, onnx.ModelProto):
+        proto = model_source
+    elif isinstance(model_source, (bytes, bytearray)):
+        proto = onnx.load_from_string(bytes(model_source))
+    else:
+        proto = onnx.load(os.fspath(model_source), load_external_data=False)
+    return any(o.domain == "ai.ortsparse" for o in proto.opset_import)
+
+
+def _session(model_source: Any, with_library: bool):
+    import onnxruntime as ort
+
+    from . import inference_session
+
+    if with_library:
+        return inference_session(model_source)
+    if hasattr(model_source, "SerializeToString"):
+        model_source = model_source.SerializeToString()
+    elif isinstance(model_source, os.PathLike):
+        model_source = os.fspath(model_source)
+    return ort.InferenceSession(model_source, providers=["CPUExecutionProvider"])
+
+
+def verify_models(
+    original: Any,
+    rewritten: Any,
+    *,
+    runs: int = 1,
+    budget: float = DEFAULT_BUDGET,
+    budget_reason: str = "--verify-budget",
+    shapes: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> VerifyResult:
+    """Run both models (paths, bytes or ``ModelProto``) on ``runs`` generated input sets and
+    compare every output of the original with the same-named output of the rewritten model.
+    Errors are the worst over the runs."""
+    from tqdm.auto import tqdm
+
+    if runs < 1:
+        raise VerifyInputError("verify needs at least one input set")
+    reference = _session(original, _uses_ortsparse(original))
+    candidate = _session(rewritten, True)
+    overrides = dict(shapes or {})
+    vocab = _embedding_sizes(original)
+    output_names = [o.name for o in reference.get_outputs()]
+    missing = sorted(set(output_names) - {o.name for o in candidate.get_outputs()})
+    if missing:
+        raise VerifyInputError(f"the rewritten model lacks output(s) {', '.join(missing)}")
+    rng = np.random.default_rng(seed)
+    worst: dict[str, OutputError] = {}
+    input_shapes: dict[str, tuple[int, ...]] = {}
+    for _ in tqdm(range(runs), desc="verify", unit="run", disable=not progress, leave=False):
+        feeds = make_inputs(reference.get_inputs(), vocab, overrides, rng)
+        input_shapes = {k: tuple(v.shape) for k, v in feeds.items()}
+        expected = reference.run(output_names, feeds)
+        actual = candidate.run(output_names, feeds)
+        for name, e, a in zip(output_names, expected, actual):
+            max_abs, rel = compare(e, a)
+            previous = worst.get(name)
+            if previous is not None:
+                max_abs, rel = max(max_abs, previous.max_abs), max(rel, previous.rel_l2)
+            worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel)
+    return VerifyResult(outputs=[worst[n] for n in output_names], budget=budget, budget_reason=budget_reason,
+                        runs=runs, input_shapes=input_shapes)
