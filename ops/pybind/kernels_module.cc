@@ -41,55 +41,54 @@ const int32_t* rows_ptr(const py::object& rows, size_t k, size_t* nrows) {
   return r.data();
 }
 
-FloatArray gemv_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
-  if (w.ndim() != 2) throw py::value_error("W must be 2-D");
-  const size_t k = w.shape(0), n = w.shape(1);
-  size_t nrows = static_cast<size_t>(xv.size());
+// Checked arguments shared by the two row kernels.
+struct RowKernelArgs {
+  size_t k = 0, n = 0, nrows = 0;
   IntArray rows_keep;
-  const int32_t* rp = nullptr;
+  const int32_t* rows = nullptr;
+};
+
+RowKernelArgs row_kernel_args(const FloatArray& w, const py::object& rows, size_t nrows) {
+  if (w.ndim() != 2) throw py::value_error("W must be 2-D");
+  RowKernelArgs a;
+  a.k = w.shape(0);
+  a.n = w.shape(1);
+  a.nrows = nrows;
   if (!rows.is_none()) {
-    rows_keep = rows.cast<IntArray>();
+    a.rows_keep = rows.cast<IntArray>();
     size_t count = 0;
-    rp = rows_ptr(rows_keep, k, &count);
+    a.rows = rows_ptr(a.rows_keep, a.k, &count);
     if (count != nrows) throw py::value_error("rows and xv differ in length");
-  } else if (nrows > k) {
+  } else if (nrows > a.k) {
     throw py::value_error("xv longer than K");
   }
-  FloatArray y(n);
-  const bool accumulate = !y_init.is_none();
-  if (accumulate) {
-    FloatArray init = y_init.cast<FloatArray>();
-    if (static_cast<size_t>(init.size()) != n) throw py::value_error("y_init must have N values");
-    std::copy(init.data(), init.data() + n, y.mutable_data());
-  }
-  table(isa).gemv_rows(w.data(), n, rp, xv.data(), nrows, y.mutable_data(), n, accumulate);
+  return a;
+}
+
+// y starts as y_init (accumulate) or is written from scratch.
+bool init_output(FloatArray& y, const py::object& y_init) {
+  if (y_init.is_none()) return false;
+  FloatArray init = y_init.cast<FloatArray>();
+  if (init.size() != y.size()) throw py::value_error("y_init has the wrong size");
+  std::copy(init.data(), init.data() + init.size(), y.mutable_data());
+  return true;
+}
+
+FloatArray gemv_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
+  const RowKernelArgs a = row_kernel_args(w, rows, static_cast<size_t>(xv.size()));
+  FloatArray y(a.n);
+  const bool accumulate = init_output(y, y_init);
+  table(isa).gemv_rows(w.data(), a.n, a.rows, xv.data(), a.nrows, y.mutable_data(), a.n, accumulate);
   return y;
 }
 
 FloatArray gemm_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
-  if (w.ndim() != 2) throw py::value_error("W must be 2-D");
-  const size_t k = w.shape(0), n = w.shape(1);
   if (xv.ndim() != 2 || static_cast<size_t>(xv.shape(1)) != engine::kTokenTile)
     throw py::value_error("xv must be [nrows, kTokenTile]");
-  const size_t nrows = xv.shape(0);
-  IntArray rows_keep;
-  const int32_t* rp = nullptr;
-  if (!rows.is_none()) {
-    rows_keep = rows.cast<IntArray>();
-    size_t count = 0;
-    rp = rows_ptr(rows_keep, k, &count);
-    if (count != nrows) throw py::value_error("rows and xv differ in length");
-  } else if (nrows > k) {
-    throw py::value_error("xv longer than K");
-  }
-  FloatArray y({engine::kTokenTile, n});
-  const bool accumulate = !y_init.is_none();
-  if (accumulate) {
-    FloatArray init = y_init.cast<FloatArray>();
-    if (static_cast<size_t>(init.size()) != engine::kTokenTile * n) throw py::value_error("y_init must be [kTokenTile, N]");
-    std::copy(init.data(), init.data() + init.size(), y.mutable_data());
-  }
-  table(isa).gemm_rows(w.data(), n, rp, xv.data(), nrows, y.mutable_data(), n, n, accumulate);
+  const RowKernelArgs a = row_kernel_args(w, rows, static_cast<size_t>(xv.shape(0)));
+  FloatArray y({engine::kTokenTile, a.n});
+  const bool accumulate = init_output(y, y_init);
+  table(isa).gemm_rows(w.data(), a.n, a.rows, xv.data(), a.nrows, y.mutable_data(), a.n, a.n, accumulate);
   return y;
 }
 

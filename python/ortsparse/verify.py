@@ -174,16 +174,20 @@ def _resolve_shape(name: str, dims: Sequence[Any], overrides: Mapping[str, Any],
     return tuple(shape)
 
 
-def _embedding_sizes(model_source: Any) -> dict[str, int]:
-    """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
+def _model_proto(model_source: Any):
+    """The ModelProto of a path / bytes / proto, without loading external weights."""
     import onnx
 
     if isinstance(model_source, onnx.ModelProto):
-        proto = model_source
-    elif isinstance(model_source, (bytes, bytearray)):
-        proto = onnx.load_from_string(bytes(model_source))
-    else:
-        proto = onnx.load(os.fspath(model_source), load_external_data=False)
+        return model_source
+    if isinstance(model_source, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model_source))
+    return onnx.load(os.fspath(model_source), load_external_data=False)
+
+
+def _embedding_sizes(model_source: Any) -> dict[str, int]:
+    """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
+    proto = _model_proto(model_source)
     graph = proto.graph
     rows = {init.name: int(init.dims[0]) for init in graph.initializer if len(init.dims) >= 1}
     consumers: dict[str, list] = {}
@@ -257,14 +261,7 @@ def compare(expected: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
 
 
 def _uses_ortsparse(model_source: Any) -> bool:
-    import onnx
-
-    if isinstance(model_source, onnx.ModelProto):
-        proto = model_source
-    elif isinstance(model_source, (bytes, bytearray)):
-        proto = onnx.load_from_string(bytes(model_source))
-    else:
-        proto = onnx.load(os.fspath(model_source), load_external_data=False)
+    proto = _model_proto(model_source)
     return any(o.domain == "ai.ortsparse" for o in proto.opset_import)
 
 
