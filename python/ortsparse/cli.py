@@ -175,10 +175,40 @@ class Subcommand:
     run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
+def _harness_command(module_name: str, help_text: str) -> Subcommand:
+    """A subcommand implemented by ortsparse.harness.<module_name> (add_arguments / run),
+    imported only when the parser is built, so heavy imports stay inside its functions."""
+    import importlib
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"ortsparse.harness.{module_name}").add_arguments(parser)
+
+    def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+        return importlib.import_module(f"ortsparse.harness.{module_name}").run(args, parser)
+
+    return Subcommand(help_text, add_arguments, run)
+
+
+def _available(module_name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"ortsparse.harness.{module_name}") is not None
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "rewrite": Subcommand("replace linear layers by ortsparse ops (same as rewrite-onnx)",
                           add_rewrite_arguments, run_rewrite),
 }
+for _name, _module, _help in [
+    ("models", "models", "fetch and export the real models into the cache (idempotent)"),
+    ("quality", "quality", "perplexity / embedding cosine / output error, dense vs rewritten"),
+    ("bench", "speed", "end-to-end prefill and decode tokens/s, dense vs rewritten vs int4/int8"),
+    ("validate", "zoo", "rewrite, check, load and compare every model of a zoo"),
+    ("sweep", "sweep", "grid of op settings on a model: JSON + speedup-vs-quality PNG"),
+    ("calibrate", "calibrate", "per-layer KWTA settings that meet a quality budget"),
+]:
+    if _available(_module):
+        SUBCOMMANDS[_name] = _harness_command(_module, _help)
 
 
 def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
