@@ -34,12 +34,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
+def add_kwta_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config and the --kwta-* flags: every command that rewrites a model takes these."""
     from .graph_rewrite.config import KWTA_DUTY_MODES, KWTA_SCORES, TARGETS, KwtaSettings
 
     default = KwtaSettings()
-    parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
-    parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
     parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
 
     kwta = parser.add_argument_group("KWTA (KwtaBlockMatMul) global settings; --config entries override per layer")
@@ -63,6 +62,11 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
                       help=f"rows of W per block (default {default.block}: single rows)")
 
+def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
+    parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
+    add_kwta_arguments(parser)
+
     check = parser.add_argument_group("checking")
     check.add_argument("--verify", type=_positive_int, default=0, metavar="N",
                        help="run original and rewritten in onnxruntime on N generated input sets")
@@ -84,7 +88,8 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("--version", action="version", version=_version())
 
 
-def _config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace):
+    """The RewriteConfig of the flags added by add_kwta_arguments."""
     from .graph_rewrite.config import KwtaSettings, RewriteConfig, load_overrides
 
     kwta = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
@@ -93,6 +98,9 @@ def _config_from_args(args: argparse.Namespace):
     overrides = load_overrides(args.config) if args.config else ()
     return RewriteConfig(kwta=kwta, kwta_enabled=args.kwta == "on", kwta_target=args.kwta_target,
                          overrides=overrides)
+
+
+_config_from_args = config_from_args
 
 
 def _print_rules() -> None:
@@ -147,7 +155,7 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return EXIT_OK
     if not args.input:
         parser.error("the input model IN.onnx is required")
-    config = _config_from_args(args)
+    config = config_from_args(args)
     if args.list_layers:
         report = list_file_layers(args.input, config)
         print(report.layer_table())
