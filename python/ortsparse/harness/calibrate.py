@@ -1,0 +1,269 @@
+"""Calibrated KWTA (TEAL-style): per-layer magnitude thresholds that meet a quality budget.
+
+1. Capture the input of every targeted linear layer of the dense model on calibration windows
+   (taken from the end of the token array; evaluation windows come from the start, so the two
+   never overlap) and record per layer the |x| quantile for each sparsity level of a grid.
+2. Search the highest uniform sparsity s whose per-layer thresholds (threshold_l = quantile_l(s),
+   block 1, k_frac 1 so the threshold alone decides) keep calibration dppl <= the budget.
+3. Optionally (`--greedy`), raise the sparsity of one layer group (role: q/k/v/out/up/down) at a
+   time, taking the step that skips the most weight bytes per unit of dppl, until the budget is hit.
+4. Write the per-layer override file the rewriter reads, and report held-out dppl (and tokens/s
+   with `--bench`).
+Encoders use a cosine floor (`--min-cosine`) on a sentence set instead of dppl.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
+
+
+@dataclass
+class TargetLayer:
+    name: str
+    role: str
+    layer_class: str
+    input_name: str
+    weight_bytes: int
+    quantiles: dict[float, float]  # sparsity -> |x| threshold
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def target_layers(model, target: str) -> list[TargetLayer]:
+    """The linear layers `target` selects, with the graph value feeding each (its X)."""
+    from ..graph_rewrite import RewriteConfig, list_layers
+
+    report = list_layers(model, RewriteConfig(kwta_target=target))
+    nodes = {node.name: node for node in model.graph.node}
+    layers = []
+    for record in report.layers:
+        if record.rule is None or record.decision != "rewritten":
+            continue
+        node = nodes[record.name]
+        layers.append(TargetLayer(record.name, record.role, record.layer_class, node.input[0],
+                                  4 * int(record.k) * int(record.n), {}))
+    return layers
+
+
+def capture_quantiles(model, layers: list[TargetLayer], windows: list[np.ndarray],
+                      grid=SPARSITY_GRID, samples_per_window: int = 200_000, seed: int = 0, log=print) -> None:
+    """Fills layer.quantiles: the |x| value below which a fraction s of the layer's inputs fall
+    (mean over windows), for each s of the grid."""
+    import onnx
+    import onnxruntime as ort
+
+    from .quality import lm_feeds
+
+    wanted = sorted({layer.input_name for layer in layers})
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    existing = {o.name for o in probe.graph.output}
+    for name in wanted:
+        if name not in existing:
+            probe.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    sums: dict[str, np.ndarray] = {name: np.zeros(len(grid)) for name in wanted}
+    for i, tokens in enumerate(windows):
+        values = session.run(wanted, lm_feeds(session, tokens))
+        for name, value in zip(wanted, values):
+            flat = np.abs(value.reshape(-1))
+            if flat.size > samples_per_window:
+                flat = rng.choice(flat, samples_per_window, replace=False)
+            sums[name] += np.quantile(flat, grid)
+        log(f"calibrate: captured window {i + 1}/{len(windows)}")
+    for layer in layers:
+        mean = sums[layer.input_name] / len(windows)
+        layer.quantiles = {float(s): float(q) for s, q in zip(grid, mean)}
+
+
+def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list[dict[str, Any]]:
+    """Override entries: each layer gated by its own threshold (or off at sparsity 0)."""
+    entries: list[dict[str, Any]] = [{"match": "*", "kwta": "off"}]
+    for layer in layers:
+        s = sparsity.get(layer.name, 0.0)
+        if s <= 0.0:
+            continue
+        entries.append({"match": glob_escape(layer.name),
+                        "kwta": {"threshold": layer.quantiles[s], "k_frac": 1.0, "block": 1}})
+    return entries
+
+
+def rewritten_with(model, entries: list[dict[str, Any]]):
+    from ..graph_rewrite import RewriteConfig, rewrite_model
+    from ..graph_rewrite.config import parse_overrides
+
+    config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
+    rewritten, _ = rewrite_model(model, config)
+    return rewritten
+
+
+def skipped_bytes(layers: list[TargetLayer], sparsity: dict[str, float]) -> float:
+    return sum(layer.weight_bytes * sparsity.get(layer.name, 0.0) for layer in layers)
+
+
+def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], float], budget: float,
+           greedy: bool, grid=SPARSITY_GRID, log=print) -> tuple[dict[str, float], list[dict]]:
+    """Uniform search, then optional greedy per-role refinement. evaluate(sparsity) -> loss
+    (dppl, or 1 - mean cosine), which must stay <= budget."""
+    history = []
+    best: dict[str, float] = {layer.name: 0.0 for layer in layers}
+    for s in grid[1:]:
+        candidate = {layer.name: s for layer in layers}
+        loss = evaluate(candidate)
+        history.append({"stage": "uniform", "sparsity": s, "loss": loss})
+        log(f"calibrate: uniform sparsity {s:.2f}: loss {loss:+.4f}")
+        if loss > budget:
+            break
+        best = candidate
+    if not greedy:
+        return best, history
+    roles = sorted({layer.role for layer in layers})
+    while True:
+        options = []
+        for role in roles:
+            members = [layer for layer in layers if layer.role == role]
+            current = best[members[0].name]
+            higher = [s for s in grid if s > current]
+            if not higher:
+                continue
+            candidate = dict(best)
+            for layer in members:
+                candidate[layer.name] = higher[0]
+            loss = evaluate(candidate)
+            gain = skipped_bytes(layers, candidate) - skipped_bytes(layers, best)
+            history.append({"stage": "greedy", "role": role, "sparsity": higher[0], "loss": loss})
+            log(f"calibrate: greedy {role} -> {higher[0]:.2f}: loss {loss:+.4f}")
+            if loss <= budget:
+                options.append((gain / max(loss, 1e-6), candidate))
+        if not options:
+            return best, history
+        best = max(options, key=lambda option: option[0])[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="full-sequence LM export (default: cached SmolLM2) or an encoder")
+    parser.add_argument("-o", "--output", required=True, help="override file to write (JSON)")
+    parser.add_argument("--max-dppl", type=float, default=0.02, help="LM budget: ppl_rewritten/ppl_dense - 1")
+    parser.add_argument("--min-cosine", type=float, default=None,
+                        help="encoder budget: mean embedding cosine floor (switches to the encoder mode)")
+    parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder"],
+                        help="layers to calibrate (all-decoder = mlp + attn; the head stays dense)")
+    parser.add_argument("--calib-windows", type=int, default=4)
+    parser.add_argument("--eval-windows", type=int, default=8)
+    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--greedy", action="store_true", help="per-role greedy refinement after the uniform search")
+    parser.add_argument("--bench", action="store_true", help="also measure decode tokens/s (KV export)")
+    parser.add_argument("--report", default=None, help="JSON report path (default: next to the output)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import onnx
+
+    from .quality import compare_embeddings, compare_lm, corpus_windows, load_corpus_tokens
+
+    target = "both" if args.target == "all-decoder" else args.target
+    log = print
+    if args.min_cosine is not None:
+        if not args.model:
+            from .models import model_path
+
+            args.model = str(model_path("minilm", "torchscript"))
+        return _run_encoder(args, target, log)
+    model_file = args.model
+    if not model_file:
+        from .models import model_path
+
+        model_file = str(model_path("smollm2", "full.torchscript"))
+    model = onnx.load(model_file)
+    tokens = load_corpus_tokens()
+    eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
+    calib = corpus_windows(calib_tokens, args.calib_windows, args.window_len)
+    layers = target_layers(model, target)
+    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {args.window_len}")
+    capture_quantiles(model, layers, calib, log=log)
+
+    def evaluate(sparsity: dict[str, float]) -> float:
+        result = compare_lm(model, rewritten_with(model, overrides_for(layers, sparsity)), calib_tokens,
+                            windows=args.calib_windows, window_len=args.window_len)
+        return result["dppl"]
+
+    best, history = search(layers, evaluate, args.max_dppl, args.greedy, log=log)
+    entries = overrides_for(layers, best)
+    Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
+    held_out = compare_lm(model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
+                          window_len=args.window_len)
+    total_bytes = sum(layer.weight_bytes for layer in layers)
+    report = {
+        "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
+        "model": model_file, "budget_dppl": args.max_dppl, "target": target,
+        "sparsity": best, "history": history,
+        "skipped_weight_fraction_of_targeted": skipped_bytes(layers, best) / total_bytes if total_bytes else 0.0,
+        "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
+    }
+    if args.bench:
+        report["bench"] = _bench_with(entries, log)
+    report_path = args.report or str(Path(args.output).with_suffix(".report.json"))
+    Path(report_path).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
+        f"{held_out.get('top1_agreement', float('nan')):.3f}, skipped {report['skipped_weight_fraction_of_targeted']:.1%} "
+        f"of targeted weight bytes; report {report_path}")
+    return 0 if held_out["dppl"] <= args.max_dppl else 1
+
+
+def _run_encoder(args, target: str, log) -> int:
+    import onnx
+
+    from .quality import compare_embeddings, encoder_batches
+
+    model = onnx.load(args.model)
+    layers = target_layers(model, target)
+    batches = encoder_batches()
+    capture_quantiles_encoder(model, layers, batches, log)
+    budget = 1.0 - args.min_cosine
+
+    def evaluate(sparsity):
+        result = compare_embeddings(model, rewritten_with(model, overrides_for(layers, sparsity)))
+        return 1.0 - result["cosine_mean"]
+
+    best, history = search(layers, evaluate, budget, args.greedy, log=log)
+    entries = overrides_for(layers, best)
+    Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
+    final = compare_embeddings(model, rewritten_with(model, entries))
+    report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": args.model,
+              "min_cosine": args.min_cosine, "sparsity": best, "history": history,
+              "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
+    report_path = args.report or str(Path(args.output).with_suffix(".report.json"))
+    Path(report_path).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    log(f"calibrate: wrote {args.output}; cosine mean {final['cosine_mean']:.4f} min {final['cosine_min']:.4f}")
+    return 0 if final["cosine_mean"] >= args.min_cosine else 1
+
+
+def capture_quantiles_encoder(model, layers, batches, log) -> None:
+    """capture_quantiles for an encoder: the windows are the sentence batches."""
+    capture_quantiles(model, layers, batches, log=log)
+
+
+def _bench_with(entries, log) -> dict:
+    import onnx
+
+    from ..graph_rewrite import RewriteConfig, rewrite_model
+    from ..graph_rewrite.config import parse_overrides
+    from .models import model_path
+    from .speed import bench
+
+    kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
+    config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
+    rewritten, _ = rewrite_model(kv, config)
+    return bench({"dense": kv, "calibrated": rewritten}, None, contexts=(128, 1024), threads=(1,), repeats=15, log=log)

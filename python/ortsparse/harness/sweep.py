@@ -1,0 +1,142 @@
+"""A grid of KwtaBlockMatMul settings on a model: quality (dppl, top-1 agreement) on the
+full-sequence export and decode speed on the KV export for every point, written as JSON, a
+markdown table and a PNG (speedup vs dppl, one point per setting, the dense point marked).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:
+    return [dict(target=t, k_frac=float(k), block=int(b), score=s)
+            for t, k, b, s in itertools.product(scopes, keeps, blocks, scores)]
+
+
+def config_for(point: dict[str, Any]):
+    from ..graph_rewrite import KwtaSettings, RewriteConfig
+
+    return RewriteConfig(kwta=KwtaSettings(k_frac=point["k_frac"], block=point["block"], score=point["score"]),
+                         kwta_enabled=True, kwta_target=point["target"])
+
+
+def label(point: dict[str, Any]) -> str:
+    return f"{point['target']} k={point['k_frac']:g} b={point['block']} {point['score']}"
+
+
+def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, Any]], *, windows: int,
+              window_len: int, context: int, repeats: int, log=print) -> list[dict[str, Any]]:
+    from ..graph_rewrite import rewrite_model
+    from .quality import compare_lm
+    from .speed import make_feeds, time_models, SpeedModel, keep_ratios, vocab_size
+
+    feeds = {"kv": make_feeds(kv_model, new_tokens=1, past=context, vocab=vocab_size(kv_model))}
+    results = []
+    for i, point in enumerate(points):
+        config = config_for(point)
+        full_rewritten, _ = rewrite_model(full_model, config)
+        quality = compare_lm(full_model, full_rewritten, tokens, windows=windows, window_len=window_len)
+        kv_rewritten, _ = rewrite_model(kv_model, config)
+        speed = time_models([SpeedModel("dense", kv_model, "kv"), SpeedModel("rewritten", kv_rewritten, "kv")],
+                            feeds, threads=1, repeats=repeats, tokens_per_run=1)
+        ratios = keep_ratios(speed.pop("_metrics"))
+        row = dict(point, label=label(point), dppl=quality["dppl"], ppl=quality["ppl_rewritten"],
+                   ppl_dense=quality["ppl_dense"], top1_agreement=quality["top1_agreement"],
+                   decode_tokens_per_s=speed["rewritten"]["tokens_per_s"],
+                   dense_tokens_per_s=speed["dense"]["tokens_per_s"],
+                   speedup=speed["rewritten"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
+                   mean_keep_ratio=float(np.mean(list(ratios.values()))) if ratios else 1.0)
+        results.append(row)
+        log(f"sweep {i + 1}/{len(points)} {row['label']}: dppl {row['dppl']:+.2%} agree {row['top1_agreement']:.3f} "
+            f"speedup x{row['speedup']:.2f}")
+    return results
+
+
+def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    markers = {"mlp": "o", "down": "v", "both": "s", "attn": "^", "all": "D"}
+    for target in sorted({r["target"] for r in results}):
+        for block in sorted({r["block"] for r in results}):
+            pts = [r for r in results if r["target"] == target and r["block"] == block]
+            if not pts:
+                continue
+            ax.scatter([100 * r["dppl"] for r in pts], [r["speedup"] for r in pts], marker=markers.get(target, "o"),
+                       label=f"{target}, block {block}", s=36)
+            for r in pts:
+                ax.annotate(f"{r['k_frac']:g}" + ("w" if r["score"] == "l2_weighted" else ""),
+                            (100 * r["dppl"], r["speedup"]), fontsize=7, xytext=(3, 2), textcoords="offset points")
+    ax.scatter([0], [1.0], marker="*", s=200, c="black", label="dense ORT", zorder=5)
+    ax.axvline(2.0, color="grey", ls="--", lw=0.8)
+    ax.text(2.05, ax.get_ylim()[0], " 2% budget", color="grey", fontsize=8, va="bottom")
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("perplexity increase dppl (%) — symlog")
+    ax.set_ylabel("decode speedup vs dense ORT (tokens/s ratio, KV cache, 1 thread)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(results, command: str, png: str) -> str:
+    lines = [f"# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
+             "| scope | keep | block | score | dppl | top-1 agree | mean keep | decode tok/s | dense tok/s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["target"], r["block"], r["score"], -r["k_frac"])):
+        lines.append(f"| {r['target']} | {r['k_frac']:g} | {r['block']} | {r['score']} | {r['dppl']:+.2%} | "
+                     f"{r['top1_agreement']:.3f} | {r['mean_keep_ratio']:.2f} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{r['dense_tokens_per_s']:.1f} | {r['speedup']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--full", help="full-sequence export (default: cached SmolLM2)")
+    parser.add_argument("--kv", help="KV-cache export (default: cached SmolLM2)")
+    parser.add_argument("--scopes", nargs="+", default=["mlp", "down", "both"])
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 32, 64])
+    parser.add_argument("--scores", nargs="+", default=["l2"], choices=["l2", "mean_abs", "l2_weighted"])
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=128, help="decode context length for speed")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("-o", "--output", default="reports/sweep_kwta", help="report stem (.json .md .png)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import onnx
+
+    from ..benchmarking import machine_info, write_report
+    from .quality import load_corpus_tokens
+
+    if args.full and args.kv:
+        full_path, kv_path = Path(args.full), Path(args.kv)
+    else:
+        from .models import model_path
+
+        full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
+    full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
+    tokens = load_corpus_tokens()
+    points = grid(args.scopes, args.keeps, args.blocks, args.scores)
+    results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
+                        context=args.context, repeats=args.repeats)
+    command = "ortsparse sweep " + " ".join(sys.argv[2:])
+    png = args.output + ".png"
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    plot(results, png, f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, "
+                       f"decode ctx {args.context}")
+    write_report(args.output, dict(machine=machine_info(), command=command, results=results),
+                 markdown(results, command, png))
+    print("wrote", args.output + ".json", args.output + ".md", png)
+    return 0
