@@ -112,26 +112,42 @@ void BlockGatedMatMul::run_per_token(const float* x, size_t m, const GatedRows& 
                                      float* y, const KernelTable& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
-  std::vector<float> xv(m * k);
-  for (size_t t = 0; t < m; ++t) gather_token(x + t * k, gated, t, k, xv.data() + t * k);
+  // Reused per calling thread. The tasks below run on pool threads, where these names would mean
+  // other (empty) objects: they only see the pointers taken here.
+  thread_local std::vector<float> xv_buffer;
+  thread_local std::vector<float> partial_buffer;
+  thread_local std::vector<const float*> input_buffer;
+  xv_buffer.resize(m * k);
+  input_buffer.resize(m);
+  float* const xv = xv_buffer.data();
+  const float** const inputs = input_buffer.data();
+  for (size_t t = 0; t < m; ++t) {
+    if (gated.dense[t] && gated.scale[t] == 1.0f) {
+      inputs[t] = x + t * k;  // all rows, unscaled: x itself
+    } else {
+      gather_token(x + t * k, gated, t, k, xv + t * k);
+      inputs[t] = xv + t * k;
+    }
+  }
   const size_t chunks = std::max<size_t>(1, std::min(tuning_.gemv_row_chunks, k / tuning_.gemv_min_chunk_rows));
-  AlignedBuffer<float> partial(m * chunks * n);
+  if (chunks > 1) partial_buffer.resize(m * chunks * n);
+  float* const partial = partial_buffer.data();
   runner.run(m * chunks, [&](size_t task) {
     const size_t t = task / chunks, chunk = task % chunks;
     const size_t count = gated.row_count(t, k);
     const size_t begin = count * chunk / chunks, end = count * (chunk + 1) / chunks;
     const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
-    float* out = chunks == 1 ? y + t * n : partial.data() + task * n;
+    float* out = chunks == 1 ? y + t * n : partial + task * n;
     if (chunks == 1) fill_bias(out, bias, n);
     const float* wbase = w.data();
     if (rows == nullptr) wbase += begin * w.ldw();
-    kernels.gemv_rows(wbase, w.ldw(), rows ? rows + begin : nullptr, xv.data() + t * k + begin, end - begin, out, n,
+    kernels.gemv_rows(wbase, w.ldw(), rows ? rows + begin : nullptr, inputs[t] + begin, end - begin, out, n,
                       chunks == 1 && bias != nullptr);
   });
   if (chunks == 1) return;
   for (size_t t = 0; t < m; ++t) {
     float* yt = y + t * n;
-    const float* p = partial.data() + t * chunks * n;
+    const float* p = partial + t * chunks * n;
     for (size_t j = 0; j < n; ++j) {
       float s = bias ? bias[j] : 0.0f;
       for (size_t c = 0; c < chunks; ++c) s += p[c * n + j];

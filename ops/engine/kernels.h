@@ -28,6 +28,14 @@ struct KernelTable {
   // out[b] = sum over the block's entries of x^2 (sumsq) or |x| (sumabs); the last block may be short.
   void (*block_sumsq)(const float* x, size_t k, size_t block, float* out);
   void (*block_sumabs)(const float* x, size_t k, size_t block, float* out);
+
+  // Top-K selection helpers on order keys (see order_key in kwta_gate.h):
+  // keys[i] = order_key(values[i]);
+  void (*order_keys)(const float* values, size_t n, uint32_t* keys);
+  // number of keys >= t;
+  size_t (*count_at_least)(const uint32_t* keys, size_t n, uint32_t t);
+  // writes the indices i (ascending) with keys[i] >= t to out; returns how many.
+  size_t (*indices_at_least)(const uint32_t* keys, size_t n, uint32_t t, int32_t* out);
 };
 
 const KernelTable& kernels_scalar();

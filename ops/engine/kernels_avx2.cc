@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "engine/kernels.h"
+#include "engine/order_key.h"
 
 namespace ortsparse::engine {
 namespace {
@@ -164,10 +165,62 @@ void block_reduce(const float* x, size_t k, size_t block, float* out) {
 void block_sumsq_avx2(const float* x, size_t k, size_t block, float* out) { block_reduce<true>(x, k, block, out); }
 void block_sumabs_avx2(const float* x, size_t k, size_t block, float* out) { block_reduce<false>(x, k, block, out); }
 
+inline __m256i order_keys8(__m256i bits) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(bits, sign), bits);  // -0 -> +0
+  const __m256i negative = _mm256_srai_epi32(bits, 31);
+  const __m256i key = _mm256_xor_si256(bits, _mm256_or_si256(negative, sign));
+  // NaN: magnitude above the +inf pattern (signed compare is fine: magnitudes are < 2^31).
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_or_si256(key, nan);
+}
+
+void order_keys_avx2(const float* values, size_t n, uint32_t* keys) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i),
+                        order_keys8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
+  for (; i < n; ++i) keys[i] = order_key(values[i]);
+}
+
+// Unsigned a >= b on 32-bit lanes: max(a, b) == a.
+inline __m256i cmpge_epu32(__m256i a, __m256i b) { return _mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a); }
+
+size_t count_at_least_avx2(const uint32_t* keys, size_t n, uint32_t t) {
+  const __m256i tv = _mm256_set1_epi32(static_cast<int>(t));
+  size_t count = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i ge = cmpge_epu32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)), tv);
+    count += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(ge)));
+  }
+  for (; i < n; ++i) count += keys[i] >= t;
+  return count;
+}
+
+size_t indices_at_least_avx2(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
+  const __m256i tv = _mm256_set1_epi32(static_cast<int>(t));
+  size_t count = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i ge = cmpge_epu32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)), tv);
+    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(ge)));
+    while (bits) {
+      out[count++] = static_cast<int32_t>(i + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i)
+    if (keys[i] >= t) out[count++] = static_cast<int32_t>(i);
+  return count;
+}
+
 }  // namespace
 
 const KernelTable& kernels_avx2() {
-  static const KernelTable table{"avx2", gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2};
+  static const KernelTable table{"avx2", gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2,
+                                 order_keys_avx2, count_at_least_avx2, indices_at_least_avx2};
   return table;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "engine/kernels.h"
+#include "engine/order_key.h"
 
 namespace ortsparse::engine {
 namespace {
@@ -179,11 +180,62 @@ void block_sumabs_avx512(const float* x, size_t k, size_t block, float* out) {
   }
 }
 
+// order_key, 16 lanes at a time (same selects as the scalar definition).
+inline __m512i order_keys16(__m512i bits) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, sign), _mm512_setzero_si512());
+  const __mmask16 negative = _mm512_test_epi32_mask(bits, sign);
+  __m512i key = _mm512_mask_mov_epi32(_mm512_or_si512(bits, sign), negative,
+                                      _mm512_xor_si512(bits, _mm512_set1_epi32(-1)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(key, nan, _mm512_set1_epi32(-1));
+}
+
+void order_keys_avx512(const float* values, size_t n, uint32_t* keys) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_si512(keys + i, order_keys16(_mm512_loadu_si512(values + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_epi32(keys + i, m, order_keys16(_mm512_maskz_loadu_epi32(m, values + i)));
+  }
+}
+
+size_t count_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t) {
+  const __m512i tv = _mm512_set1_epi32(static_cast<int>(t));
+  size_t count = 0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    count += __builtin_popcount(_mm512_cmpge_epu32_mask(_mm512_loadu_si512(keys + i), tv));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    count += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(m, _mm512_maskz_loadu_epi32(m, keys + i), tv));
+  }
+  return count;
+}
+
+size_t indices_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
+  const __m512i tv = _mm512_set1_epi32(static_cast<int>(t));
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  size_t count = 0;
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
+    const __mmask16 hit = _mm512_mask_cmpge_epu32_mask(m, _mm512_maskz_loadu_epi32(m, keys + i), tv);
+    _mm512_mask_compressstoreu_epi32(out + count, hit, index);
+    count += __builtin_popcount(hit);
+    index = _mm512_add_epi32(index, step);
+  }
+  return count;
+}
+
 }  // namespace
 
 const KernelTable& kernels_avx512() {
   static const KernelTable table{"avx512", gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512,
-                                 block_sumabs_avx512};
+                                 block_sumabs_avx512, order_keys_avx512, count_at_least_avx512,
+                                 indices_at_least_avx512};
   return table;
 }
 

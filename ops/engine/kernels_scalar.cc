@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "engine/kernels.h"
+#include "engine/order_key.h"
 
 namespace ortsparse::engine {
 namespace {
@@ -53,11 +54,29 @@ void block_sumabs_scalar(const float* x, size_t k, size_t block, float* out) {
   }
 }
 
+void order_keys_scalar(const float* values, size_t n, uint32_t* keys) {
+  for (size_t i = 0; i < n; ++i) keys[i] = order_key(values[i]);
+}
+
+size_t count_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t) {
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) count += keys[i] >= t;
+  return count;
+}
+
+size_t indices_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (keys[i] >= t) out[count++] = static_cast<int32_t>(i);
+  return count;
+}
+
 }  // namespace
 
 const KernelTable& kernels_scalar() {
   static const KernelTable table{"scalar", gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar,
-                                 block_sumabs_scalar};
+                                 block_sumabs_scalar, order_keys_scalar, count_at_least_scalar,
+                                 indices_at_least_scalar};
   return table;
 }
 

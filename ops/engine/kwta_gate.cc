@@ -21,48 +21,56 @@ DutyMode parse_duty_mode(const std::string& name) {
   fail("attribute duty_mode='", name, "' is not one of dense, hold");
 }
 
-size_t select_top_k(const float* values, size_t n, size_t k, int32_t* kept, std::vector<uint32_t>& scratch) {
+namespace {
+
+// Per-thread buffers of the gate, kept across calls so a decode step allocates nothing.
+struct GateScratch {
+  std::vector<float> keys;
+  std::vector<int32_t> kept;
+  std::vector<uint32_t> select;
+};
+
+GateScratch& gate_scratch(size_t blocks) {
+  thread_local GateScratch scratch;
+  if (scratch.keys.size() < blocks) {
+    scratch.keys.resize(blocks);
+    scratch.kept.resize(blocks);
+  }
+  return scratch;
+}
+
+}  // namespace
+
+size_t select_top_k(const KernelTable& kernels, const float* values, size_t n, size_t k, int32_t* kept,
+                    std::vector<uint32_t>& scratch) {
   if (k >= n) {
     for (size_t i = 0; i < n; ++i) kept[i] = static_cast<int32_t>(i);
     return n;
   }
   if (k == 0) return 0;
-  constexpr int kShift = 21;  // 2048 bins on sign, exponent and the top 2 mantissa bits
-  constexpr size_t kBins = size_t{1} << (32 - kShift);
-  scratch.resize(n + kBins);
+  if (scratch.size() < n) scratch.resize(n);
   uint32_t* keys = scratch.data();
-  uint32_t* hist = scratch.data() + n;
-  std::fill(hist, hist + kBins, 0u);
-  for (size_t i = 0; i < n; ++i) {
-    keys[i] = order_key(values[i]);
-    ++hist[keys[i] >> kShift];
+  kernels.order_keys(values, n, keys);
+  // Bitwise search for the k-th largest key tau: the largest t with count(keys >= t) >= k. Each
+  // step is one vectorised counting pass; it stops early once some t selects exactly k keys.
+  uint32_t tau = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t candidate = tau | (1u << bit);
+    const size_t count = kernels.count_at_least(keys, n, candidate);
+    if (count == k) return kernels.indices_at_least(keys, n, candidate, kept);
+    if (count > k) tau = candidate;
   }
-  size_t above = 0;
-  size_t bin = kBins;
-  while (bin > 0) {
-    --bin;
-    if (above + hist[bin] >= k) break;
-    above += hist[bin];
-  }
-  // The k-th largest key lies in `bin`: find it among that bin's members.
-  std::vector<uint32_t> members;
-  members.reserve(hist[bin]);
-  for (size_t i = 0; i < n; ++i)
-    if ((keys[i] >> kShift) == bin) members.push_back(keys[i]);
-  const size_t need = k - above;  // 1 <= need <= members.size()
-  std::nth_element(members.begin(), members.begin() + (need - 1), members.end(), std::greater<uint32_t>());
-  const uint32_t tau = members[need - 1];
-  size_t greater = above;
-  for (uint32_t key : members) greater += key > tau;
+  // Several keys equal tau and only some fit: all keys above tau, then the lowest-index equal ones.
+  const size_t greater = tau == 0xFFFFFFFFu ? 0 : kernels.count_at_least(keys, n, tau + 1);
   size_t equal_left = k - greater;
-  size_t count = 0;
+  size_t out = 0;
   for (size_t i = 0; i < n; ++i) {
     if (keys[i] > tau || (keys[i] == tau && equal_left > 0)) {
       if (keys[i] == tau) --equal_left;
-      kept[count++] = static_cast<int32_t>(i);
+      kept[out++] = static_cast<int32_t>(i);
     }
   }
-  return count;
+  return out;
 }
 
 KwtaGate::KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<float> block_weight_norms)
@@ -105,7 +113,8 @@ float KwtaGate::score_from_key(float key) const {
   return config_.score == KwtaScore::kMeanAbs ? key : std::sqrt(key);
 }
 
-size_t KwtaGate::select(const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const {
+size_t KwtaGate::select(const KernelTable& kernels, const float* keys, int32_t* kept,
+                        std::vector<uint32_t>& scratch) const {
   const size_t nb = partition_.num_blocks;
   if (config_.threshold > 0.0f) {
     size_t count = 0;
@@ -113,7 +122,7 @@ size_t KwtaGate::select(const float* keys, int32_t* kept, std::vector<uint32_t>&
       if (!(keys[b] < threshold_key_)) kept[count++] = static_cast<int32_t>(b);  // NaN is kept
     if (count <= keep_count_) return count;
   }
-  return select_top_k(keys, nb, keep_count_, kept, scratch);
+  return select_top_k(kernels, keys, nb, keep_count_, kept, scratch);
 }
 
 KwtaStats KwtaGate::plan(const float* x, size_t m, const KernelTable& kernels, GatedRows& out) {
@@ -131,15 +140,19 @@ KwtaStats KwtaGate::plan(const float* x, size_t m, const KernelTable& kernels, G
   }
   stats.gated = true;
   const size_t nb = partition_.num_blocks;
-  std::vector<float> keys(nb);
-  std::vector<int32_t> kept(nb);
-  std::vector<uint32_t> scratch;
-  out.rows.reserve(m * std::min(partition_.k, keep_count_ * partition_.block));
+  if (keep_count_ == nb && config_.threshold <= 0.0f) {  // keeps everything: no scoring needed
+    for (size_t t = 0; t < m; ++t) out.add_dense_token();
+    stats.blocks_kept = stats.blocks_total;
+    return stats;
+  }
+  GateScratch& scratch = gate_scratch(nb);
+  float* keys = scratch.keys.data();
+  int32_t* kept = scratch.kept.data();
   for (size_t t = 0; t < m; ++t) {
-    block_keys(x + t * partition_.k, kernels, keys.data());
-    const size_t count = select(keys.data(), kept.data(), scratch);
+    block_keys(x + t * partition_.k, kernels, keys);
+    const size_t count = select(kernels, keys, kept, scratch.select);
     const float scale = config_.renorm && count > 0 ? static_cast<float>(nb) / static_cast<float>(count) : 1.0f;
-    out.add_token_blocks(partition_, kept.data(), count, scale);
+    out.add_token_blocks(partition_, kept, count, scale);
     stats.blocks_kept += count;
   }
   return stats;
@@ -195,7 +208,7 @@ KwtaStats KwtaGate::plan_hold(const float* x, size_t m, const KernelTable& kerne
         }
         limit = std::min(limit, candidates);
       }
-      const size_t count = select_top_k(p.data(), nb, limit, kept.data(), scratch);
+      const size_t count = select_top_k(kernels, p.data(), nb, limit, kept.data(), scratch);
       held_blocks_[t].assign(kept.begin(), kept.begin() + count);
       if (held_blocks_[t].empty()) held_blocks_[t].push_back(-1);  // "held, nothing kept"
       std::fill(sum.begin(), sum.end(), 0.0f);

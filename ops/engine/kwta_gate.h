@@ -11,6 +11,7 @@
 
 #include "engine/gated_rows.h"
 #include "engine/kernels.h"
+#include "engine/order_key.h"
 
 namespace ortsparse::engine {
 
@@ -31,19 +32,11 @@ struct KwtaConfig {
 KwtaScore parse_kwta_score(const std::string& name);  // throws Error naming the valid values
 DutyMode parse_duty_mode(const std::string& name);
 
-// Orderable unsigned key of a float (NaN sorts above +inf, so NaN blocks are kept and propagate).
-inline uint32_t order_key(float value) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu)) return 0xFFFFFFFFu;
-  if (bits == 0x80000000u) bits = 0;  // -0 ties with +0
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
 // Writes the indices of the k largest values to kept (ascending index order); ties at the k-th
-// value go to the lower index. Radix histogram + small nth_element: O(n), no full sort.
+// value go to the lower index. At most 32 vectorised counting passes, no sort.
 // Returns min(k, n).
-size_t select_top_k(const float* values, size_t n, size_t k, int32_t* kept, std::vector<uint32_t>& scratch);
+size_t select_top_k(const KernelTable& kernels, const float* values, size_t n, size_t k, int32_t* kept,
+                    std::vector<uint32_t>& scratch);
 
 struct KwtaStats {
   uint64_t blocks_total = 0;
@@ -69,7 +62,7 @@ class KwtaGate {
   // The published score (||x_b||, mean|x_b|, ||x_b||·||W_b||) from a key.
   float score_from_key(float key) const;
   // Kept blocks of one token from its keys (threshold and top-K rules); returns the count.
-  size_t select(const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
+  size_t select(const KernelTable& kernels, const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
 
  private:
   KwtaStats plan_hold(const float* x, size_t m, const KernelTable& kernels, GatedRows& out, bool recompute);

@@ -81,7 +81,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     const MatMulIo io = bind_matmul_io(context, w.k(), w.n(), 2);
     if (io.m == 0) return;
     const engine::KernelTable& kernels = engine::active_kernels();
-    engine::GatedRows gated;
+    thread_local engine::GatedRows gated;  // reused: a decode step allocates nothing
     const engine::KwtaStats stats = gate_->plan(io.x, io.m, kernels, gated);
     matmul_->run(io.x, io.m, gated, io.bias, io.y, kernels, OrtTaskRunner(raw_context));
     metrics_->add(kCalls, 1);

@@ -100,10 +100,10 @@ FloatArray block_reduce(const std::string& isa, FloatArray x, size_t block, bool
   return out;
 }
 
-IntArray select_top_k(FloatArray values, size_t k) {
+IntArray select_top_k(FloatArray values, size_t k, const std::string& isa) {
   std::vector<int32_t> kept(values.size());
   std::vector<uint32_t> scratch;
-  const size_t count = engine::select_top_k(values.data(), values.size(), k, kept.data(), scratch);
+  const size_t count = engine::select_top_k(table(isa), values.data(), values.size(), k, kept.data(), scratch);
   IntArray out(count);
   std::copy(kept.begin(), kept.begin() + count, out.mutable_data());
   return out;
@@ -201,7 +201,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("gemm_rows", &gemm_rows, py::arg("isa"), py::arg("w"), py::arg("rows"), py::arg("xv"), py::arg("y_init") = py::none());
   m.def("block_sumsq", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, true); });
   m.def("block_sumabs", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, false); });
-  m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"));
+  m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"), py::arg("isa") = "active");
   py::class_<KwtaMatMul>(m, "KwtaMatMul")
       .def(py::init<FloatArray, size_t, double, int64_t, const std::string&, float, float, int64_t, const std::string&, bool,
                     const std::string&>(),

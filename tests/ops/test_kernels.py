@@ -81,33 +81,38 @@ def test_nan_prefilled_output_is_overwritten(isa, rng):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 class TestSelectTopK:
-    def test_keeps_largest_in_index_order(self):
+    def test_keeps_largest_in_index_order(self, isa):
         v = np.array([0.1, 5.0, 3.0, 5.0, -1.0, 4.0], dtype=np.float32)
-        assert K.select_top_k(v, 3).tolist() == [1, 3, 5]
+        assert K.select_top_k(v, 3, isa).tolist() == [1, 3, 5]
 
-    def test_ties_go_to_lower_index(self):
+    def test_ties_go_to_lower_index(self, isa):
         v = np.ones(10, dtype=np.float32)
-        assert K.select_top_k(v, 4).tolist() == [0, 1, 2, 3]
+        assert K.select_top_k(v, 4, isa).tolist() == [0, 1, 2, 3]
         v = np.array([2, 1, 1, 1, 1, 0], dtype=np.float32)
-        assert K.select_top_k(v, 3).tolist() == [0, 1, 2]
+        assert K.select_top_k(v, 3, isa).tolist() == [0, 1, 2]
+        v = np.array([0.0, -0.0, 1.0, -0.0, 0.0], dtype=np.float32)  # -0 ties with +0
+        assert K.select_top_k(v, 3, isa).tolist() == [0, 1, 2]
 
-    def test_nan_counts_as_largest(self):
-        v = np.array([1.0, np.nan, 3.0, 2.0], dtype=np.float32)
-        assert K.select_top_k(v, 2).tolist() == [1, 2]
+    def test_nan_counts_as_largest(self, isa):
+        v = np.array([1.0, np.nan, 3.0, 2.0, -np.nan, np.inf], dtype=np.float32)
+        assert K.select_top_k(v, 3, isa).tolist() == [1, 4, 5]
 
-    def test_k_edge_cases(self):
+    def test_k_edge_cases(self, isa):
         v = np.arange(5, dtype=np.float32)
-        assert K.select_top_k(v, 0).tolist() == []
-        assert K.select_top_k(v, 5).tolist() == [0, 1, 2, 3, 4]
-        assert K.select_top_k(v, 9).tolist() == [0, 1, 2, 3, 4]
+        assert K.select_top_k(v, 0, isa).tolist() == []
+        assert K.select_top_k(v, 5, isa).tolist() == [0, 1, 2, 3, 4]
+        assert K.select_top_k(v, 9, isa).tolist() == [0, 1, 2, 3, 4]
 
-    @pytest.mark.parametrize("n", [1, 2, 17, 300, 5000])
-    def test_random_against_lexsort(self, n, rng):
+    @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 300, 5000])
+    def test_random_against_lexsort(self, isa, n, rng):
         for trial in range(20):
             v = rng.standard_normal(n).astype(np.float32)
             if trial % 3 == 0:
                 v = np.round(v, 1)  # many exact ties
+            if trial % 5 == 1:
+                v = np.abs(v) ** 2  # non-negative scores as the gate produces
             k = int(rng.integers(1, n + 1))
             expected = np.sort(np.lexsort((np.arange(n), -v))[:k])
-            assert K.select_top_k(v, k).tolist() == expected.tolist()
+            assert K.select_top_k(v, k, isa).tolist() == expected.tolist()
