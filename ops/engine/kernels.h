@@ -12,6 +12,9 @@ namespace ortsparse::engine {
 // Token-tile width of gemm_rows: one W row chunk is loaded once and used by this many tokens.
 constexpr size_t kTokenTile = 4;
 
+// Extra entries an index output buffer needs beyond its logical size (see indices_in_range).
+constexpr size_t kIndexSlack = 16;
+
 struct KernelTable {
   const char* isa;
 
@@ -30,12 +33,13 @@ struct KernelTable {
   void (*block_sumabs)(const float* x, size_t k, size_t block, float* out);
 
   // Top-K selection helpers on order keys (see order_key in kwta_gate.h):
-  // keys[i] = order_key(values[i]);
-  void (*order_keys)(const float* values, size_t n, uint32_t* keys);
+  // keys[i] = order_key(values[i]); returns their min and max (n >= 1).
+  void (*order_keys)(const float* values, size_t n, uint32_t* keys, uint32_t* min_key, uint32_t* max_key);
   // number of keys >= t;
   size_t (*count_at_least)(const uint32_t* keys, size_t n, uint32_t t);
-  // writes the indices i (ascending) with keys[i] >= t to out; returns how many.
-  size_t (*indices_at_least)(const uint32_t* keys, size_t n, uint32_t t, int32_t* out);
+  // writes the indices i (ascending) with lo <= keys[i] <= hi to out; returns how many. `out` must
+  // have room for n + kIndexSlack entries (SIMD variants store whole vectors).
+  size_t (*indices_in_range)(const uint32_t* keys, size_t n, uint32_t lo, uint32_t hi, int32_t* out);
 };
 
 const KernelTable& kernels_scalar();

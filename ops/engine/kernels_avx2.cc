@@ -176,12 +176,30 @@ inline __m256i order_keys8(__m256i bits) {
   return _mm256_or_si256(key, nan);
 }
 
-void order_keys_avx2(const float* values, size_t n, uint32_t* keys) {
+void order_keys_avx2(const float* values, size_t n, uint32_t* keys, uint32_t* min_key, uint32_t* max_key) {
+  __m256i lo = _mm256_set1_epi32(-1), hi = _mm256_setzero_si256();
   size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i),
-                        order_keys8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
-  for (; i < n; ++i) keys[i] = order_key(values[i]);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i k = order_keys8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), k);
+    lo = _mm256_min_epu32(lo, k);
+    hi = _mm256_max_epu32(hi, k);
+  }
+  alignas(32) uint32_t lanes_lo[8], lanes_hi[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes_lo), lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes_hi), hi);
+  uint32_t low = 0xFFFFFFFFu, high = 0;
+  for (int l = 0; l < 8; ++l) {
+    low = lanes_lo[l] < low ? lanes_lo[l] : low;
+    high = lanes_hi[l] > high ? lanes_hi[l] : high;
+  }
+  for (; i < n; ++i) {
+    keys[i] = order_key(values[i]);
+    low = keys[i] < low ? keys[i] : low;
+    high = keys[i] > high ? keys[i] : high;
+  }
+  *min_key = low;
+  *max_key = high;
 }
 
 // Unsigned a >= b on 32-bit lanes: max(a, b) == a.
@@ -199,20 +217,22 @@ size_t count_at_least_avx2(const uint32_t* keys, size_t n, uint32_t t) {
   return count;
 }
 
-size_t indices_at_least_avx2(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
-  const __m256i tv = _mm256_set1_epi32(static_cast<int>(t));
+size_t indices_in_range_avx2(const uint32_t* keys, size_t n, uint32_t lo, uint32_t hi, int32_t* out) {
+  const __m256i lov = _mm256_set1_epi32(static_cast<int>(lo));
+  const __m256i hiv = _mm256_set1_epi32(static_cast<int>(hi));
   size_t count = 0;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i ge = cmpge_epu32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)), tv);
-    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(ge)));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    const __m256i in = _mm256_and_si256(cmpge_epu32(v, lov), cmpge_epu32(hiv, v));
+    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(in)));
     while (bits) {
       out[count++] = static_cast<int32_t>(i + __builtin_ctz(bits));
       bits &= bits - 1;
     }
   }
   for (; i < n; ++i)
-    if (keys[i] >= t) out[count++] = static_cast<int32_t>(i);
+    if (keys[i] >= lo && keys[i] <= hi) out[count++] = static_cast<int32_t>(i);
   return count;
 }
 
@@ -220,7 +240,7 @@ size_t indices_at_least_avx2(const uint32_t* keys, size_t n, uint32_t t, int32_t
 
 const KernelTable& kernels_avx2() {
   static const KernelTable table{"avx2", gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2,
-                                 order_keys_avx2, count_at_least_avx2, indices_at_least_avx2};
+                                 order_keys_avx2, count_at_least_avx2, indices_in_range_avx2};
   return table;
 }
 

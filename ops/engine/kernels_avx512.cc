@@ -192,14 +192,24 @@ inline __m512i order_keys16(__m512i bits) {
   return _mm512_mask_mov_epi32(key, nan, _mm512_set1_epi32(-1));
 }
 
-void order_keys_avx512(const float* values, size_t n, uint32_t* keys) {
+void order_keys_avx512(const float* values, size_t n, uint32_t* keys, uint32_t* min_key, uint32_t* max_key) {
+  __m512i lo = _mm512_set1_epi32(-1), hi = _mm512_setzero_si512();
   size_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_si512(keys + i, order_keys16(_mm512_loadu_si512(values + i)));
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = order_keys16(_mm512_loadu_si512(values + i));
+    _mm512_storeu_si512(keys + i, k);
+    lo = _mm512_min_epu32(lo, k);
+    hi = _mm512_max_epu32(hi, k);
+  }
   if (i < n) {
     const __mmask16 m = tail_mask(n - i);
-    _mm512_mask_storeu_epi32(keys + i, m, order_keys16(_mm512_maskz_loadu_epi32(m, values + i)));
+    const __m512i k = order_keys16(_mm512_maskz_loadu_epi32(m, values + i));
+    _mm512_mask_storeu_epi32(keys + i, m, k);
+    lo = _mm512_mask_min_epu32(lo, m, lo, k);
+    hi = _mm512_mask_max_epu32(hi, m, hi, k);
   }
+  *min_key = static_cast<uint32_t>(_mm512_reduce_min_epu32(lo));
+  *max_key = static_cast<uint32_t>(_mm512_reduce_max_epu32(hi));
 }
 
 size_t count_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t) {
@@ -215,15 +225,19 @@ size_t count_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t) {
   return count;
 }
 
-size_t indices_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
-  const __m512i tv = _mm512_set1_epi32(static_cast<int>(t));
+size_t indices_in_range_avx512(const uint32_t* keys, size_t n, uint32_t lo, uint32_t hi, int32_t* out) {
+  const __m512i lov = _mm512_set1_epi32(static_cast<int>(lo));
+  const __m512i hiv = _mm512_set1_epi32(static_cast<int>(hi));
   __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   size_t count = 0;
   for (size_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
-    const __mmask16 hit = _mm512_mask_cmpge_epu32_mask(m, _mm512_maskz_loadu_epi32(m, keys + i), tv);
-    _mm512_mask_compressstoreu_epi32(out + count, hit, index);
+    const __m512i v = _mm512_maskz_loadu_epi32(m, keys + i);
+    const __mmask16 hit = _mm512_mask_cmple_epu32_mask(_mm512_mask_cmpge_epu32_mask(m, v, lov), v, hiv);
+    // Compress in a register and store all 16 lanes: compress-to-memory is microcoded and slow
+    // on some CPUs (AMD Zen 4). Hence the 16 entries of slack the caller provides.
+    _mm512_storeu_si512(out + count, _mm512_maskz_compress_epi32(hit, index));
     count += __builtin_popcount(hit);
     index = _mm512_add_epi32(index, step);
   }
@@ -235,7 +249,7 @@ size_t indices_at_least_avx512(const uint32_t* keys, size_t n, uint32_t t, int32
 const KernelTable& kernels_avx512() {
   static const KernelTable table{"avx512", gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512,
                                  block_sumabs_avx512, order_keys_avx512, count_at_least_avx512,
-                                 indices_at_least_avx512};
+                                 indices_in_range_avx512};
   return table;
 }
 

@@ -54,8 +54,15 @@ void block_sumabs_scalar(const float* x, size_t k, size_t block, float* out) {
   }
 }
 
-void order_keys_scalar(const float* values, size_t n, uint32_t* keys) {
-  for (size_t i = 0; i < n; ++i) keys[i] = order_key(values[i]);
+void order_keys_scalar(const float* values, size_t n, uint32_t* keys, uint32_t* min_key, uint32_t* max_key) {
+  uint32_t lo = 0xFFFFFFFFu, hi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    keys[i] = order_key(values[i]);
+    lo = keys[i] < lo ? keys[i] : lo;
+    hi = keys[i] > hi ? keys[i] : hi;
+  }
+  *min_key = lo;
+  *max_key = hi;
 }
 
 size_t count_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t) {
@@ -64,10 +71,10 @@ size_t count_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t) {
   return count;
 }
 
-size_t indices_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t, int32_t* out) {
+size_t indices_in_range_scalar(const uint32_t* keys, size_t n, uint32_t lo, uint32_t hi, int32_t* out) {
   size_t count = 0;
   for (size_t i = 0; i < n; ++i)
-    if (keys[i] >= t) out[count++] = static_cast<int32_t>(i);
+    if (keys[i] >= lo && keys[i] <= hi) out[count++] = static_cast<int32_t>(i);
   return count;
 }
 
@@ -76,7 +83,7 @@ size_t indices_at_least_scalar(const uint32_t* keys, size_t n, uint32_t t, int32
 const KernelTable& kernels_scalar() {
   static const KernelTable table{"scalar", gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar,
                                  block_sumabs_scalar, order_keys_scalar, count_at_least_scalar,
-                                 indices_at_least_scalar};
+                                 indices_in_range_scalar};
   return table;
 }
 

@@ -32,7 +32,8 @@ struct KwtaConfig {
 KwtaScore parse_kwta_score(const std::string& name);  // throws Error naming the valid values
 DutyMode parse_duty_mode(const std::string& name);
 
-// Writes the indices of the k largest values to kept (ascending index order); ties at the k-th
+// Writes the indices of the k largest values to kept (ascending index order; kept must hold
+// n + kIndexSlack entries); ties at the k-th
 // value go to the lower index. At most 32 vectorised counting passes, no sort.
 // Returns min(k, n).
 size_t select_top_k(const KernelTable& kernels, const float* values, size_t n, size_t k, int32_t* kept,

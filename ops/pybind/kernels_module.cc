@@ -100,8 +100,26 @@ FloatArray block_reduce(const std::string& isa, FloatArray x, size_t block, bool
   return out;
 }
 
+using KeyArray = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+
+py::tuple order_keys(const std::string& isa, FloatArray values) {
+  if (values.size() == 0) throw py::value_error("values must not be empty");
+  KeyArray keys(values.size());
+  uint32_t lo = 0, hi = 0;
+  table(isa).order_keys(values.data(), values.size(), keys.mutable_data(), &lo, &hi);
+  return py::make_tuple(keys, lo, hi);
+}
+
+IntArray indices_in_range(const std::string& isa, KeyArray keys, uint32_t lo, uint32_t hi) {
+  std::vector<int32_t> out(keys.size() + engine::kIndexSlack);
+  const size_t count = table(isa).indices_in_range(keys.data(), keys.size(), lo, hi, out.data());
+  IntArray result(count);
+  std::copy(out.begin(), out.begin() + count, result.mutable_data());
+  return result;
+}
+
 IntArray select_top_k(FloatArray values, size_t k, const std::string& isa) {
-  std::vector<int32_t> kept(values.size());
+  std::vector<int32_t> kept(values.size() + engine::kIndexSlack);
   std::vector<uint32_t> scratch;
   const size_t count = engine::select_top_k(table(isa), values.data(), values.size(), k, kept.data(), scratch);
   IntArray out(count);
@@ -201,6 +219,11 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("gemm_rows", &gemm_rows, py::arg("isa"), py::arg("w"), py::arg("rows"), py::arg("xv"), py::arg("y_init") = py::none());
   m.def("block_sumsq", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, true); });
   m.def("block_sumabs", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, false); });
+  m.def("order_keys", &order_keys, py::arg("isa"), py::arg("values"));
+  m.def("count_at_least", [](const std::string& isa, KeyArray keys, uint32_t t) {
+    return table(isa).count_at_least(keys.data(), keys.size(), t);
+  });
+  m.def("indices_in_range", &indices_in_range, py::arg("isa"), py::arg("keys"), py::arg("lo"), py::arg("hi"));
   m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"), py::arg("isa") = "active");
   py::class_<KwtaMatMul>(m, "KwtaMatMul")
       .def(py::init<FloatArray, size_t, double, int64_t, const std::string&, float, float, int64_t, const std::string&, bool,

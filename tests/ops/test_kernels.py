@@ -81,6 +81,30 @@ def test_nan_prefilled_output_is_overwritten(isa, rng):
     assert np.isfinite(got).all()
 
 
+def _special_values(rng, n):
+    v = rng.standard_normal(n).astype(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45], dtype=np.float32)
+    v[rng.integers(0, n, size=min(n, 8))] = specials[: min(n, 8)]
+    return v
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16, 17, 33, 100])
+def test_selection_kernels_match_scalar(isa, n, rng):
+    v = _special_values(rng, n)
+    keys, lo, hi = K.order_keys(isa, v)
+    ref_keys, ref_lo, ref_hi = K.order_keys("scalar", v)
+    assert keys.tolist() == ref_keys.tolist() and (lo, hi) == (ref_lo, ref_hi)
+    order = np.lexsort((np.arange(n), -v.astype(np.float64)))  # NaN sorts first with -v: same as keys
+    finite = ~np.isnan(v)
+    assert np.all(np.diff(keys[order][finite[order]].astype(np.int64)) <= 0)
+    for t in [0, int(lo), int(keys[n // 2]), int(hi), 2**32 - 1]:
+        assert K.count_at_least(isa, keys, t) == K.count_at_least("scalar", keys, t) == int(np.sum(keys >= t))
+        for top in [t, 2**32 - 1]:
+            expected = np.flatnonzero((keys >= t) & (keys <= top)).tolist()
+            assert K.indices_in_range(isa, keys, t, top).tolist() == expected
+
+
 @pytest.mark.parametrize("isa", ISAS)
 class TestSelectTopK:
     def test_keeps_largest_in_index_order(self, isa):
