@@ -56,10 +56,11 @@ def target_layers(model, target: str) -> list[TargetLayer]:
     return layers
 
 
-def capture_quantiles(model, layers: list[TargetLayer], windows: list[np.ndarray],
+def capture_quantiles(model, layers: list[TargetLayer], windows,
                       grid=SPARSITY_GRID, samples_per_window: int = 200_000, seed: int = 0, log=print) -> None:
     """Fills layer.quantiles: the |x| value below which a fraction s of the layer's inputs fall
-    (mean over windows), for each s of the grid."""
+    (mean over windows), for each s of the grid. windows: token windows of an LM, or named sentence
+    batches of an encoder (anything quality.lm_feeds takes)."""
     import onnx
     import onnxruntime as ort
 
@@ -171,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import onnx
 
-    from .quality import compare_embeddings, compare_lm, corpus_windows, load_corpus_tokens
+    from .quality import compare_lm, corpus_windows, load_corpus_tokens, perplexity
 
     target = "both" if args.target == "all-decoder" else args.target
     log = print
@@ -194,10 +195,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {args.window_len}")
     capture_quantiles(model, layers, calib, log=log)
 
+    dense_calib = perplexity(model, calib_tokens, args.calib_windows, args.window_len)["ppl"]
+
     def evaluate(sparsity: dict[str, float]) -> float:
-        result = compare_lm(model, rewritten_with(model, overrides_for(layers, sparsity)), calib_tokens,
-                            windows=args.calib_windows, window_len=args.window_len)
-        return result["dppl"]
+        rewritten = rewritten_with(model, overrides_for(layers, sparsity))
+        return perplexity(rewritten, calib_tokens, args.calib_windows, args.window_len)["ppl"] / dense_calib - 1.0
 
     best, history = search(layers, evaluate, args.max_dppl, args.greedy, log=log)
     entries = overrides_for(layers, best)
@@ -230,7 +232,7 @@ def _run_encoder(args, target: str, log) -> int:
     model = onnx.load(args.model)
     layers = target_layers(model, target)
     batches = encoder_batches()
-    capture_quantiles_encoder(model, layers, batches, log)
+    capture_quantiles(model, layers, batches, log=log)
     budget = 1.0 - args.min_cosine
 
     def evaluate(sparsity):
@@ -248,11 +250,6 @@ def _run_encoder(args, target: str, log) -> int:
     Path(report_path).write_text(json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; cosine mean {final['cosine_mean']:.4f} min {final['cosine_min']:.4f}")
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
-
-
-def capture_quantiles_encoder(model, layers, batches, log) -> None:
-    """capture_quantiles for an encoder: the windows are the sentence batches."""
-    capture_quantiles(model, layers, batches, log=log)
 
 
 def _bench_with(entries, log) -> dict:

@@ -32,15 +32,19 @@ def label(point: dict[str, Any]) -> str:
 def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, Any]], *, windows: int,
               window_len: int, context: int, repeats: int, log=print) -> list[dict[str, Any]]:
     from ..graph_rewrite import rewrite_model
-    from .quality import compare_lm
-    from .speed import make_feeds, time_models, SpeedModel, keep_ratios, vocab_size
+    from .quality import perplexity
+    from .speed import SpeedModel, keep_ratios, make_feeds, time_models, vocab_size
 
     feeds = {"kv": make_feeds(kv_model, new_tokens=1, past=context, vocab=vocab_size(kv_model))}
+    dense = perplexity(full_model, tokens, windows, window_len)
+    log(f"sweep: dense ppl {dense['ppl']:.3f} on {windows}x{window_len} tokens")
     results = []
     for i, point in enumerate(points):
         config = config_for(point)
         full_rewritten, _ = rewrite_model(full_model, config)
-        quality = compare_lm(full_model, full_rewritten, tokens, windows=windows, window_len=window_len)
+        gated = perplexity(full_rewritten, tokens, windows, window_len)
+        quality = {"dppl": gated["ppl"] / dense["ppl"] - 1.0, "ppl_rewritten": gated["ppl"], "ppl_dense": dense["ppl"],
+                   "top1_agreement": float(np.mean(gated["predictions"] == dense["predictions"]))}
         kv_rewritten, _ = rewrite_model(kv_model, config)
         speed = time_models([SpeedModel("dense", kv_model, "kv"), SpeedModel("rewritten", kv_rewritten, "kv")],
                             feeds, threads=1, repeats=repeats, tokens_per_run=1)
