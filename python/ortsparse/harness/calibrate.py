@@ -161,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoder budget: mean embedding cosine floor (switches to the encoder mode)")
     parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder"],
                         help="layers to calibrate (all-decoder = mlp + attn; the head stays dense)")
+    parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus); the first half "
+                        "gives evaluation windows, the second half calibration windows")
     parser.add_argument("--calib-windows", type=int, default=4)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=512)
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         model_file = str(model_path("smollm2", "full.torchscript"))
     model = onnx.load(model_file)
-    tokens = load_corpus_tokens()
+    tokens = load_corpus_tokens(args.tokens)
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
     calib = corpus_windows(calib_tokens, args.calib_windows, args.window_len)
     layers = target_layers(model, target)

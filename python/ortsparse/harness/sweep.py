@@ -83,6 +83,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     ax.axvline(2.0, color="grey", ls="--", lw=0.8)
     ax.text(2.05, ax.get_ylim()[0], " 2% budget", color="grey", fontsize=8, va="bottom")
     ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlim(left=min(-0.5, 1.2 * min(100 * r["dppl"] for r in results)))
     ax.set_xlabel("perplexity increase dppl (%) — symlog")
     ax.set_ylabel("decode speedup vs dense ORT (tokens/s ratio, KV cache, 1 thread)")
     ax.set_title(title, fontsize=10)
@@ -111,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--scores", nargs="+", default=["l2"], choices=["l2", "mean_abs", "l2_weighted"])
+    parser.add_argument("--tokens", help="token ids (.npy) for perplexity (default: the cached britannica corpus)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=128, help="decode context length for speed")
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
     full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
-    tokens = load_corpus_tokens()
+    tokens = load_corpus_tokens(args.tokens)
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
                         context=args.context, repeats=args.repeats)

