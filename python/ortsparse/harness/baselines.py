@@ -1,12 +1,15 @@
 """Weight-only quantized baselines: what a CPU user would pick instead of ortsparse.
 
-``quantize_matmul_nbits(src, dst, bits=4)`` turns every MatMul with a constant weight of an ONNX
-model into ORT's com.microsoft MatMulNBits (``onnxruntime.quantization.matmul_nbits_quantizer``,
-block-wise, symmetric by default). ``ortsparse models baselines`` applies it to the SmolLM2 KV
-export (int4 and int8, block 32). Needs only onnx and onnxruntime (no torch).
+``quantize_matmul_nbits(src, dst, bits=4)`` (file to file), ``quantize_proto`` (in memory) and
+``quantized_model`` (the cached file when there is one, for benchmarks) turn every MatMul with a
+constant weight of an ONNX model into ORT's com.microsoft MatMulNBits
+(``onnxruntime.quantization.matmul_nbits_quantizer``, block-wise, symmetric by default).
+``ortsparse models baselines`` applies it to the SmolLM2 KV export (int4 and int8, block 32).
+Needs only onnx and onnxruntime (no torch).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -17,23 +20,27 @@ Log = Callable[[str], None]
 BLOCK_SIZE = 32
 
 
-def quantize_matmul_nbits(src: str | Path, dst: str | Path, bits: int = 4, block_size: int = BLOCK_SIZE,
-                          symmetric: bool = True, accuracy_level: int | None = None,
-                          nodes_to_exclude: list[str] | None = None) -> dict:
-    """Quantize the constant-weight MatMuls of ``src`` to MatMulNBits and write ``dst`` (one file,
-    weights embedded; written to a temporary name and renamed). Returns what it did: bits, block,
-    op counts before and after, seconds. ``accuracy_level`` is ORT's compute type for
-    MatMulNBits (None = ORT's default; 4 = int8 compute, faster, less exact)."""
+def quantize_proto(model, bits: int = 4, block_size: int = BLOCK_SIZE, symmetric: bool = True,
+                   accuracy_level: int | None = None, nodes_to_exclude: list[str] | None = None):
+    """(quantized onnx.ModelProto, stats): every MatMul with a constant weight of ``model`` (a
+    path or ModelProto, not modified) becomes com.microsoft MatMulNBits. ``accuracy_level`` is
+    ORT's compute type for MatMulNBits (None = ORT's default; 4 = int8 compute, faster, less
+    exact)."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  MatMulNBitsQuantizer)
 
-    from .models import atomic_write
-
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8 (MatMulNBits), not {bits}")
+    # The quantizer module logs every node at INFO (it calls logging.basicConfig on import).
+    logging.getLogger(MatMulNBitsQuantizer.__module__).setLevel(logging.WARNING)
     started = time.perf_counter()
-    model = onnx.load(str(src))
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
+    else:
+        model = onnx.load(str(model))
     before = Counter(node.op_type for node in model.graph.node)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
                                           accuracy_level=accuracy_level, bits=bits)
@@ -44,11 +51,43 @@ def quantize_matmul_nbits(src: str | Path, dst: str | Path, bits: int = 4, block
     result = quantizer.model.model
     after = Counter(node.op_type for node in result.graph.node)
     if after["MatMulNBits"] == 0:
-        raise RuntimeError(f"{Path(src).name}: no MatMul was quantized to MatMulNBits (bits={bits})")
+        raise RuntimeError(f"no MatMul with a constant weight was quantized to MatMulNBits (bits={bits})")
+    return result, {"bits": bits, "block_size": block_size, "symmetric": symmetric,
+                    "accuracy_level": accuracy_level, "matmul_before": before["MatMul"],
+                    "matmul_after": after["MatMul"], "matmulnbits": after["MatMulNBits"],
+                    "seconds": round(time.perf_counter() - started, 1)}
+
+
+def quantize_matmul_nbits(src: str | Path, dst: str | Path, bits: int = 4, block_size: int = BLOCK_SIZE,
+                          symmetric: bool = True, accuracy_level: int | None = None,
+                          nodes_to_exclude: list[str] | None = None) -> dict:
+    """Quantize ``src`` (see :func:`quantize_proto`) and write ``dst`` as one file (weights
+    embedded; a temporary name renamed at the end). Returns the stats."""
+    import onnx
+
+    from .models import atomic_write
+
+    result, stats = quantize_proto(src, bits, block_size, symmetric, accuracy_level, nodes_to_exclude)
     atomic_write(Path(dst), lambda tmp: onnx.save_model(result, str(tmp)))
-    return {"bits": bits, "block_size": block_size, "symmetric": symmetric, "accuracy_level": accuracy_level,
-            "matmul_before": before["MatMul"], "matmul_after": after["MatMul"],
-            "matmulnbits": after["MatMulNBits"], "seconds": round(time.perf_counter() - started, 1)}
+    return stats
+
+
+def quantized_model(src, bits: int = 4, block_size: int = BLOCK_SIZE, symmetric: bool = True,
+                    accuracy_level: int | None = None):
+    """The MatMulNBits baseline of ``src`` (path or ModelProto) for a benchmark: the file that
+    ``ortsparse models baselines`` built when ``src`` is the cache's SmolLM2 KV export and the
+    settings are those of the cache (block 32, symmetric, default accuracy level), else a
+    ModelProto quantized now. Either can be handed to onnxruntime / the harness sessions."""
+    if (isinstance(src, (str, Path)) and bits in (4, 8) and block_size == BLOCK_SIZE and symmetric
+            and accuracy_level is None):
+        from .models import ModelNotBuiltError, model_path
+
+        try:
+            if Path(src).resolve() == model_path("smollm2", "kv.torchscript").resolve():
+                return model_path("smollm2", f"kv.torchscript.int{bits}")
+        except (ModelNotBuiltError, KeyError):
+            pass
+    return quantize_proto(src, bits, block_size, symmetric, accuracy_level)[0]
 
 
 def greedy_check(path: Path, tokenizer_path: Path, reference: list[int] | None = None) -> dict:
@@ -80,7 +119,8 @@ def build(source: Path, out: Mapping[str, Path], log: Log) -> dict:
     checks: dict = {}
     failed: dict = {}
     for variant, bits in (("kv.torchscript.int4", 4), ("kv.torchscript.int8", 8)):
-        log(f"  quantizing {source.name} -> {out[variant].name} (MatMulNBits, {bits} bits, block {BLOCK_SIZE}, symmetric) ...")
+        log(f"  quantizing {source.name} -> {out[variant].name} "
+            f"(MatMulNBits, {bits} bits, block {BLOCK_SIZE}, symmetric) ...")
         try:
             info = quantize_matmul_nbits(source, out[variant], bits=bits)
         except Exception as error:

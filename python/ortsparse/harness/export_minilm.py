@@ -9,6 +9,7 @@ the attention mask, then L2 normalisation (``embed`` here, in numpy).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -101,8 +102,11 @@ def load(model_dir: Path):
     """(model, tokenizer) from the package's model folder: fp32, eager attention, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from transformers.utils import logging as hf_logging
     from transformers import AutoModel, AutoTokenizer
 
+    hf_logging.disable_progress_bar()  # the build log says what happens
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # set after importing torch, which resets it
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
@@ -162,7 +166,7 @@ def export_dynamo(model, path: Path) -> int:
     batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("sequence", min=1, max=512)
     shapes = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
     with torch.no_grad():
-        program = torch.onnx.export(_wrapper()(model), _example(), dynamo=True, dynamic_shapes=shapes,
+        program = torch.onnx.export(_wrapper()(model), _example(), dynamo=True, verbose=False, dynamic_shapes=shapes,
                                     input_names=list(INPUT_NAMES), output_names=["last_hidden_state"], optimize=True)
     program.save(str(path), external_data=False)
     import onnx
@@ -187,7 +191,8 @@ def _session(path: Path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def check(path: Path, inputs: dict[str, np.ndarray], expected_hidden: np.ndarray, expected_embeddings: np.ndarray) -> dict:
+def check(path: Path, inputs: dict[str, np.ndarray], expected_hidden: np.ndarray,
+          expected_embeddings: np.ndarray) -> dict:
     """ORT on the sentence set vs torch: last_hidden_state at real tokens, and embedding cosine."""
     got = _session(path).run(["last_hidden_state"], inputs)[0]
     mask = inputs["attention_mask"].astype(bool)

@@ -14,6 +14,7 @@ Exports (all fp32, eager attention, batch / sequence / past length dynamic):
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -37,8 +38,11 @@ def load(gguf_path: Path):
     """(model, tokenizer) from a GGUF file: dequantized to fp32, eager attention, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from transformers.utils import logging as hf_logging
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hf_logging.disable_progress_bar()  # the build log says what happens
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # set after importing torch, which resets it
     gguf_path = Path(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -155,7 +159,7 @@ def export_full_dynamo(model, path: Path) -> int:
               "position_ids": {0: batch, 1: seq}}
     with torch.no_grad():
         program = torch.onnx.export(FullLogits(model), _full_args(_TRACE_BATCH, _TRACE_SEQ, model.config.vocab_size),
-                                    dynamo=True, dynamic_shapes=shapes, input_names=list(shapes),
+                                    dynamo=True, verbose=False, dynamic_shapes=shapes, input_names=list(shapes),
                                     output_names=["logits"], optimize=True)
     program.save(str(path), external_data=False)
     return _opset(path)
@@ -200,7 +204,8 @@ def export_kv_dynamo(model, path: Path) -> int:
     shapes.append(tuple([{0: batch, 2: past}] * (2 * num_layers)))  # forward(*past) is one input to torch.export
     with torch.no_grad():
         program = torch.onnx.export(KVDecoder(model), _kv_args(model, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST),
-                                    dynamo=True, dynamic_shapes=tuple(shapes), input_names=kv_input_names(num_layers),
+                                    dynamo=True, verbose=False, dynamic_shapes=tuple(shapes),
+                                    input_names=kv_input_names(num_layers),
                                     output_names=kv_output_names(num_layers), optimize=True)
     mask = program.model.graph.inputs[1]  # the AUTO dim gets a generated name (s53): name it
     mask.shape = type(mask.shape)([mask.shape[0], "past_sequence + sequence"])
@@ -229,7 +234,8 @@ def check_full(model, path: Path, batch: int = 2, seq: int = 33) -> dict:
 
     args = _full_args(batch, seq, model.config.vocab_size, seed=1)
     with torch.no_grad():
-        expected = model(input_ids=args[0], attention_mask=args[1], position_ids=args[2], use_cache=False).logits.numpy()
+        expected = model(input_ids=args[0], attention_mask=args[1], position_ids=args[2],
+                         use_cache=False).logits.numpy()
     session = _session(path)
     feeds = dict(zip(["input_ids", "attention_mask", "position_ids"], (a.numpy() for a in args)))
     got = session.run(["logits"], feeds)[0]
@@ -304,7 +310,8 @@ def check_kv_step(model, path: Path, batch: int = 1, seq: int = 1, past: int = 4
     positions = torch.arange(past + seq, dtype=torch.int64).unsqueeze(0).expand(batch, -1).contiguous()
     empty = [torch.zeros(batch, kv_heads, 0, head_dim) for _ in range(2 * num_layers)]
     with torch.no_grad():
-        cache = decoder(ids[:, :past], torch.ones(batch, past, dtype=torch.int64), positions[:, :past], *empty)[1:]
+        cache = empty if past == 0 else \
+            decoder(ids[:, :past], torch.ones(batch, past, dtype=torch.int64), positions[:, :past], *empty)[1:]
         args = (ids[:, past:], torch.ones(batch, past + seq, dtype=torch.int64), positions[:, past:], *cache)
         expected = [t.numpy() for t in decoder(*args)]
     session = _session(path)

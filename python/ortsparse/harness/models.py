@@ -16,6 +16,7 @@ extra); reading the cache (``model_path``) needs neither.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -23,12 +24,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 import uuid
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -130,13 +133,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
+_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^.]*)?$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Temporary files left by a killed run (``.NAME.tmpPID.EXT``)."""
+    """Remove temporary files (``.NAME.tmpPID.EXT``) left by a killed run; those of a process
+    still running (another ``ortsparse models``) are kept."""
     removed = []
     if folder.is_dir():
         for entry in folder.iterdir():
-            if entry.name.startswith(".") and ".tmp" in entry.name and entry.is_file():
-                entry.unlink()
+            match = _TEMPORARY.match(entry.name)
+            if match is None or not entry.is_file():
+                continue
+            pid = int(match["pid"])
+            if pid == os.getpid() or not _process_alive(pid):
+                entry.unlink(missing_ok=True)
                 removed.append(entry)
     return removed
 
@@ -331,7 +352,7 @@ def _build(name: str, registry: Mapping[str, ModelSpec], log: Log) -> dict:
         for stale in remove_stale_temporaries(folder):
             log(f"  removed a temporary file left by an interrupted run: {stale.name}")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"ortsparse-{name}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"ortsparse-{name}-") as tmp, _quiet_libraries():
         context = BuildContext(name, spec, root, log, Path(tmp))
         result = spec.builder(context) or {}
     failed = dict(result.get("failed") or {})
@@ -372,6 +393,26 @@ def _build(name: str, registry: Mapping[str, ModelSpec], log: Log) -> dict:
             record.setdefault(key, value)
     atomic_write_bytes(manifest_path, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
     return record
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Exporters print pages of tracer / deprecation warnings and progress bars; the build
+    prints what it does and records the checks, so silence them while building."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "transformers")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def ensure_models(names: Iterable[str] | None = None, force: bool = False, log: Log = print, *,
@@ -433,7 +474,8 @@ def model_path(name: str, variant: str, *, registry: Mapping[str, ModelSpec] | N
     if record is None:
         why = (data.get("failed") or {}).get(variant)
         if why:
-            raise ModelNotBuiltError(f"{name} {variant} could not be built ({why}); see {_manifest_path(entry, registry)}")
+            raise ModelNotBuiltError(f"{name} {variant} could not be built ({why}); "
+                                     f"see {_manifest_path(entry, registry)}")
         raise ModelNotBuiltError(f"{name} {variant} is not in the manifest: {hint}")
     path = cache.cache_root() / record["path"]
     if not path.is_file():
