@@ -46,10 +46,58 @@ def _proto(model: Any, load_weights: bool = False):
     return onnx.load(os.fspath(model), load_external_data=load_weights)
 
 
+def _varint(data: Any, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def opset_domains(model: Any) -> set[str]:
+    """The opset domains a model imports. For a file only the top level of the protobuf is read
+    (the graph, field 7, is skipped over), so this costs microseconds on a 600 MB model."""
+    import mmap
+
+    import onnx
+
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            with open(os.fspath(model), "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                domains, pos = set(), 0
+                while pos < len(data):
+                    key, pos = _varint(data, pos)
+                    field, wire = key >> 3, key & 7
+                    if wire == 0:
+                        _, pos = _varint(data, pos)
+                    elif wire == 1:
+                        pos += 8
+                    elif wire == 5:
+                        pos += 4
+                    elif wire == 2:
+                        length, pos = _varint(data, pos)
+                        if field == 8:  # ModelProto.opset_import
+                            opset = onnx.OperatorSetIdProto()
+                            opset.ParseFromString(data[pos:pos + length])
+                            domains.add(opset.domain)
+                        pos += length
+                    else:
+                        raise ValueError(f"wire type {wire}")
+                if pos != len(data):
+                    raise ValueError("truncated")
+                return domains
+        except (OSError, ValueError, IndexError):
+            pass  # not a plain protobuf file (or empty): let onnx.load explain
+    return {o.domain for o in _proto(model).opset_import}
+
+
 def uses_ortsparse(model: Any) -> bool:
     from .. import DOMAIN
 
-    return any(o.domain == DOMAIN for o in _proto(model).opset_import)
+    return DOMAIN in opset_domains(model)
 
 
 def open_session(model: Any, session_options: Any = None):
@@ -438,37 +486,40 @@ def detect_kind(model: Any) -> str:
 
 # --------------------------------------------------------------------------- data in the cache
 
-def real_model_path(name: str, variant: str) -> Path:
-    """Path of a file of the real-model cache, e.g. ``("smollm2", "full.torchscript.onnx")`` or
-    ``("smollm2", "corpus_britannica.npy")``: ``ortsparse.harness.models.model_path`` when it knows
-    it, else ``<cache>/models/<name>/<variant>``. The file may not exist yet."""
+def _cache_lookup(name: str, variant: str) -> Path | None:
+    """``ortsparse.harness.models.model_path(name, variant)``, or None when that module, the
+    name or the built file is missing."""
+    try:
+        from .models import model_path
+    except ImportError:
+        return None
+    try:
+        return Path(model_path(name, variant))
+    except Exception:  # noqa: BLE001 - unknown or not built: the caller falls back to the layout
+        return None
+
+
+def real_model_path(name: str, file: str) -> Path:
+    """Path of a real model in the cache, e.g. ``("smollm2", "full.torchscript.onnx")``: what
+    ``ortsparse.harness.models.model_path`` says, else ``<cache>/models/<name>/<file>``. The file
+    may not exist."""
     from .cache import models_dir
 
-    fallback = models_dir() / name / variant
-    try:
-        from . import models  # the cache builder (`ortsparse models`)
-    except ImportError:
-        return fallback
-    lookup = getattr(models, "model_path", None)
-    if lookup is None:
-        return fallback
-    stem = variant.removesuffix(".onnx")
-    for candidate in dict.fromkeys((stem, variant)):
-        try:
-            path = Path(lookup(name, candidate))
-        except Exception:  # noqa: BLE001 - a name it does not know: try the next spelling
-            continue
-        if path.is_file() or path.name == fallback.name:
-            return path
-    return fallback
+    return _cache_lookup(name, file.removesuffix(".onnx")) or models_dir() / name / file
 
 
 def default_corpus() -> Path:
-    return real_model_path("smollm2", "corpus_britannica.npy")
+    """SmolLM2 token ids of the perplexity corpus (britannica-11th; the cache builder's fallback
+    corpus when it had to use one)."""
+    from .cache import models_dir
+
+    return _cache_lookup("corpus", "smollm2.tokens") or models_dir() / "smollm2" / "corpus_britannica.npy"
 
 
 def default_sentences() -> Path:
-    return real_model_path("minilm", "sentences.npz")
+    from .cache import models_dir
+
+    return _cache_lookup("minilm", "sentences") or models_dir() / "minilm" / "sentences.npz"
 
 
 # --------------------------------------------------------------------------- CLI

@@ -218,6 +218,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", metavar="FULL.onnx", help="full-sequence export for prefill (default: cached SmolLM2)")
     parser.add_argument("--baselines", nargs="*", default=["int4", "int8"], choices=["int4", "int8"],
                         help="MatMulNBits baselines to include (default int4 int8)")
+    parser.add_argument("--baseline-accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
+                        help="MatMulNBits accuracy_level of the baselines (default 4: int8 compute, ORT's fast "
+                             "CPU path; 0 = ORT's default, fp32 compute)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--prompt", type=int, default=128, help="prefill prompt length (default 128)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -255,9 +258,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for bits in args.baselines:
         from .baselines import quantized_model
 
-        kv_models[bits] = quantized_model(kv_path, bits=int(bits[3:]))
+        level = args.baseline_accuracy_level or None
+        kv_models[bits] = quantized_model(kv_path, bits=int(bits[3:]), accuracy_level=level)
         if full_models is not None:
-            full_models[bits] = quantized_model(full_path, bits=int(bits[3:]))
+            full_models[bits] = quantized_model(full_path, bits=int(bits[3:]), accuracy_level=level)
     payload = bench(kv_models, full_models, contexts=args.contexts, prompt_len=args.prompt,
                     threads=args.threads, repeats=args.repeats)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"

@@ -50,8 +50,8 @@ ZOOS = {"default": GROUPS, "fast": ("tiny", "generated"), **{g: (g,) for g in GR
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # (model name in the cache, file) of the real models, in report order.
 REAL_MODELS = (("smollm2", "full.torchscript.onnx"), ("smollm2", "full.dynamo.onnx"),
-               ("smollm2", "kv.torchscript.onnx"), ("minilm", "torchscript.onnx"), ("minilm", "dynamo.onnx"),
-               ("minilm", "torchscript.ortopt.onnx"))
+               ("smollm2", "kv.torchscript.onnx"), ("smollm2", "kv.dynamo.onnx"),
+               ("minilm", "torchscript.onnx"), ("minilm", "dynamo.onnx"), ("minilm", "torchscript.ortopt.onnx"))
 
 
 @dataclasses.dataclass
@@ -190,12 +190,13 @@ def builtin_transformer(decoder: bool, d: int = 16, ff: int = 32, vocab: int = 4
     out = norm(x, "ln_f")
     ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
     if decoder:
-        nodes.append(helper.make_node("MatMul", [out, op("Transpose", [wte], perm=[1, 0])], ["logits"], name="/lm_head"))
+        head_weight = op("Transpose", [wte], perm=[1, 0])
+        nodes.append(helper.make_node("MatMul", [out, head_weight], ["logits"], name="/lm_head"))
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])]
     else:
         nodes.append(helper.make_node("Identity", [out], ["last_hidden_state"]))
-        first = op("Gather", [out, numpy_helper.from_array(np.array(0, np.int64), "zero").name], axis=1)
-        inits.append(numpy_helper.from_array(np.array(0, np.int64), "zero"))
+        inits.append(numpy_helper.from_array(np.array(0, np.int64), "first_token"))
+        first = op("Gather", [out, "first_token"], axis=1)
         nodes.append(helper.make_node("Tanh", [linear(first, "pooler", d, d)], ["pooler_output"]))
         outputs = [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", d]),
                    helper.make_tensor_value_info("pooler_output", TensorProto.FLOAT, ["batch", d])]
