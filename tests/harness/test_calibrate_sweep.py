@@ -72,7 +72,7 @@ def test_greedy_raises_the_cheapest_groups_within_budget():
     layers = _fake_layers()
     # "down" layers are free, "up" layers cost: greedy should push down, not up.
     loss = lambda sp: sum(v for k, v in sp.items() if int(k[1:]) % 2 == 0)
-    best, _ = calibrate.search(layers, loss, budget=0.3, greedy=True, log=lambda *_: None)
+    best, _ = calibrate.search(layers, loss, budget=0.3, greedy=True, log=lambda *_: None, max_rounds=100)
     downs = [best[f"l{i}"] for i in (1, 3, 5)]
     ups = [best[f"l{i}"] for i in (0, 2, 4)]
     assert min(downs) == max(calibrate.SPARSITY_GRID) and loss(best) <= 0.3 and max(ups) <= 0.3

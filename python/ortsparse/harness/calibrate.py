@@ -120,7 +120,7 @@ def skipped_bytes(layers: list[TargetLayer], sparsity: dict[str, float]) -> floa
 
 
 def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], float], budget: float,
-           greedy: bool, grid=SPARSITY_GRID, log=print) -> tuple[dict[str, float], list[dict]]:
+           greedy: bool, grid=SPARSITY_GRID, log=print, max_rounds: int = 8) -> tuple[dict[str, float], list[dict]]:
     """Uniform search, then optional greedy per-role refinement. evaluate(sparsity) -> loss
     (dppl, or 1 - mean cosine), which must stay <= budget."""
     history = []
@@ -136,7 +136,7 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
     if not greedy:
         return best, history
     roles = sorted({layer.role for layer in layers})
-    while True:
+    for _ in range(max_rounds):
         options = []
         for role in roles:
             members = [layer for layer in layers if layer.role == role]
@@ -156,6 +156,10 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
         if not options:
             return best, history
         best = max(options, key=lambda option: option[0])[1]
+        history.append({"stage": "greedy-accepted", "sparsity_by_group": {
+            role: next(best[layer.name] for layer in layers if layer.role == role) for role in roles}})
+        log(f"calibrate: greedy accepted {history[-1]['sparsity_by_group']}")
+    return best, history
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--greedy", action="store_true", help="per-role greedy refinement after the uniform search")
+    parser.add_argument("--greedy-rounds", type=int, default=8, help="at most this many greedy steps (default 8)")
     parser.add_argument("--bench", action="store_true", help="also measure decode tokens/s (KV export)")
     parser.add_argument("--report", default=None, help="JSON report path (default: next to the output)")
 
@@ -211,7 +216,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         rewritten = rewritten_with(model, overrides_for(layers, sparsity))
         return perplexity(rewritten, calib_tokens, args.calib_windows, args.window_len)["ppl"] / dense_calib - 1.0
 
-    best, history = search(layers, evaluate, args.margin * args.max_dppl, args.greedy, log=log)
+    best, history = search(layers, evaluate, args.margin * args.max_dppl, args.greedy, log=log,
+                           max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
     Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
@@ -249,7 +255,8 @@ def _run_encoder(args, target: str, log) -> int:
         result = compare_embeddings(model, rewritten_with(model, overrides_for(layers, sparsity)))
         return 1.0 - result["cosine_mean"]
 
-    best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log)
+    best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log,
+                           max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
     Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
     final = compare_embeddings(model, rewritten_with(model, entries))
