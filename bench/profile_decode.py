@@ -1,0 +1,61 @@
+"""Where a decode step's time goes: ORT's profiler per op type, dense vs KWTA-rewritten KV export.
+
+usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5]
+Node times come from ORT's own profiler (it adds overhead; compare the two columns, not absolute
+tokens/s).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+
+import onnx
+import onnxruntime as ort
+
+import ortsparse
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
+from ortsparse.harness import speed
+from ortsparse.harness.models import model_path
+
+
+def profile(model, feeds, runs: int, prefix: str) -> collections.Counter:
+    options = ortsparse.session_options(intra_op_num_threads=1)
+    options.enable_profiling = True
+    options.profile_file_prefix = prefix
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for _ in range(runs):
+        session.run(None, feeds)
+    events = json.load(open(session.end_profiling()))
+    per_op: collections.Counter = collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"].get("op_name")] += event["dur"] / runs
+    return per_op
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", type=float, default=0.75)
+    parser.add_argument("--target", default="both")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+    dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
+    gated, _ = rewrite_model(dense, RewriteConfig(kwta=KwtaSettings(k_frac=args.k), kwta_target=args.target))
+    feeds = speed.make_feeds(dense, new_tokens=1, past=args.context, vocab=speed.vocab_size(dense))
+    with tempfile.TemporaryDirectory() as tmp:
+        columns = {"dense": profile(dense, feeds, args.runs, f"{tmp}/dense"),
+                   "kwta": profile(gated, feeds, args.runs, f"{tmp}/kwta")}
+    ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
+    print(f"per decode step, context {args.context}, 1 thread, k {args.k} on {args.target} (us of node time)")
+    print(f"{'op':24s} {'dense':>10s} {'kwta':>10s}")
+    for op in ops[:12]:
+        print(f"{op:24s} {columns['dense'][op]:10.0f} {columns['kwta'][op]:10.0f}")
+    print(f"{'total':24s} {sum(columns['dense'].values()):10.0f} {sum(columns['kwta'].values()):10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
