@@ -39,6 +39,7 @@ class KwtaSettings:
     duty_mode: str = "dense"
     renorm: int = 0
     block: int = 1
+    max_gated_rows: int = 0  # > 0: calls with more rows (prefill) run dense; 0: always gate
 
     def __post_init__(self) -> None:
         problems = []
@@ -60,6 +61,8 @@ class KwtaSettings:
             problems.append(f"renorm={self.renorm!r} must be 0 or 1")
         if not (isinstance(self.block, int) and self.block >= 1):
             problems.append(f"block={self.block!r} must be an integer >= 1")
+        if not (isinstance(self.max_gated_rows, int) and self.max_gated_rows >= 0):
+            problems.append(f"max_gated_rows={self.max_gated_rows!r} must be an integer >= 0")
         if problems:
             raise ConfigError("invalid KWTA settings: " + "; ".join(problems))
 
@@ -101,6 +104,7 @@ class KwtaSettings:
             "k_frac": float(self.k_frac), "k_abs": int(self.k_abs), "score": self.score,
             "threshold": float(self.threshold), "temp": float(self.temp), "duty": int(self.duty),
             "duty_mode": self.duty_mode, "renorm": int(self.renorm), "block": int(self.block),
+            "max_gated_rows": int(self.max_gated_rows),
         }
 
     def short(self) -> str:

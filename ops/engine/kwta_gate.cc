@@ -168,8 +168,9 @@ KwtaStats KwtaGate::plan(const float* x, size_t m, const KernelTable& kernels, G
   out.clear();
   KwtaStats stats;
   stats.blocks_total = static_cast<uint64_t>(m) * partition_.num_blocks;
-  if (config_.duty_mode == DutyMode::kHold && duty > 1) return plan_hold(x, m, kernels, out, on_duty);
-  if (!on_duty) {
+  const bool too_many_rows = config_.max_gated_rows > 0 && m > static_cast<size_t>(config_.max_gated_rows);
+  if (config_.duty_mode == DutyMode::kHold && duty > 1 && !too_many_rows) return plan_hold(x, m, kernels, out, on_duty);
+  if (!on_duty || too_many_rows) {
     for (size_t t = 0; t < m; ++t) out.add_dense_token();
     stats.blocks_kept = stats.blocks_total;
     return stats;

@@ -27,6 +27,7 @@ struct KwtaConfig {
   int64_t duty = 1;
   DutyMode duty_mode = DutyMode::kDense;
   bool renorm = false;
+  int64_t max_gated_rows = 0;  // > 0: a call with more rows than this runs dense (e.g. prefill)
 };
 
 KwtaScore parse_kwta_score(const std::string& name);  // throws Error naming the valid values

@@ -35,6 +35,8 @@ engine::KwtaConfig read_config(const Attributes& attrs) {
   c.duty = attrs.get_int("duty", 1);
   c.duty_mode = engine::parse_duty_mode(attrs.get_string("duty_mode", "dense"));
   const int64_t renorm = attrs.get_int("renorm", 0);
+  c.max_gated_rows = attrs.get_int("max_gated_rows", 0);
+  if (c.max_gated_rows < 0) fail("attribute max_gated_rows=", c.max_gated_rows, " must be >= 0 (0: gate every call)");
   if (!(c.k_frac > 0.0 && c.k_frac <= 1.0)) fail("attribute k_frac=", c.k_frac, " must be in (0, 1]");
   if (c.k_abs < 0) fail("attribute k_abs=", c.k_abs, " must be >= 0");
   if (!(c.threshold >= 0.0f)) fail("attribute threshold=", c.threshold, " must be >= 0");

@@ -59,6 +59,8 @@ def add_kwta_arguments(parser: argparse.ArgumentParser) -> None:
                       help="dense: run dense between gated calls; hold: reuse the last mask")
     kwta.add_argument("--kwta-renorm", type=int, choices=(0, 1), default=default.renorm,
                       help="scale the gated product by blocks_total/blocks_kept (default 0: off)")
+    kwta.add_argument("--kwta-max-gated-rows", type=_positive_int, default=default.max_gated_rows, metavar="M",
+                      help="calls with more than M rows of X (prefill) run dense; 0 = gate every call (default)")
     kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
                       help=f"rows of W per block (default {default.block}: single rows)")
 
@@ -94,7 +96,8 @@ def config_from_args(args: argparse.Namespace):
 
     kwta = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
                         threshold=args.kwta_threshold, temp=args.kwta_temp, duty=args.kwta_duty,
-                        duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block)
+                        duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block,
+                        max_gated_rows=args.kwta_max_gated_rows)
     overrides = load_overrides(args.config) if args.config else ()
     return RewriteConfig(kwta=kwta, kwta_enabled=args.kwta == "on", kwta_target=args.kwta_target,
                          overrides=overrides)

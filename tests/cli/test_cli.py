@@ -41,12 +41,13 @@ def test_kwta_flags_reach_the_attributes(model_file, tmp_path):
     assert rewrite_onnx_main([str(model_file("bert")), "-o", str(out), "--kwta-target", "down", "--kwta-k", "0.7",
                               "--kwta-k-abs", "8", "--kwta-temp", "0.5", "--kwta-duty", "2", "--kwta-duty-mode",
                               "hold", "--kwta-score", "l2_weighted", "--kwta-threshold", "0.01", "--kwta-renorm",
-                              "1", "--kwta-block", "4", "-q"]) == EXIT_OK
+                              "1", "--kwta-block", "4", "--kwta-max-gated-rows", "16", "-q"]) == EXIT_OK
     nodes = [n for n in onnx.load(out).graph.node if n.op_type == "KwtaBlockMatMul"]
     assert len(nodes) == 2
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attributes == pytest.approx({"k_frac": 0.7, "k_abs": 8, "temp": 0.5, "duty": 2, "duty_mode": b"hold",
-                                        "score": b"l2_weighted", "threshold": 0.01, "renorm": 1, "block": 4})
+                                        "score": b"l2_weighted", "threshold": 0.01, "renorm": 1, "block": 4,
+                                        "max_gated_rows": 16})
 
 
 def test_config_file_overrides_per_layer(model_file, tmp_path, capsys):

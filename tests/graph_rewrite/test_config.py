@@ -13,7 +13,8 @@ from ortsparse.graph_rewrite import (
 def test_defaults_follow_the_op_contract_with_single_row_blocks():
     settings = KwtaSettings()
     assert settings.attributes() == {"k_frac": 0.5, "k_abs": 0, "score": "l2", "threshold": 0.0, "temp": 1.0,
-                                     "duty": 1, "duty_mode": "dense", "renorm": 0, "block": 1}
+                                     "duty": 1, "duty_mode": "dense", "renorm": 0, "block": 1,
+                                     "max_gated_rows": 0}
 
 
 @pytest.mark.parametrize("bad", [

@@ -10,7 +10,8 @@ from ort_run import assert_same_outputs, kwta_nodes, op_types, token_feeds
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, describe_rules, list_layers, rewrite_model
 
 EXACT_ALL = RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all")
-ALL_ATTRIBUTES = {"k_frac", "k_abs", "score", "threshold", "temp", "duty", "duty_mode", "renorm", "block"}
+ALL_ATTRIBUTES = {"k_frac", "k_abs", "score", "threshold", "temp", "duty", "duty_mode", "renorm", "block",
+                  "max_gated_rows"}
 
 
 def rewrite(model: onnx.ModelProto, config: RewriteConfig = EXACT_ALL):

@@ -150,6 +150,22 @@ def test_hold_mode_recompute_uses_mean_probabilities_over_the_window(rng):
         assert kept[0].tolist() == [expected_kept], temp
 
 
+def test_max_gated_rows_gates_decode_calls_and_runs_prefill_dense(rng):
+    k, n = 40, 12
+    w, b = weights(rng, k, n)
+    session = ortsparse.inference_session(kwta_model(w, b, k_frac=0.5, max_gated_rows=2, node_name="mgr"))
+    ortsparse.reset_metrics()
+    for m in (1, 2, 5):
+        x = separated_input(rng, m, k, 1)
+        gated, _ = kwta_matmul(x, w, b, k_frac=0.5)
+        expected = gated if m <= 2 else x @ w + b
+        np.testing.assert_allclose(session.run(None, {"X": x})[0], expected, rtol=1e-4, atol=1e-3)
+    stats = ortsparse.metrics()["mgr"]
+    assert stats["kwta.duty_hits"] == 2 and stats["calls"] == 3
+    with pytest.raises(Exception, match="max_gated_rows=-1"):
+        ortsparse.inference_session(kwta_model(w, b, max_gated_rows=-1))
+
+
 def test_leading_dims_and_empty_input(rng):
     k, n = 24, 9
     w, b = weights(rng, k, n)
