@@ -5,8 +5,6 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.graph_rewrite import RewriteConfig, rewrite_model
-from ortsparse.graph_rewrite.config import parse_overrides
 from ortsparse.harness import calibrate, sweep
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"

@@ -14,7 +14,6 @@ Encoders use a cosine floor (`--min-cosine`) on a sentence set instead of dppl.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import sys
 from dataclasses import dataclass

@@ -427,7 +427,6 @@ def ensure_models(names: Iterable[str] | None = None, force: bool = False, log: 
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     result: dict[str, Path] = {}
     for name in _expand(requested, registry):
-        spec = registry[name]
         reason = staleness(name, registry=registry)
         if force and name in requested:
             reason = "--force"

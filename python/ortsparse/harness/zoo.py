@@ -151,7 +151,6 @@ def builtin_transformer(decoder: bool, d: int = 16, ff: int = 32, vocab: int = 4
     """A one-layer transformer built with onnx.helper: GPT-2-like (tied head MatMul(x,
     Transpose(wte)), output ``logits``) or BERT-like (Tanh pooler, ``last_hidden_state`` and
     ``pooler_output``). Random fixed-seed weights."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
