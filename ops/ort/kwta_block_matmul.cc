@@ -2,7 +2,7 @@
 #include <memory>
 
 #include "common/metrics.h"
-#include "engine/block_matmul.h"
+#include "engine/dense_backend.h"
 #include "engine/kwta_gate.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
@@ -72,7 +72,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     std::vector<float> norms;
     if (config.score == engine::KwtaScore::kL2Weighted) norms = weights->block_norms(partition);
     gate_ = std::make_unique<engine::KwtaGate>(partition, config, std::move(norms));
-    matmul_ = std::make_unique<engine::BlockGatedMatMul>(std::move(weights));
+    matmul_ = std::make_unique<engine::DenseBackend>(std::move(weights));
     metrics_ = metrics_slot(kOpName, node(), describe_kwta);
     metrics_->set_constant(kTemp, config.temp);
   }
@@ -95,7 +95,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
 
  private:
   std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::BlockGatedMatMul> matmul_;
+  std::unique_ptr<engine::DenseBackend> matmul_;
   std::shared_ptr<MetricsSlot> metrics_;
 };
 

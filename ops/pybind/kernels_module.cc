@@ -9,7 +9,7 @@
 
 #include "common/cpu_features.h"
 #include "common/error.h"
-#include "engine/block_matmul.h"
+#include "engine/dense_backend.h"
 #include "engine/kernels.h"
 #include "engine/kwta_gate.h"
 
@@ -150,7 +150,7 @@ class KwtaMatMul {
     gate_ = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
                                                              ? weights->block_norms(part)
                                                              : std::vector<float>{});
-    matmul_ = std::make_unique<engine::BlockGatedMatMul>(weights);
+    matmul_ = std::make_unique<engine::DenseBackend>(weights);
   }
 
   FloatArray call(FloatArray x, py::object bias) {
@@ -194,7 +194,7 @@ class KwtaMatMul {
  private:
   const engine::KernelTable* kernels_;
   std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::BlockGatedMatMul> matmul_;
+  std::unique_ptr<engine::DenseBackend> matmul_;
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "engine/block_matmul.h"
+#include "engine/dense_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -91,10 +91,10 @@ std::vector<float> DenseWeights::block_norms(const BlockPartition& partition) co
   return norms;
 }
 
-BlockGatedMatMul::BlockGatedMatMul(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning)
+DenseBackend::DenseBackend(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning)
     : weights_(std::move(weights)), tuning_(tuning) {}
 
-void BlockGatedMatMul::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+void DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                            const KernelTable& kernels, const TaskRunner& runner) const {
   if (m == 0 || weights_->n() == 0) return;
   if (m <= kSmallM) {
@@ -108,7 +108,7 @@ void BlockGatedMatMul::run(const float* x, size_t m, const GatedRows& gated, con
 // task streams whole W rows (full N, so hardware prefetch sees long runs) into a partial sum, and
 // the partials are added at the end. Splitting rows rather than columns keeps the streams long
 // at one thread and still feeds every thread of the pool.
-void BlockGatedMatMul::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
+void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
                                      float* y, const KernelTable& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
@@ -159,7 +159,7 @@ void BlockGatedMatMul::run_per_token(const float* x, size_t m, const GatedRows& 
 // Prefill: tokens go in tiles of kTokenTile sharing one row list (the union of their rows, with
 // zeros where a token skips a row) when that union is dense enough, else one by one; columns go
 // in panels whose W slice stays in L2 while every tile passes over it.
-void BlockGatedMatMul::run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+void DenseBackend::run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                                  const KernelTable& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();

@@ -1,5 +1,5 @@
-// The block-gated matmul Y = X·W (+B): an input gate picks rows of W per token (GatedRows), a
-// weight backend supplies them. Today's backend: DenseWeights (pre-packed fp32).
+// The dense weight backend: W pre-packed once as fp32 rows (DenseWeights), the gated product
+// streamed row by row (decode) or in token tiles over column panels (prefill).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +11,7 @@
 #include "common/task_runner.h"
 #include "engine/gated_rows.h"
 #include "engine/kernels.h"
+#include "engine/weight_backend.h"
 
 namespace ortsparse::engine {
 
@@ -45,13 +46,15 @@ struct MatMulTuning {
   size_t panel_bytes = 384 * 1024;
 };
 
-class BlockGatedMatMul {
+class DenseBackend final : public WeightBackend {
  public:
-  explicit BlockGatedMatMul(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning = {});
+  explicit DenseBackend(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning = {});
 
-  // y [M, N] = per token m: scale[m] * sum over its rows r of x[m, r] * W[r, :] (+ bias).
+  size_t k() const override { return weights_->k(); }
+  size_t n() const override { return weights_->n(); }
+  size_t bytes() const override { return weights_->bytes(); }
   void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-           const KernelTable& kernels, const TaskRunner& runner) const;
+           const KernelTable& kernels, const TaskRunner& runner) const override;
 
   const DenseWeights& weights() const { return *weights_; }
 
