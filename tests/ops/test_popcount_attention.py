@@ -135,3 +135,193 @@ def test_bad_attributes_are_clear_errors(attrs, message):
     with pytest.raises(Exception) as err:
         ortsparse.inference_session(ref.attention_model(**attrs))
     assert message in str(err.value)
+
+
+# ---- the raw engine: every ISA and popcount path --------------------------------------------
+
+from ortsparse import _kernels  # noqa: E402
+
+ISAS = _kernels.supported_isas()
+PATHS = _kernels.popcnt_paths()
+MODES = ["sign", "binary", "ternary"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("d", [1, 5, 63, 64, 65, 128, 130, 200])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33])
+def test_popcount_counts_every_path(path, mode, d, n, rng):
+    eps = 0.3
+    q = rng.standard_normal(d).astype(np.float32)
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    keys[:, ::3] = 0  # exact zeros: never a bit in any mode
+    counts, gq, gk = _kernels.popcount_counts(path, mode, q, keys, eps)
+    qp, qn, gq_ref = ref.pack(q[None], mode, eps)
+    kp, kn, gk_ref = ref.pack(keys, mode, eps)
+    expected = ref.approx_counts((qp, qn), (kp, kn), mode, d)[0]
+    assert counts.tolist() == expected.tolist()
+    np.testing.assert_allclose(gq, gq_ref[0], rtol=1e-6)
+    np.testing.assert_allclose(gk, gk_ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [3, 16, 64, 70])
+def test_engine_exact_every_isa(isa, d, rng):
+    q, k, v = qkv(rng, 1, 6, 2, 3, 45, d, dv=d + 1)
+    mask = rng.random((1, 1, 3, 45)) < 0.8
+    y, stats = _kernels.popcount_attention(q, k, v, mask, is_causal=True, select="none", isa=isa)
+    np.testing.assert_allclose(y, ref.attention(q, k, v, mask, causal=True), rtol=1e-5, atol=2e-6)
+    assert not stats["packed"]
+
+
+def selection_case(rng, sq, causal, mask_kind, d=40, skv=70):
+    q, k, v = qkv(rng, 2, 6, 2, sq, skv, d)
+    # Keys of varied norms so energy selection has no near-ties.
+    k *= rng.uniform(0.5, 2.0, size=(2, 2, skv, 1)).astype(np.float32)
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((2, 1, sq, skv)) < 0.8
+    elif mask_kind == "float":
+        mask = np.where(rng.random((1, 6, 1, skv)) < 0.2, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+    return q, k, v, mask
+
+
+SELECT_CASES = [("popcount", m) for m in MODES] + [("energy", "sign")]
+
+
+@pytest.mark.parametrize("select,mode", SELECT_CASES)
+@pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (4, True), (3, False)])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_selected_keys_match_reference(select, mode, sq, causal, mask_kind, rng):
+    q, k, v, mask = selection_case(rng, sq, causal, mask_kind)
+    eps, topk = 0.5, 9
+    keep = ref.selected_keys(q, k, mask, causal=causal, select=select, mode=mode, eps=eps, topk=topk)
+    expected = ref.attention(q, k, v, mask, causal=causal, keep=keep)
+    for path in PATHS:
+        y, stats = _kernels.popcount_attention(q, k, v, mask, is_causal=causal, select=select, mode=mode, eps=eps,
+                                               topk=topk, min_keys=0, density_max=1.0, popcnt=path)
+        assert stats["packed"]
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6, err_msg=path)
+    # Through ORT with a mask of the same shape.
+    model = ref.attention_model(mask_type=mask_type(mask), is_causal=int(causal), select=select, mode=mode, eps=eps,
+                                topk=topk, min_keys=0, density_max=1.0)
+    np.testing.assert_allclose(run(model, q, k, v, mask), expected, rtol=1e-5, atol=2e-6)
+    # The selection really drops keys: the exact result differs.
+    exact = ref.attention(q, k, v, mask, causal=causal)
+    assert np.abs(exact - expected).max() > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("candidates", [2.0, 3.5])
+def test_candidates_rescored_exactly(mode, candidates, rng):
+    q, k, v, mask = selection_case(rng, 2, True, "bool")
+    keep = ref.selected_keys(q, k, mask, causal=True, mode=mode, eps=0.5, topk=6, candidates=candidates)
+    assert keep.sum(-1).max() == 6
+    expected = ref.attention(q, k, v, mask, causal=True, keep=keep)
+    y, stats = _kernels.popcount_attention(q, k, v, mask, is_causal=True, mode=mode, eps=0.5, topk=6, min_keys=0,
+                                           density_max=1.0, candidates=candidates)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
+    assert stats["keys_exact"] > 6 * 2 * 6 * 2  # the candidates were all scored exactly
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", PATHS)
+def test_topk_zero_is_the_approximate_formula(mode, path, rng):
+    q, k, v, mask = selection_case(rng, 3, True, "float", d=70)
+    expected = ref.approximate_attention(q, k, v, mask, causal=True, mode=mode, eps=0.4)
+    y, stats = _kernels.popcount_attention(q, k, v, mask, is_causal=True, mode=mode, eps=0.4, topk=0, min_keys=0,
+                                           density_max=1.0, popcnt=path)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
+    assert stats["packed"] and stats["keys_exact"] == 0
+
+
+def test_min_keys_falls_back_to_exact(rng):
+    q, k, v = qkv(rng, 1, 4, 2, 1, 60, 32)
+    exact = ref.attention(q, k, v)
+    y, stats = _kernels.popcount_attention(q, k, v, topk=8, min_keys=61)
+    assert not stats["packed"]
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=2e-6)
+    y, stats = _kernels.popcount_attention(q, k, v, topk=8, min_keys=60)
+    assert stats["packed"] and stats["keys_exact"] == 8 * 4
+    assert np.abs(y - exact).max() > 1e-3
+    # topk >= Skv: nothing to select, exact.
+    y, stats = _kernels.popcount_attention(q, k, v, topk=60, min_keys=0)
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=2e-6)
+
+
+def test_fewer_attendable_keys_than_topk_is_exact(rng):
+    q, k, v = qkv(rng, 1, 2, 1, 1, 50, 16)
+    mask = np.zeros((1, 1, 1, 50), dtype=bool)
+    mask[..., [3, 10, 20, 33, 49]] = True
+    y, _ = _kernels.popcount_attention(q, k, v, mask, topk=8, min_keys=0)
+    np.testing.assert_allclose(y, ref.attention(q, k, v, mask), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["binary", "ternary"])
+def test_density_auto_disable(mode, rng):
+    q, k, v = qkv(rng, 1, 2, 2, 1, 64, 32)
+    exact = ref.attention(q, k, v)
+    # |k| > 2.0 for ~4.5% of standard normal entries: sparse, the pack is used.
+    y, stats = _kernels.popcount_attention(q, k, v, mode=mode, eps=2.0, topk=8, min_keys=0, density_max=0.15)
+    density = stats["bits_set"] / stats["bits_total"]
+    expected_density = np.mean(np.abs(k) > 2.0)
+    assert density == pytest.approx(expected_density) and stats["packed"]
+    # eps = 0.1: ~92% dense -> above density_max: exact for this call.
+    y, stats = _kernels.popcount_attention(q, k, v, mode=mode, eps=0.1, topk=8, min_keys=0, density_max=0.15)
+    assert not stats["packed"] and stats["bits_set"] / stats["bits_total"] > 0.85
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=2e-6)
+    # density_max = 1 never disables.
+    _, stats = _kernels.popcount_attention(q, k, v, mode=mode, eps=0.1, topk=8, min_keys=0, density_max=1.0)
+    assert stats["packed"]
+
+
+def test_sign_mode_ignores_density(rng):
+    q, k, v = qkv(rng, 1, 2, 2, 1, 64, 32)
+    _, stats = _kernels.popcount_attention(q, k, v, mode="sign", topk=8, min_keys=0, density_max=0.15)
+    assert stats["packed"]
+
+
+def test_metrics(rng):
+    ortsparse.reset_metrics()
+    q, k, v = qkv(rng, 1, 4, 2, 1, 40, 32)
+    model = ref.attention_model(node_name="attn_metrics", mode="ternary", eps=1.5, topk=8, min_keys=30)
+    session = ortsparse.inference_session(model)
+    session.run(None, {"Q": q, "K": k, "V": v})
+    session.run(None, {"Q": q, "K": k[:, :, :20], "V": v[:, :, :20]})  # below min_keys: exact
+    m = ortsparse.metrics()["attn_metrics"]
+    assert m["pack.enabled"] == 1 and m["pack.mode"] == 3 and m["pack.active"] == 0.5
+    assert m["pack.density"] == pytest.approx(np.mean(np.abs(k) > 1.5))
+    assert m["pack.popcnt"] == {"portable": 0, "popcnt": 1, "vpopcntdq": 2}[_kernels.active_popcnt()]
+    assert m["calls"] == 2 and m["keys_exact"] == 4 * 8 + 4 * 20
+
+
+POPCNT_SCRIPT = """
+import json, numpy as np, ortsparse, sys
+sys.path.insert(0, {tests!r})
+from ops import attention_reference as ref
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+k = rng.standard_normal((1, 1, 50, 64)).astype(np.float32)
+s = ortsparse.inference_session(ref.attention_model(node_name="p", topk=8, min_keys=0))
+y = s.run(None, {{"Q": q, "K": k, "V": k}})[0]
+keep = ref.selected_keys(q, k, topk=8)
+np.testing.assert_allclose(y, ref.attention(q, k, k, keep=keep), rtol=1e-5, atol=2e-6)
+print(int(ortsparse.metrics()["p"]["pack.popcnt"]))
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_forced_popcount_path_through_ort(path):
+    tests_dir = os.path.dirname(os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", POPCNT_SCRIPT.format(tests=tests_dir)],
+                         env=dict(os.environ, ORTSPARSE_POPCNT=path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == {"portable": 0, "popcnt": 1, "vpopcntdq": 2}[path]
+
+
+def test_unknown_popcount_path_is_a_clear_error():
+    code = ("import ortsparse, sys; sys.path.insert(0, %r); from ops import attention_reference as ref; "
+            "ortsparse.inference_session(ref.attention_model())") % os.path.dirname(os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ORTSPARSE_POPCNT="sse9"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "ORTSPARSE_POPCNT=sse9 is not one of portable, popcnt, vpopcntdq" in out.stderr
