@@ -16,6 +16,7 @@ namespace ortsparse::attention {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
 // One query row's view of the mask: value(j) is what is added to the scaled score of key j.
 struct MaskRow {
@@ -100,6 +101,8 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, Popc
   if (!std::isfinite(config.scale) || config.scale < 0.0f)
     fail("attribute scale=", config.scale, " must be >= 0 (0: 1/sqrt(D))");
   if (config.topk < 0) fail("attribute topk=", config.topk, " must be >= 0 (0: approximate scores only)");
+  if (config.keep_first < 0) fail("attribute keep_first=", config.keep_first, " must be >= 0");
+  if (config.keep_recent < 0) fail("attribute keep_recent=", config.keep_recent, " must be >= 0");
   if (config.min_keys < 0) fail("attribute min_keys=", config.min_keys, " must be >= 0");
   if (!(config.eps >= 0.0f)) fail("attribute eps=", config.eps, " must be >= 0");
   if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
@@ -428,27 +431,44 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
         softmax_pv(c, *kernels, sel, nullptr, limit, vhead, yrow);
         continue;
       }
-      size_t allowed = 0;
-      for (size_t j = 0; j < limit; ++j) allowed += sel[j] != kNegInf;
-      if (allowed <= topk) {
+      // Protected keys (the first keep_first, the last keep_recent of the causal prefix) are
+      // always kept: +inf outranks every selector score. Masked-out keys stay out.
+      const size_t first = std::min(limit, static_cast<size_t>(cfg->keep_first));
+      const size_t recent_begin = limit - std::min(limit, static_cast<size_t>(cfg->keep_recent));
+      size_t allowed = 0, forced = 0;
+      for (size_t j = 0; j < limit; ++j) {
+        if (sel[j] == kNegInf) continue;
+        ++allowed;
+        if (j < first || j >= recent_begin) {
+          sel[j] = kPosInf;
+          ++forced;
+        }
+      }
+      if (allowed <= topk + forced) {
         exact_scores(c, *attn, qrow, khead, m, nullptr, limit, s.scores.data());
         softmax_pv(c, *kernels, s.scores.data(), nullptr, limit, vhead, yrow);
         s.keys_exact += limit;
         continue;
       }
       const size_t want = std::min<size_t>(
-          allowed, std::max<size_t>(topk, static_cast<size_t>(std::ceil(static_cast<double>(cfg->candidates) * topk))));
+          allowed,
+          forced + std::max<size_t>(topk, static_cast<size_t>(std::ceil(static_cast<double>(cfg->candidates) * topk))));
       const size_t kept = top_k_select(sel, limit, want, s.kept.data(), s);
       exact_scores(c, *attn, qrow, khead, m, s.kept.data(), kept, s.scores.data());
       s.keys_exact += kept;
-      if (kept <= topk) {
+      if (kept <= topk + forced) {
         softmax_pv(c, *kernels, s.scores.data(), s.kept.data(), kept, vhead, yrow);
         continue;
       }
-      // Oversampled candidates: keep the topk best exact scores among them.
+      // Oversampled candidates: keep the topk best exact scores among them (plus the protected).
+      float* rank = s.sel.data();  // sel is no longer needed
+      for (size_t t = 0; t < kept; ++t) {
+        const size_t j = static_cast<size_t>(s.kept[t]);
+        rank[t] = (j < first || j >= recent_begin) ? kPosInf : s.scores[t];
+      }
       int32_t* fin = s.final_rows.data();
-      const size_t nf = top_k_select(s.scores.data(), kept, topk, fin, s);
-      float* fs = s.sel.data();  // sel is no longer needed
+      const size_t nf = top_k_select(rank, kept, topk + forced, fin, s);
+      float* fs = s.sel.data();
       for (size_t t = 0; t < nf; ++t) {
         fs[t] = s.scores[static_cast<size_t>(fin[t])];
         fin[t] = s.kept[static_cast<size_t>(fin[t])];

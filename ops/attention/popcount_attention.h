@@ -37,6 +37,8 @@ struct PopcountAttentionConfig {
   float density_max = 0.15f; // binary / ternary: key bitmap density above this -> exact for the call
   float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk
   bool cache_keys = true;    // reuse the previous call's packed keys for an unchanged K prefix
+  int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
+  int64_t keep_recent = 0;   // ... and the last ones of each query's causal prefix (local window)
 };
 
 struct AttentionDims {

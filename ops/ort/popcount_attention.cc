@@ -43,6 +43,8 @@ attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
   const int64_t cache = attrs.get_int("pack_cache", 1);
   if (cache != 0 && cache != 1) fail("attribute pack_cache=", cache, " must be 0 or 1");
   c.cache_keys = cache == 1;
+  c.keep_first = attrs.get_int("keep_first", 0);
+  c.keep_recent = attrs.get_int("keep_recent", 0);
   return c;
 }
 

@@ -44,7 +44,8 @@ py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArra
 
 attention::PopcountAttentionConfig make_config(float scale, bool causal, const std::string& mode, const std::string& select,
                                                int64_t topk, int64_t min_keys, float eps, float density_max,
-                                               float candidates, bool pack_cache) {
+                                               float candidates, bool pack_cache, int64_t keep_first,
+                                               int64_t keep_recent) {
   attention::PopcountAttentionConfig c;
   c.scale = scale;
   c.causal = causal;
@@ -56,6 +57,8 @@ attention::PopcountAttentionConfig make_config(float scale, bool causal, const s
   c.density_max = density_max;
   c.candidates = candidates;
   c.cache_keys = pack_cache;
+  c.keep_first = keep_first;
+  c.keep_recent = keep_recent;
   return c;
 }
 
@@ -63,9 +66,10 @@ attention::PopcountAttentionConfig make_config(float scale, bool causal, const s
 class AttentionOp {
  public:
   AttentionOp(float scale, bool causal, const std::string& mode, const std::string& select, int64_t topk,
-              int64_t min_keys, float eps, float density_max, float candidates, bool pack_cache, const std::string& isa,
-              const std::string& popcnt)
-      : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache),
+              int64_t min_keys, float eps, float density_max, float candidates, bool pack_cache, int64_t keep_first,
+              int64_t keep_recent, const std::string& isa, const std::string& popcnt)
+      : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache,
+                        keep_first, keep_recent),
             popcnt_by_name(popcnt), isa_by_name(isa)) {}
   py::tuple call(FloatArray q, FloatArray k, FloatArray v, py::object mask) { return run_op(op_, q, k, v, mask); }
 
@@ -77,19 +81,10 @@ class AttentionOp {
 py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object mask, float scale, bool causal,
                          const std::string& mode, const std::string& select, int64_t topk, int64_t min_keys, float eps,
                          float density_max, float candidates, const std::string& isa, const std::string& popcnt,
-                         bool pack_cache) {
-  attention::PopcountAttentionConfig c;
-  c.scale = scale;
-  c.causal = causal;
-  c.mode = attention::parse_pack_mode(mode);
-  c.select = attention::parse_selector(select);
-  c.topk = topk;
-  c.min_keys = min_keys;
-  c.eps = eps;
-  c.density_max = density_max;
-  c.candidates = candidates;
-  c.cache_keys = pack_cache;
-  const attention::PopcountAttention op(c, popcnt_by_name(popcnt), isa_by_name(isa));
+                         bool pack_cache, int64_t keep_first, int64_t keep_recent) {
+  const attention::PopcountAttention op(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max,
+                                                    candidates, pack_cache, keep_first, keep_recent),
+                                        popcnt_by_name(popcnt), isa_by_name(isa));
   return run_op(op, q, k, v, mask);
 }
 
@@ -176,14 +171,15 @@ void register_attention(py::module_& m) {
   m.def("popcount_attention", &attention_call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(),
         py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
         py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
-        py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active", py::arg("pack_cache") = true);
+        py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active", py::arg("pack_cache") = true,
+        py::arg("keep_first") = 0, py::arg("keep_recent") = 0);
   py::class_<AttentionOp>(m, "PopcountAttention")
       .def(py::init<float, bool, const std::string&, const std::string&, int64_t, int64_t, float, float, float, bool,
-                    const std::string&, const std::string&>(),
+                    int64_t, int64_t, const std::string&, const std::string&>(),
            py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
            py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
-           py::arg("candidates") = 1.0f, py::arg("pack_cache") = true, py::arg("isa") = "active",
-           py::arg("popcnt") = "active")
+           py::arg("candidates") = 1.0f, py::arg("pack_cache") = true, py::arg("keep_first") = 0,
+           py::arg("keep_recent") = 0, py::arg("isa") = "active", py::arg("popcnt") = "active")
       .def("__call__", &AttentionOp::call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none());
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");

@@ -130,6 +130,9 @@ def test_bad_mask_shape_is_a_clear_error(rng):
     (dict(candidates=0.5), "candidates=0.5"),
     (dict(select="energy", topk=0), "needs select='popcount'"),
     (dict(is_causal=2), "is_causal=2"),
+    (dict(keep_first=-1), "keep_first=-1"),
+    (dict(keep_recent=-2), "keep_recent=-2"),
+    (dict(pack_cache=3), "pack_cache=3"),
 ])
 def test_bad_attributes_are_clear_errors(attrs, message):
     with pytest.raises(Exception) as err:
@@ -404,3 +407,26 @@ def test_decode_through_ort_reuses_packed_keys(rng):
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
     assert ortsparse.metrics()["dec"]["keys_packed"] == 2 * 30 + 4 * 2
+
+
+@pytest.mark.parametrize("keep_first,keep_recent", [(1, 0), (0, 5), (3, 4)])
+@pytest.mark.parametrize("candidates", [1.0, 2.0])
+@pytest.mark.parametrize("select,mode", [("popcount", "sign"), ("popcount", "ternary"), ("energy", "sign")])
+def test_protected_sink_and_recent_keys(keep_first, keep_recent, candidates, select, mode, rng):
+    q, k, v, mask = selection_case(rng, 3, True, "bool")
+    kw = dict(select=select, mode=mode, eps=0.5, topk=6, candidates=candidates, keep_first=keep_first,
+              keep_recent=keep_recent)
+    keep = ref.selected_keys(q, k, mask, causal=True, **kw)
+    # The protected keys are in (where not masked out).
+    limit = np.arange(70 - 3 + 1, 70 + 1)
+    allowed = ref.full_bias(mask, q, k, True) > -np.inf
+    for i in range(3):
+        protected = np.zeros(70, bool)
+        protected[:keep_first] = True
+        protected[limit[i] - keep_recent:limit[i]] = True
+        assert np.all(keep[:, :, i][allowed[:, :, i] & protected])
+    expected = ref.attention(q, k, v, mask, causal=True, keep=keep)
+    y, _ = _kernels.popcount_attention(q, k, v, mask, is_causal=True, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
+    model = ref.attention_model(mask_type=mask_type(mask), is_causal=1, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(run(model, q, k, v, mask), expected, rtol=1e-5, atol=2e-6)
