@@ -132,11 +132,62 @@ def kwta_block_matmul(rng):
     attrs = kwta_gate_attributes(rng, k)
     attrs["block"] = attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.7 else None,
                                 [0, -1, k + 1, 2**40, 1.5])
+    if rng.random() < 0.25:  # the state-pack bitmap gate
+        attrs["pack_mode"] = attr_value(rng, pick(rng, ["none", "binary", "ternary"]), ["Binary", ""])
+        attrs["pack_eps"] = attr_value(rng, pick(rng, [0.0, 0.5, 1e-4]), [-1.0, float("nan")])
+        attrs["pack_density_max"] = attr_value(rng, pick(rng, [0.15, 1.0, 0.5]), [0.0, 2.0, float("nan")])
     name = f"kwta_{int(rng.integers(1000))}"
     return "KwtaBlockMatMul", name, make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+
+
+def popcount_attention(rng):
+    start_case(rng)
+    b, hkv, sq, skv, d = small_dim(rng, 2), max(1, small_dim(rng, 3)), small_dim(rng, 4), small_dim(rng, 40), \
+        small_dim(rng, 70)
+    h = hkv * int(rng.integers(1, 4)) + (1 if broken(rng) else 0)
+    dv = small_dim(rng, 20)
+    shapes = {"Q": [b, h, sq, d], "K": [b, hkv, skv, d], "V": [b, hkv, skv, dv]}
+    if broken(rng):
+        name = pick(rng, ["Q", "K", "V"])
+        shapes[name] = pick(rng, [shapes[name][:3], shapes[name] + [1], [x + 1 for x in shapes[name]]])
+    graph_inputs, feeds, node_inputs = [], {}, []
+    for name in ("Q", "K", "V"):
+        dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+        feeds[name] = values(rng, shapes[name], dtype)
+        graph_inputs.append(helper.make_tensor_value_info(name, ONNX_TYPES[feeds[name].dtype.type], None))
+        node_inputs.append(name)
+    if rng.random() < 0.5:
+        full = [b, h, sq, skv]
+        rank = int(rng.integers(1, 5))
+        shape = [pick(rng, [1, dim]) for dim in full[4 - rank:]]
+        if broken(rng):
+            shape = pick(rng, [shape + [2], [x + 2 for x in shape], []])
+        dtype = pick(rng, [np.bool_, np.float32, np.float32] + ([np.int64, np.float64] if broken(rng) else []))
+        feeds["attn_mask"] = np.asarray(values(rng, shape, dtype))
+        graph_inputs.append(helper.make_tensor_value_info("attn_mask", ONNX_TYPES[feeds["attn_mask"].dtype.type], None))
+        node_inputs.append("attn_mask")
+    attrs = {
+        "select": attr_value(rng, pick(rng, ["popcount", "energy", "none", None]), ["Popcount", ""]),
+        "mode": attr_value(rng, pick(rng, ["sign", "binary", "ternary", None]), ["quad"]),
+        "topk": attr_value(rng, pick(rng, [0, 1, 4, 16, None]), [-1, 2**40]),
+        "min_keys": attr_value(rng, pick(rng, [0, 0, 8, None]), [-5]),
+        "eps": attr_value(rng, pick(rng, [0.0, 0.5, None]), [-1.0, float("nan")]),
+        "density_max": attr_value(rng, pick(rng, [1.0, 0.15, None]), [0.0, 1.5]),
+        "candidates": attr_value(rng, pick(rng, [1.0, 2.5, None]), [0.5, float("inf")]),
+        "keep_first": attr_value(rng, pick(rng, [0, 2, None]), [-1]),
+        "keep_recent": attr_value(rng, pick(rng, [0, 3, None]), [-1]),
+        "is_causal": attr_value(rng, pick(rng, [0, 1, None]), [2, -1]),
+        "scale": attr_value(rng, pick(rng, [0.0, 0.3, None]), [-1.0, float("nan")]),
+        "pack_cache": attr_value(rng, pick(rng, [0, 1, None]), [2]),
+    }
+    if attrs["select"] == "energy" and attrs["topk"] == 0 and not broken(rng):
+        attrs["topk"] = 4
+    name = f"attn_{int(rng.integers(1000))}"
+    return "PopcountAttention", name, make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs), feeds
 
 
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
+    "PopcountAttention": popcount_attention,
 }
