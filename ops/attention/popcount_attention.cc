@@ -42,6 +42,8 @@ struct Call {
   const float* gamma;      // per (b, hkv): skv (padded to blocks)
   const float* energy;     // per (b, hkv): skv
   size_t key_blocks;
+  size_t packed_dim;       // D, or proj_bits
+  const float* projection; // [D, proj_bits] or null
   bool select;             // the selector runs for this call
 };
 
@@ -51,6 +53,7 @@ struct Scratch {
   std::vector<uint32_t> keys, hist;
   std::vector<uint32_t> topk;
   std::vector<uint64_t> qbits;
+  std::vector<float> qproj;
   uint64_t keys_total = 0, keys_exact = 0;
 };
 
@@ -60,6 +63,33 @@ size_t pack_planes(PackMode mode) { return mode == PackMode::kTernary ? 2 : 1; }
 
 float pack_vector(const float* x, size_t d, PackMode mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set) {
   return attention_kernels_scalar().pack_row(x, d, static_cast<int>(mode), eps, out, stride, bits_set);
+}
+
+std::vector<float> projection_matrix(size_t d, size_t bits) {
+  std::vector<float> r(d * bits);
+  uint64_t state = 0x243F6A8885A308D3ull;
+  auto next = [&state]() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (size_t i = 0; i < r.size(); i += 2) {
+    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+    const double u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1)), angle = 6.283185307179586 * u2;
+    r[i] = static_cast<float>(radius * std::cos(angle));
+    if (i + 1 < r.size()) r[i + 1] = static_cast<float>(radius * std::sin(angle));
+  }
+  return r;
+}
+
+std::shared_ptr<const std::vector<float>> PopcountAttention::projection_for(size_t d) const {
+  const size_t bits = static_cast<size_t>(config_.proj_bits);
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  if (!projection_ || projection_->size() != d * bits)
+    projection_ = std::make_shared<const std::vector<float>>(projection_matrix(d, bits));
+  return projection_;
 }
 
 PackMode parse_pack_mode(const std::string& name) {
@@ -101,6 +131,8 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, Popc
   if (!std::isfinite(config.scale) || config.scale < 0.0f)
     fail("attribute scale=", config.scale, " must be >= 0 (0: 1/sqrt(D))");
   if (config.topk < 0) fail("attribute topk=", config.topk, " must be >= 0 (0: approximate scores only)");
+  if (config.proj_bits < 0 || config.proj_bits > 4096)
+    fail("attribute proj_bits=", config.proj_bits, " must be in [0, 4096] (0: no projection)");
   if (config.keep_first < 0) fail("attribute keep_first=", config.keep_first, " must be >= 0");
   if (config.keep_recent < 0) fail("attribute keep_recent=", config.keep_recent, " must be >= 0");
   if (config.min_keys < 0) fail("attribute min_keys=", config.min_keys, " must be >= 0");
@@ -220,10 +252,12 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
   kc.skv = skv;
   kc.d = d;
   kc.key_blocks = (skv + kLanes - 1) / kLanes;
-  kc.words = popcount ? (d + 63) / 64 : 0;
+  const size_t dp = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : d;  // packed length
+  kc.words = popcount ? (dp + 63) / 64 : 0;
   kc.planes = popcount ? pack_planes(config_.mode) : 0;
   kc.block_words = kc.planes * kc.words * kLanes;
   kc.bits_set.assign(heads_kv, 0);
+  kc.packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : d;
   if (popcount) {
     kc.packed.assign(heads_kv * kc.key_blocks * kc.block_words, 0);
     kc.gamma.assign(heads_kv * kc.key_blocks * kLanes, 0.0f);
@@ -264,7 +298,25 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
       }
       kc.bits_set[hk] = old->bits_set[hk];
     }
+    kc.center = old->center;
   }
+  const bool center = popcount && config_.center;
+  if (center && reuse == 0) {
+    // The center is the mean key of the call that starts the cache, kept while the cache grows:
+    // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
+    kc.center.assign(heads_kv * d, 0.0f);
+    for (size_t hk = 0; hk < heads_kv; ++hk) {
+      std::vector<double> sum(d, 0.0);
+      for (size_t j = 0; j < skv; ++j)
+        for (size_t i = 0; i < d; ++i) sum[i] += k[(hk * skv + j) * d + i];
+      for (size_t i = 0; i < d; ++i) kc.center[hk * d + i] = static_cast<float>(sum[i] / static_cast<double>(skv));
+    }
+  }
+  std::shared_ptr<const std::vector<float>> proj;
+  if (popcount && config_.proj_bits > 0) proj = projection_for(d);
+  kc.projection = proj;
+  const float* proj_p = proj ? proj->data() : nullptr;
+  const engine::KernelTable* kernels = kernels_;
   KeyCache* kp = &kc;
   const AttentionKernels* attn = attn_;
   const int mode = static_cast<int>(config_.mode);
@@ -274,9 +326,21 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
     if (popcount) {
       uint64_t* out = kp->packed.data() + hk * kp->key_blocks * kp->block_words;
       float* g = kp->gamma.data() + hk * kp->key_blocks * kLanes;
-      for (size_t j = reuse; j < skv; ++j)
-        g[j] = attn->pack_row(kh + j * d, d, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
+      std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
+      for (size_t j = reuse; j < skv; ++j) {
+        const float* x = kh + j * d;
+        if (center) {
+          const float* mu = kp->center.data() + hk * d;
+          for (size_t i = 0; i < d; ++i) centered[i] = x[i] - mu[i];
+          x = centered.data();
+        }
+        if (proj_p) {
+          kernels->gemv_rows(proj_p, dp, nullptr, x, d, projected.data(), dp, false);
+          x = projected.data();
+        }
+        g[j] = attn->pack_row(x, dp, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
                               &kp->bits_set[hk]);
+      }
     } else {
       for (size_t j = reuse; j < skv; ++j) {
         double s = 0.0;
@@ -325,9 +389,11 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
     c.packed = keys->packed.data();
     c.gamma = keys->gamma.data();
     c.energy = keys->energy.data();
+    c.packed_dim = keys->packed_dim;
+    c.projection = keys->projection ? keys->projection->data() : nullptr;
     if (config_.select == Selector::kPopcount) {
       for (uint64_t b : keys->bits_set) stats.bits_set += b;
-      stats.bits_total = static_cast<uint64_t>(heads_kv) * dims.skv * dims.d;
+      stats.bits_total = static_cast<uint64_t>(heads_kv) * dims.skv * keys->packed_dim;
       const double density = static_cast<double>(stats.bits_set) / static_cast<double>(stats.bits_total ? stats.bits_total : 1);
       // Sign packing is dense by construction (half the bits set); the sparsity check is for the
       // eps-thresholded modes, as in seed 003.
@@ -352,7 +418,9 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
   for (size_t t = 0; t < n_tasks; ++t) {
     Scratch& s = scratch[t];
     s.keys_total = s.keys_exact = 0;
-    if (s.sel.size() >= pad && s.qbits.size() >= 2 * ((dims.d + 63) / 64) + 1) continue;
+    const size_t dp = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : dims.d;
+    if (s.sel.size() >= pad && s.qbits.size() >= 2 * ((dp + 63) / 64) + 1 && s.qproj.size() >= dp) continue;
+    s.qproj.resize(dp);
     s.sel.resize(pad);
     s.scores.resize(pad);
     s.counts.resize(pad);
@@ -363,7 +431,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
     s.keys.resize(pad);
     s.hist.resize(2048);
     s.topk.resize(2 * pad + engine::kIndexSlack);
-    s.qbits.resize(2 * ((dims.d + 63) / 64) + 1);
+    s.qbits.resize(2 * ((dp + 63) / 64) + 1);
   }
   Scratch* scratch_p = scratch.data();
   const Call* cp = &c;
@@ -405,7 +473,12 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
       float* sel = s.sel.data();
       if (cfg->select == Selector::kPopcount) {
         uint64_t unused = 0;
-        const float gq = attn->pack_row(qrow, dd.d, static_cast<int>(cfg->mode), cfg->eps, s.qbits.data(), 1, &unused);
+        const float* qx = qrow;
+        if (c.projection) {
+          kernels->gemv_rows(c.projection, c.packed_dim, nullptr, qrow, dd.d, s.qproj.data(), c.packed_dim, false);
+          qx = s.qproj.data();
+        }
+        const float gq = attn->pack_row(qx, c.packed_dim, static_cast<int>(cfg->mode), cfg->eps, s.qbits.data(), 1, &unused);
         const uint64_t* kp = c.packed + hk * c.key_blocks * c.block_words;
         const float* gk = c.gamma + hk * c.key_blocks * kLanes;
         const size_t nb = (limit + kLanes - 1) / kLanes;
@@ -415,7 +488,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
           case PackMode::kBinary: pop->and_counts(s.qbits.data(), kp, c.words, nb, cnt); break;
           case PackMode::kTernary: pop->ternary_counts(s.qbits.data(), s.qbits.data() + c.words, kp, c.words, nb, cnt); break;
         }
-        const int32_t d = static_cast<int32_t>(dd.d);
+        const int32_t d = static_cast<int32_t>(c.packed_dim);
         // Approximate q·k: sign: (agreements - disagreements)·γq·γk = (D - 2·hamming)·γq·γk;
         // binary: |q∧k|·γq·γk; ternary: (agree - disagree)·γq·γk. Same float op order as the
         // numpy reference, so the selections match exactly.

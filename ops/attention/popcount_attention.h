@@ -39,6 +39,8 @@ struct PopcountAttentionConfig {
   bool cache_keys = true;    // reuse the previous call's packed keys for an unchanged K prefix
   int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
   int64_t keep_recent = 0;   // ... and the last ones of each query's causal prefix (local window)
+  bool center = true;        // popcount: pack k - mean(k) (ranking-invariant for exact scores)
+  int64_t proj_bits = 0;     // popcount: > 0 packs R^T x, R a fixed random Gaussian [D, proj_bits]
 };
 
 struct AttentionDims {
@@ -82,8 +84,10 @@ class PopcountAttention {
     static constexpr size_t kFingerprintRows = 3;
     size_t heads_kv = 0, skv = 0, d = 0, key_blocks = 0, words = 0, planes = 0, block_words = 0;
     std::vector<uint64_t> packed;
-    std::vector<float> gamma, energy, fingerprint;
+    std::vector<float> gamma, energy, fingerprint, center;  // center: per head, D
     std::vector<uint64_t> bits_set;  // per head
+    size_t packed_dim = 0;           // D, or proj_bits
+    std::shared_ptr<const std::vector<float>> projection;
     size_t fingerprint_row(size_t f) const { return f == 0 ? 0 : f == 1 ? skv / 2 : skv - 1; }
   };
   std::shared_ptr<const KeyCache> prepare_keys(const float* k, const AttentionDims& dims, const TaskRunner& runner,
@@ -98,6 +102,9 @@ class PopcountAttention {
   // that belongs to another sequence is simply not reused).
   mutable std::mutex cache_mutex_;
   mutable std::shared_ptr<const KeyCache> cache_;
+  // proj_bits > 0: R for the D of the last call (built on first use of a D).
+  mutable std::shared_ptr<const std::vector<float>> projection_;
+  std::shared_ptr<const std::vector<float>> projection_for(size_t d) const;
   // Per-call work buffers, reused across calls (one set per concurrent run; type-erased because
   // the scratch type is private to the .cc).
   mutable std::mutex scratch_mutex_;
@@ -107,6 +114,10 @@ class PopcountAttention {
 // Bit packing of one vector (exposed for tests): writes planes x words uint64 at
 // out[(p * words + w) * stride], returns gamma and adds the set bits to *bits_set.
 float pack_vector(const float* x, size_t d, PackMode mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set);
+
+// The projection matrix of proj_bits (row-major [d, bits], N(0, 1) from a fixed splitmix64 /
+// Box-Muller stream: part of the op's definition, the same in every build).
+std::vector<float> projection_matrix(size_t d, size_t bits);
 size_t pack_planes(PackMode mode);
 
 }  // namespace ortsparse::attention

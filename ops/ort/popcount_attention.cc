@@ -45,6 +45,10 @@ attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
   c.cache_keys = cache == 1;
   c.keep_first = attrs.get_int("keep_first", 0);
   c.keep_recent = attrs.get_int("keep_recent", 0);
+  const int64_t center = attrs.get_int("center", 1);
+  if (center != 0 && center != 1) fail("attribute center=", center, " must be 0 or 1");
+  c.center = center == 1;
+  c.proj_bits = attrs.get_int("proj_bits", 0);
   return c;
 }
 

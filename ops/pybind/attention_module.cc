@@ -45,7 +45,7 @@ py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArra
 attention::PopcountAttentionConfig make_config(float scale, bool causal, const std::string& mode, const std::string& select,
                                                int64_t topk, int64_t min_keys, float eps, float density_max,
                                                float candidates, bool pack_cache, int64_t keep_first,
-                                               int64_t keep_recent) {
+                                               int64_t keep_recent, bool center, int64_t proj_bits) {
   attention::PopcountAttentionConfig c;
   c.scale = scale;
   c.causal = causal;
@@ -59,6 +59,8 @@ attention::PopcountAttentionConfig make_config(float scale, bool causal, const s
   c.cache_keys = pack_cache;
   c.keep_first = keep_first;
   c.keep_recent = keep_recent;
+  c.center = center;
+  c.proj_bits = proj_bits;
   return c;
 }
 
@@ -67,9 +69,9 @@ class AttentionOp {
  public:
   AttentionOp(float scale, bool causal, const std::string& mode, const std::string& select, int64_t topk,
               int64_t min_keys, float eps, float density_max, float candidates, bool pack_cache, int64_t keep_first,
-              int64_t keep_recent, const std::string& isa, const std::string& popcnt)
+              int64_t keep_recent, bool center, int64_t proj_bits, const std::string& isa, const std::string& popcnt)
       : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache,
-                        keep_first, keep_recent),
+                        keep_first, keep_recent, center, proj_bits),
             popcnt_by_name(popcnt), isa_by_name(isa)) {}
   py::tuple call(FloatArray q, FloatArray k, FloatArray v, py::object mask) { return run_op(op_, q, k, v, mask); }
 
@@ -81,9 +83,9 @@ class AttentionOp {
 py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object mask, float scale, bool causal,
                          const std::string& mode, const std::string& select, int64_t topk, int64_t min_keys, float eps,
                          float density_max, float candidates, const std::string& isa, const std::string& popcnt,
-                         bool pack_cache, int64_t keep_first, int64_t keep_recent) {
+                         bool pack_cache, int64_t keep_first, int64_t keep_recent, bool center, int64_t proj_bits) {
   const attention::PopcountAttention op(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max,
-                                                    candidates, pack_cache, keep_first, keep_recent),
+                                                    candidates, pack_cache, keep_first, keep_recent, center, proj_bits),
                                         popcnt_by_name(popcnt), isa_by_name(isa));
   return run_op(op, q, k, v, mask);
 }
@@ -172,14 +174,21 @@ void register_attention(py::module_& m) {
         py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
         py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
         py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active", py::arg("pack_cache") = true,
-        py::arg("keep_first") = 0, py::arg("keep_recent") = 0);
+        py::arg("keep_first") = 0, py::arg("keep_recent") = 0, py::arg("center") = true, py::arg("proj_bits") = 0);
+  m.def("projection_matrix", [](size_t d, size_t bits) {
+    const std::vector<float> r = attention::projection_matrix(d, bits);
+    py::array_t<float> out({d, bits});
+    std::copy(r.begin(), r.end(), out.mutable_data());
+    return out;
+  }, py::arg("d"), py::arg("bits"));
   py::class_<AttentionOp>(m, "PopcountAttention")
       .def(py::init<float, bool, const std::string&, const std::string&, int64_t, int64_t, float, float, float, bool,
-                    int64_t, int64_t, const std::string&, const std::string&>(),
+                    int64_t, int64_t, bool, int64_t, const std::string&, const std::string&>(),
            py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
            py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
            py::arg("candidates") = 1.0f, py::arg("pack_cache") = true, py::arg("keep_first") = 0,
-           py::arg("keep_recent") = 0, py::arg("isa") = "active", py::arg("popcnt") = "active")
+           py::arg("keep_recent") = 0, py::arg("center") = true, py::arg("proj_bits") = 0, py::arg("isa") = "active",
+           py::arg("popcnt") = "active")
       .def("__call__", &AttentionOp::call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none());
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");

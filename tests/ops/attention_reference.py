@@ -99,17 +99,32 @@ def approx_counts(qbits, kbits, mode, d):
     return dot(qp, kp) + dot(qn, kn) - dot(qp, kn) - dot(qn, kp)
 
 
-def selection_scores(q, k, mask=None, *, causal=False, scale=0.0, select="popcount", mode="sign", eps=1e-4):
-    """float32 [B, H, Sq, Skv] scores the selector ranks (-inf: not attendable)."""
+def selection_scores(q, k, mask=None, *, causal=False, scale=0.0, select="popcount", mode="sign", eps=1e-4,
+                     center=True, proj_bits=0):
+    """float32 [B, H, Sq, Skv] scores the selector ranks (-inf: not attendable). Popcount packs
+    k - mean(k over the call's keys) when center, and x @ R (R: the op's fixed projection, given
+    as data by projection_matrix) when proj_bits > 0."""
     b, h, sq, d = q.shape
     kk = expand_kv(k, h)
     bias = full_bias(mask, q, k, causal)
     if select == "energy":
         norm = np.sqrt((kk.astype(np.float64) ** 2).sum(-1)).astype(np.float32)
         return (norm[:, :, None, :] + bias).astype(np.float32)
-    qp, qn, gq = pack(q, mode, eps)
+    qx = q
+    if center is not False:
+        # center: True = the mean key of this call; an array [B, Hkv, 1, D] = a given mean (the
+        # op keeps the mean of the call that started its packed-key cache).
+        mu = k.astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32) if center is True else center
+        kk = expand_kv((k - mu).astype(np.float32), h)
+    if proj_bits:
+        from ortsparse import _kernels
+
+        r = _kernels.projection_matrix(d, proj_bits).astype(np.float64)
+        qx = (q.astype(np.float64) @ r).astype(np.float32)
+        kk = (kk.astype(np.float64) @ r).astype(np.float32)
+    qp, qn, gq = pack(qx, mode, eps)
     kp, kn, gk = pack(kk, mode, eps)
-    a = approx_counts((qp, qn), (kp, kn), mode, d).astype(np.float32)
+    a = approx_counts((qp, qn), (kp, kn), mode, qx.shape[-1]).astype(np.float32)
     sc = scale_of(scale, d)
     s = a * gq[..., :, None] * gk[..., None, :] * sc + bias
     return s.astype(np.float32)
@@ -122,11 +137,12 @@ def top_indices(values, count):
 
 
 def selected_keys(q, k, mask=None, *, causal=False, scale=0.0, select="popcount", mode="sign", eps=1e-4, topk=256,
-                  candidates=1.0, keep_first=0, keep_recent=0):
+                  candidates=1.0, keep_first=0, keep_recent=0, center=True, proj_bits=0):
     """bool [B, H, Sq, Skv]: the keys that get exact scores and take part in the softmax. The
     first keep_first and the last keep_recent keys of each query's causal prefix are always kept
     (unless masked out); topk more come from the selector."""
-    sel = selection_scores(q, k, mask, causal=causal, scale=scale, select=select, mode=mode, eps=eps)
+    sel = selection_scores(q, k, mask, causal=causal, scale=scale, select=select, mode=mode, eps=eps, center=center,
+                           proj_bits=proj_bits)
     b, h, sq, skv = sel.shape
     keep = np.zeros(sel.shape, dtype=bool)
     for idx in np.ndindex(b, h, sq):
@@ -158,9 +174,9 @@ def attention_scores_row(q, k, mask, causal, scale, idx):
     return s + full_bias(mask, q, k, causal)[b, hh, i]
 
 
-def approximate_attention(q, k, v, mask=None, *, causal=False, scale=0.0, mode="sign", eps=1e-4):
+def approximate_attention(q, k, v, mask=None, *, causal=False, scale=0.0, mode="sign", eps=1e-4, center=True):
     """topk = 0: softmax of the approximate scores over all attendable keys."""
-    sel = selection_scores(q, k, mask, causal=causal, scale=scale, mode=mode, eps=eps)
+    sel = selection_scores(q, k, mask, causal=causal, scale=scale, mode=mode, eps=eps, center=center)
     vv = expand_kv(v, q.shape[1]).astype(np.float64)
     return np.einsum("bhij,bhjd->bhid", softmax_rows(sel), vv)
 

@@ -177,6 +177,10 @@ def test_engine_exact_every_isa(isa, d, rng):
     assert not stats["packed"]
 
 
+def centered(k):
+    return k - k.astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
+
+
 def selection_case(rng, sq, causal, mask_kind, d=40, skv=70):
     q, k, v = qkv(rng, 2, 6, 2, sq, skv, d)
     # Keys of varied norms so energy selection has no near-ties.
@@ -267,7 +271,7 @@ def test_density_auto_disable(mode, rng):
     # |k| > 2.0 for ~4.5% of standard normal entries: sparse, the pack is used.
     y, stats = _kernels.popcount_attention(q, k, v, mode=mode, eps=2.0, topk=8, min_keys=0, density_max=0.15)
     density = stats["bits_set"] / stats["bits_total"]
-    expected_density = np.mean(np.abs(k) > 2.0)
+    expected_density = np.mean(np.abs(centered(k)) > 2.0)  # keys are packed centered
     assert density == pytest.approx(expected_density) and stats["packed"]
     # eps = 0.1: ~92% dense -> above density_max: exact for this call.
     y, stats = _kernels.popcount_attention(q, k, v, mode=mode, eps=0.1, topk=8, min_keys=0, density_max=0.15)
@@ -293,7 +297,7 @@ def test_metrics(rng):
     session.run(None, {"Q": q, "K": k[:, :, :20], "V": v[:, :, :20]})  # below min_keys: exact
     m = ortsparse.metrics()["attn_metrics"]
     assert m["pack.enabled"] == 1 and m["pack.mode"] == 3 and m["pack.active"] == 0.5
-    assert m["pack.density"] == pytest.approx(np.mean(np.abs(k) > 1.5))
+    assert m["pack.density"] == pytest.approx(np.mean(np.abs(centered(k)) > 1.5))
     assert m["pack.popcnt"] == {"portable": 0, "popcnt": 1, "vpopcntdq": 2}[_kernels.active_popcnt()]
     assert m["calls"] == 2 and m["keys_exact"] == 4 * 8 + 4 * 20
 
@@ -363,9 +367,10 @@ def test_selection_at_long_context(select, mode, topk, rng):
 def test_packed_keys_are_reused_while_the_cache_grows(rng):
     q, k, v = qkv(rng, 1, 4, 2, 1, 60, 64)
     op = _kernels.PopcountAttention(topk=8, min_keys=0, is_causal=True)
+    mu = k[:, :, :50].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
     for n, packed in ((50, 100), (51, 2), (52, 2), (52, 0)):
         y, stats = op(q, k[:, :, :n], v[:, :, :n])
-        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=mu)  # the first call's mean
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
         assert stats["keys_packed"] == packed
@@ -401,9 +406,10 @@ def test_decode_through_ort_reuses_packed_keys(rng):
     ortsparse.reset_metrics()
     q, k, v = qkv(rng, 1, 4, 2, 1, 40, 32)
     session = ortsparse.inference_session(ref.attention_model(node_name="dec", topk=8, min_keys=0, is_causal=1))
+    mu = k[:, :, :30].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
     for n in range(30, 35):
         y = session.run(None, {"Q": q, "K": k[:, :, :n], "V": v[:, :, :n]})[0]
-        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=mu)
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
     assert ortsparse.metrics()["dec"]["keys_packed"] == 2 * 30 + 4 * 2
@@ -430,3 +436,32 @@ def test_protected_sink_and_recent_keys(keep_first, keep_recent, candidates, sel
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
     model = ref.attention_model(mask_type=mask_type(mask), is_causal=1, min_keys=0, density_max=1.0, **kw)
     np.testing.assert_allclose(run(model, q, k, v, mask), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_uncentered_packing(mode, rng):
+    q, k, v, mask = selection_case(rng, 2, True, "float")
+    k += 0.7  # a common offset: centering changes the bits
+    kw = dict(mode=mode, eps=0.5, topk=7)
+    keep = ref.selected_keys(q, k, mask, causal=True, center=False, **kw)
+    assert not np.array_equal(keep, ref.selected_keys(q, k, mask, causal=True, **kw))
+    y, _ = _kernels.popcount_attention(q, k, v, mask, is_causal=True, min_keys=0, density_max=1.0, center=False, **kw)
+    np.testing.assert_allclose(y, ref.attention(q, k, v, mask, causal=True, keep=keep), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("proj_bits", [64, 100, 256])
+@pytest.mark.parametrize("mode", ["sign", "ternary"])
+def test_random_projection_bits(proj_bits, mode, rng):
+    q, k, v, mask = selection_case(rng, 2, True, "bool", d=48)
+    kw = dict(mode=mode, eps=0.5, topk=7, proj_bits=proj_bits)
+    keep = ref.selected_keys(q, k, mask, causal=True, **kw)
+    expected = ref.attention(q, k, v, mask, causal=True, keep=keep)
+    y, stats = _kernels.popcount_attention(q, k, v, mask, is_causal=True, min_keys=0, density_max=1.0, **kw)
+    # The projection is computed in float32 (op) vs float64 (reference): a bit whose projection
+    # is ~0 may differ, so allow a few of the 24 query rows to pick another key set.
+    rows_equal = np.isclose(y, expected, rtol=1e-5, atol=2e-6).all(axis=-1)
+    assert rows_equal.mean() >= 0.9
+    assert stats["bits_total"] == 2 * 2 * 70 * proj_bits  # B * Hkv heads
+    r = _kernels.projection_matrix(48, proj_bits)
+    assert r.shape == (48, proj_bits) and abs(r.mean()) < 0.1 and abs(r.std() - 1) < 0.1
+    np.testing.assert_array_equal(r, _kernels.projection_matrix(48, proj_bits))  # fixed, part of the op
