@@ -15,13 +15,12 @@ Candidates:
 - ort_gqa: com.microsoft GroupQueryAttention with past_key/past_value of ctx-1 tokens + 1 new token
   (it also writes present_key/present_value, as it does in a real decode loop);
 - pop_exact: PopcountAttention select=none;
-- pop_<mode>_k<topk>[_c<candidates>]: PopcountAttention select=popcount (packed keys reused across
-  steps: the timed calls see an unchanged cache, i.e. the steady state where one row per step is
-  packed); pop_energy_k<topk>: select=energy; pop_<mode>_k<topk>_nocache: pack_cache=0 (every call
-  packs all keys: the first decode step after a prefill).
+- pop[<attributes>]: PopcountAttention variants (--variants). Packed keys are reused across calls:
+  the timed calls see an unchanged cache, i.e. the steady state where one row per step is packed;
+  a variant with pack_cache=0 packs all keys every call (the first decode step after a prefill).
 
 usage: python bench/bench_attention.py [--quick] [--contexts 512 2048 4096 8192] [--threads 1]
-       [--topk 128 256 512] [--modes sign ternary] [-o reports/attention]
+       [--variants "mode=sign,topk=256" ...] [-o reports/attention]
 """
 from __future__ import annotations
 
@@ -116,20 +115,33 @@ def cosine(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
+DEFAULT_VARIANTS = [
+    "mode=sign,topk=256,center=0",
+    "mode=sign,topk=256",
+    "mode=sign,topk=256,candidates=4,keep_first=4,keep_recent=64",
+    "mode=sign,topk=256,proj_bits=256,candidates=4,keep_first=4,keep_recent=64",
+    "mode=sign,topk=128,proj_bits=256,candidates=4,keep_first=4,keep_recent=64",
+    "mode=sign,topk=128,proj_bits=256,candidates=2,keep_first=4,keep_recent=32",
+    "mode=ternary,eps=0.5,topk=256,candidates=4,keep_first=4,keep_recent=64",
+    "select=energy,topk=256,keep_first=4,keep_recent=64",
+    "mode=sign,topk=256,proj_bits=256,candidates=4,keep_first=4,keep_recent=64,pack_cache=0",
+]
+_INTS = {"topk", "keep_first", "keep_recent", "proj_bits", "center", "min_keys", "pack_cache"}
+
+
+def parse_variant(text):
+    """Comma-separated attribute=value pairs of PopcountAttention (select defaults to popcount)."""
+    out = {"select": "popcount", "density_max": 1.0}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        out[key] = value if key in ("select", "mode") else int(value) if key in _INTS else float(value)
+    return out
+
+
 def pop_variants(args):
     out = {"pop_exact": dict(select="none")}
-    for topk in args.topk:
-        for mode in args.modes:
-            out[f"pop_{mode}_k{topk}"] = dict(select="popcount", mode=mode, topk=topk, eps=args.eps, density_max=1.0)
-            for c in args.candidates:
-                if c > 1:
-                    out[f"pop_{mode}_k{topk}_c{c:g}"] = dict(select="popcount", mode=mode, topk=topk, eps=args.eps,
-                                                             density_max=1.0, candidates=float(c))
-        out[f"pop_energy_k{topk}"] = dict(select="energy", topk=topk)
-    if args.topk:
-        out[f"pop_{args.modes[0]}_k{args.topk[0]}_nocache"] = dict(select="popcount", mode=args.modes[0],
-                                                                   topk=args.topk[0], eps=args.eps, density_max=1.0,
-                                                                   pack_cache=0)
+    for text in args.variants:
+        out["pop[" + text + "]"] = parse_variant(text)
     for attrs in out.values():
         attrs["min_keys"] = 0
         attrs["is_causal"] = 1
@@ -211,10 +223,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--topk", type=int, nargs="*", default=[128, 256, 512])
-    parser.add_argument("--modes", nargs="+", default=["sign", "ternary"], choices=["sign", "binary", "ternary"])
-    parser.add_argument("--candidates", type=float, nargs="*", default=[4.0], help="oversample factors > 1 to add")
-    parser.add_argument("--eps", type=float, default=0.5, help="binary/ternary threshold (inputs are N(0, 1))")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                        help="PopcountAttention attribute sets, 'attr=value,...' (select=popcount, min_keys=0, "
+                             "is_causal=1, density_max=1 unless given)")
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -227,7 +238,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.layers, args.repeats, args.min_seconds = [300], 2, 3, 0.0
-        args.topk, args.modes, args.candidates = [64], ["sign"], [2.0]
+        args.variants = ["mode=sign,topk=64", "mode=sign,topk=32,proj_bits=128,candidates=2,keep_first=2,keep_recent=8",
+                         "select=energy,topk=64"]
     if args.heads % args.kv_heads:
         parser.error("--heads must be a multiple of --kv-heads")
     rng = np.random.default_rng(0)
