@@ -144,10 +144,10 @@ def add_arguments(parser) -> None:
                        help=f"pack not used for a call whose bitmap density exceeds RHO (default {default.density_max:g})")
 
 
-def settings_from_args(args) -> tuple[AttentionSettings | None, str]:
-    """(settings or None for off, why) from the flags of :func:`add_arguments` and the KWTA flags."""
-    choice, why = resolve_attn_choice(getattr(args, "attn", None), getattr(args, "kwta", "off") == "on",
-                                      getattr(args, "kwta_target", "mlp"))
+def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[AttentionSettings | None, str]:
+    """(settings or None for off, why) from the flags of :func:`add_arguments` and KWTA's resolved
+    on/off state and target."""
+    choice, why = resolve_attn_choice(getattr(args, "attn", None), kwta_on, kwta_target)
     settings = None
     if choice != "off":
         settings = AttentionSettings(mode=args.attn_mode, select=choice, topk=args.attn_topk,
