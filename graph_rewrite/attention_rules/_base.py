@@ -146,6 +146,17 @@ def check_rank4(value: ir.Value, what: str) -> MatchResult:
     return result
 
 
+def same_length(a: ir.Value, b: ir.Value, axis: int) -> bool:
+    """Whether dim ``axis`` of a and b is provably equal (same value, same int or same named dim)."""
+    if a is b:
+        return True
+    da, db = dims_of(a), dims_of(b)
+    if da is None or db is None or len(da) <= axis or len(db) <= axis:
+        return False
+    x, y = da[axis], db[axis]
+    return x == y and x not in ("?", None)
+
+
 def compose(inner: Sequence[int], outer: Sequence[int]) -> tuple[int, ...]:
     """Transpose(Transpose(x, inner), outer) == Transpose(x, compose(inner, outer))."""
     return tuple(inner[i] for i in outer)

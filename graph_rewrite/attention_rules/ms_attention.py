@@ -20,7 +20,8 @@ Before -> After (``MultiHeadAttention``: projections outside)::
 Masks keep onnxruntime's meaning exactly: a mask_index / key_padding_mask [B, Skv] (0 = masked) or
 [B] (valid keys end at mask_index[b]) becomes Where(valid, 0, mask_filter_value) added to the
 scores, as onnxruntime adds mask_filter_value (default -10000); attention_bias is added as is.
-``unidirectional`` -> ``is_causal`` (no past here, so Sq == Skv and the triangle is unambiguous).
+``unidirectional`` -> ``is_causal`` (Attention: no past, so Sq == Skv; MultiHeadAttention: only when the
+query and key lengths are provably equal, since the op aligns the triangle KV-cache style).
 Declined (near-misses): past state, packed QKV, rotary inside the op, 3-D/4-D mask_index.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from ._base import AttentionRule, Core, Mask, Operand, check_float, emit_attention, rank_of
+from ._base import AttentionRule, Core, Mask, Operand, check_float, emit_attention, rank_of, same_length
 
 MS = "com.microsoft"
 
@@ -166,9 +167,13 @@ class MsMultiHeadAttention(_FusedRule):
         if not result:
             return result, None
         inputs = list(anchor.inputs) + [None] * (6 - len(anchor.inputs))
+        unknown = []
         for value, what in ((q, "query"), (k, "key"), (v, "value")):
-            if rank_of(value) != 3:
-                return result.fail(f"MultiHeadAttention '{anchor.name}' {what} has rank {rank_of(value)}; only 3-D "
+            rank = rank_of(value)
+            if rank is None:
+                unknown.append(what)
+            elif rank != 3:
+                return result.fail(f"MultiHeadAttention '{anchor.name}' {what} has rank {rank}; only 3-D "
                                    "[B, S, H*D] query/key/value are rewritten (packed and 4-D forms are not)", value), None
             check = check_float(value, what)
             if not check:
@@ -181,9 +186,14 @@ class MsMultiHeadAttention(_FusedRule):
             masks.append(Mask("padding", inputs[4], anchor.attributes.get_float("mask_filter_value", -10000.0)))
         if inputs[5] is not None:
             masks.append(Mask("add", inputs[5]))
+        causal = anchor.attributes.get_int("unidirectional", 0)
+        if causal and not same_length(q, k, axis=1):
+            return result.fail(f"MultiHeadAttention '{anchor.name}' is unidirectional and query/key lengths are "
+                               "not provably equal (causal alignment would be ambiguous)", anchor), None
         core = Core(q=Operand(q), k=Operand(k), v=Operand(v), scale=anchor.attributes.get_float("scale", 0.0),
-                    is_causal=anchor.attributes.get_int("unidirectional", 0), masks=masks, nodes=[anchor],
-                    name_hint=anchor.name or "")
+                    is_causal=causal, masks=masks, nodes=[anchor], name_hint=anchor.name or "")
+        if unknown:
+            core.notes.append(f"rank of {', '.join(unknown)} unknown: taken as 3-D [B, S, H*D]")
         return result, core
 
     def emit(self, op, core: Core, anchor: ir.Node, name: str | None, q, k, v, **_: Any):

@@ -10,7 +10,8 @@ Before -> After::
 
 The mask keeps its meaning (bool: True takes part; float: added to the scores). K'/V' are the
 un-expanded [B, Hkv, S, D] tensors when both are repeat_kv expansions (GQA). ``is_causal`` is passed
-through: ONNX and PopcountAttention both align the causal triangle top-left (see docs/rewriter.md).
+through only when Sq == Skv is provable from the shapes: ONNX aligns the causal triangle top-left,
+PopcountAttention bottom-right (KV-cache style); they agree only on square score matrices.
 Declined (near-misses): 3-D inputs, past_key/past_value, softcap, extra outputs in use.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from ._base import AttentionRule, Core, Mask, Operand, check_float, mask_dtype_ok, rank_of, undo_repeat_kv
+from ._base import (AttentionRule, Core, Mask, Operand, check_float, mask_dtype_ok, rank_of, same_length,
+                    undo_repeat_kv)
 
 
 class OnnxAttention(AttentionRule):
@@ -62,10 +64,15 @@ class OnnxAttention(AttentionRule):
             if not check:
                 return check, None
             masks.append(Mask(kind, mask))
+        causal = anchor.attributes.get_int("is_causal", 0)
+        if causal and not same_length(q, k, axis=2):
+            return result.fail(f"Attention '{anchor.name}' has is_causal=1 and Sq, Skv are not provably equal: ONNX "
+                               "aligns the causal triangle top-left, PopcountAttention KV-cache style (bottom-right)",
+                               anchor), None
         scale_attr = anchor.attributes.get("scale")
         scale = float(scale_attr.value) if scale_attr is not None else 0.0
         core = Core(q=Operand(q), k=Operand(k), v=Operand(v), scale=scale,
-                    is_causal=anchor.attributes.get_int("is_causal", 0), masks=masks, nodes=[anchor],
+                    is_causal=causal, masks=masks, nodes=[anchor],
                     name_hint=anchor.name or "")
         k_undone, v_undone = undo_repeat_kv(k), undo_repeat_kv(v)
         if k_undone is not None and v_undone is not None:
