@@ -118,9 +118,46 @@ def scalar_constant(value: ir.Value | None) -> float | None:
     return float(array.reshape(()))
 
 
-def rank_of(value: ir.Value | None) -> int | None:
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Neg", "Cast", "Identity", "Softmax", "Sqrt",
+                          "Tanh", "Sigmoid", "Relu", "Erf", "Pow", "Dropout", "Split", "Slice", "IsNaN", "Not",
+                          "And", "Or", "Equal", "Less", "Greater", "Expand", "Max", "Min", "Clip"})
+
+
+def rank_of(value: ir.Value | None, depth: int = 12) -> int | None:
+    """Rank from the value's shape, else inferred through common ops (TorchScript exports carry no
+    shapes; a 3-D ``bmm`` attention must not be taken for the 4-D form)."""
     dims = dims_of(value)
-    return None if dims is None else len(dims)
+    if dims is not None:
+        return len(dims)
+    producer = value.producer() if value is not None else None
+    if producer is None or depth == 0 or producer.domain not in ("", "ai.onnx"):
+        return None
+    op = producer.op_type
+    if op == "Transpose":
+        perm = producer.attributes.get_ints("perm", ())
+        return len(perm) if perm else rank_of(producer.inputs[0], depth - 1)
+    if op == "Reshape":
+        shape = dims_of(producer.inputs[1])
+        return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+    if op in ("Unsqueeze", "Squeeze"):
+        base = rank_of(producer.inputs[0], depth - 1)
+        axes = constant_array(producer.inputs[1]) if len(producer.inputs) > 1 and producer.inputs[1] is not None \
+            else np.asarray(producer.attributes.get_ints("axes", ()))
+        if base is None or axes is None:
+            return None
+        return base + axes.size if op == "Unsqueeze" else base - axes.size
+    if op in ("MatMul", "Concat") or op in _ELEMENTWISE:
+        inputs = producer.inputs[:2] if op in ("MatMul",) else producer.inputs
+        if op in ("Expand", "Slice", "Split", "Cast", "Softmax", "Dropout", "Clip"):
+            inputs = producer.inputs[:1]
+        ranks = [rank_of(v, depth - 1) for v in inputs if v is not None]
+        if op == "Expand":
+            shape = dims_of(producer.inputs[1])
+            if shape is not None and len(shape) == 1 and isinstance(shape[0], int):
+                ranks.append(shape[0])
+        known = [r for r in ranks if r is not None]
+        return max(known) if known and (len(known) == len(ranks) or op == "Concat") else None
+    return None
 
 
 def attr_int(node: ir.Node, name: str, default: int) -> int:
@@ -240,7 +277,9 @@ def resolve_key(k_t: ir.Value, nodes: list[ir.Node]) -> tuple[MatchResult, Opera
     key_perm = compose(perm, SWAP_LAST2)
     rank = rank_of(base)
     if rank is not None and rank != 4:
-        return MatchResult().fail(f"K '{base.name}' has rank {rank}; expected 4", base), Operand(base), factor
+        what = "K^T" if base is k_t else "K"
+        return MatchResult().fail(f"{what} '{base.name}' has rank {rank}; only 4-D [B, H, S, D] attention is "
+                                  "rewritten", base), Operand(base), factor
     return MatchResult(), Operand(base, None if key_perm == IDENTITY4 else key_perm), factor
 
 

@@ -194,3 +194,15 @@ def feeds(model: onnx.ModelProto, seed: int = 0, pad: int = 2) -> dict[str, np.n
         elif elem == TensorProto.FLOAT:
             result[name] = rng.standard_normal(dims).astype(np.float32)
     return result
+
+
+def bmm_core() -> onnx.ModelProto:
+    """3-D attention over [B*H, S, D] (``torch.bmm`` style), with no shapes on the inner values."""
+    g = _G()
+    q = g.input("Q", TensorProto.FLOAT, ["bh", "seq", D])
+    k = g.input("K", TensorProto.FLOAT, ["bh", "seq", D])
+    v = g.input("V", TensorProto.FLOAT, ["bh", "seq", D])
+    scores = g.op("Mul", [g.op("MatMul", [g.op("Identity", [q]), g.op("Transpose", [k], perm=[0, 2, 1])]),
+                          g.const(1 / math.sqrt(D), np.float32)])
+    out = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
+    return g.model(out, ["bh", "seq", D])

@@ -123,6 +123,11 @@ def test_eager_near_misses_explain_themselves(kwargs, reason):
     assert record.near_misses[0][0] == "attention_eager"
 
 
+def test_three_d_bmm_attention_is_declined():
+    report = list_layers(ag.bmm_core(), ATTN_ONLY)
+    assert "only 4-D [B, H, S, D] attention" in report.attention[0].reason
+
+
 def test_linear_matmuls_are_no_attention_candidates():
     report = list_layers(tg.matmul_model(), ATTN_ONLY)
     assert report.attention == []
