@@ -15,6 +15,7 @@ from .plan import WeightPreparer, decide_layer
 from .report import REWRITTEN, SKIPPED, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, LayerPlan, make_rules
 from .attention_rules import list_attention, rewrite_attention
+from .compose import check_attention
 from .techniques import BIAS, TECHNIQUES, WEIGHT, LayerWeights
 
 
@@ -75,6 +76,7 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
                     on_stage: Callable[[str], None] | None = None,
                     calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
     stage = on_stage or (lambda _: None)
+    check_attention(config)
     stage("analyse")
     found = survey(model)
     layers = found.layers

@@ -316,3 +316,12 @@ def test_cli_list_rules_and_layers(capsys, tmp_path):
     assert main(["rewrite", str(path), "-o", str(out), "--attn=none", "--report", str(tmp_path / "r.json")]) == 0
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["attention"][0]["decision"] == "rewritten" and data["exact"]
+
+
+def test_rewritten_model_still_classifies_attention_layers():
+    model = tg.llama_like()
+    out, _ = rewrite(model)
+    before = [(r.layer_class, r.role) for r in list_layers(model, ATTN_ONLY).layers]
+    again = list_layers(out, ATTN_ONLY)
+    assert [(r.layer_class, r.role) for r in again.layers] == before
+    assert again.attention == []  # PopcountAttention is no candidate for another attention rewrite
