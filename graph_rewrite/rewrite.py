@@ -9,13 +9,13 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
 
+from .attention_rules import list_attention, rewrite_attention
+from .compose import check_attention
 from .config import RewriteConfig
 from .layers import LinearLayer, survey
 from .plan import WeightPreparer, decide_layer
 from .report import REWRITTEN, SKIPPED, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, LayerPlan, make_rules
-from .attention_rules import list_attention, rewrite_attention
-from .compose import check_attention
 from .techniques import BIAS, TECHNIQUES, WEIGHT, LayerWeights
 
 

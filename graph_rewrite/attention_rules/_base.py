@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from ..graph_utils import dims_of, is_onnx_op, op_name
+from ..graph_utils import dims_of, is_onnx_op
 from ..techniques.popcount import OP_TYPE, AttentionSettings
 
 DOMAIN = "ai.ortsparse"
@@ -158,14 +158,6 @@ def rank_of(value: ir.Value | None, depth: int = 12) -> int | None:
         known = [r for r in ranks if r is not None]
         return max(known) if known and (len(known) == len(ranks) or op == "Concat") else None
     return None
-
-
-def attr_int(node: ir.Node, name: str, default: int) -> int:
-    return node.attributes.get_int(name, default)
-
-
-def attr_float(node: ir.Node, name: str, default: float) -> float:
-    return node.attributes.get_float(name, default)
 
 
 def check_float(value: ir.Value, what: str) -> MatchResult:
@@ -315,9 +307,8 @@ def undo_repeat_kv(value: ir.Value) -> tuple[ir.Value, int | None, list[ir.Node]
         if source is not None and isinstance(source[1], int) and isinstance(expanded[1], int) and source[1] != expanded[1]:
             return None
     shape = constant_array(expand.inputs[1])
-    if shape is not None and shape.size == 5:
-        if int(shape[2]) > 1:
-            rep = int(shape[2])
+    if shape is not None and shape.size == 5 and int(shape[2]) > 1:
+        rep = int(shape[2])
     target = constant_array(reshape.inputs[1])
     if target is not None and target.size != 4:
         return None
@@ -417,7 +408,3 @@ class AttentionRule(RewriteRuleClassBase, abc.ABC):
 
     def emit(self, op, core: Core, anchor: ir.Node, name: str | None, **bindings: Any):
         return emit_attention(op, core, self._settings, name)
-
-
-def fused_name(node: ir.Node) -> str:
-    return op_name(node)

@@ -25,8 +25,21 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
 from ..graph_utils import is_constant_like, is_onnx_op, op_name
-from ._base import (NOT_ATTENTION, AttentionRule, Core, Mask, Operand, check_float, check_rank4, mask_dtype_ok,
-                    rank_of, resolve_key, scalar_constant, strip_scalar_scale, undo_repeat_kv)
+from ._base import (
+    NOT_ATTENTION,
+    AttentionRule,
+    Core,
+    Mask,
+    Operand,
+    check_float,
+    check_rank4,
+    mask_dtype_ok,
+    rank_of,
+    resolve_key,
+    scalar_constant,
+    strip_scalar_scale,
+    undo_repeat_kv,
+)
 
 _TAIL_CASTS = ("Cast", "Identity", "Dropout")
 _SCORE_PASS = ("Add", "Mul", "Div", "Where", "Cast", "Identity")

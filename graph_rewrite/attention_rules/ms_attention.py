@@ -32,7 +32,16 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from ._base import AttentionRule, Core, Mask, Operand, check_float, emit_attention, rank_of, same_length
+from ._base import (
+    AttentionRule,
+    Core,
+    Mask,
+    Operand,
+    check_float,
+    emit_attention,
+    rank_of,
+    same_length,
+)
 
 MS = "com.microsoft"
 

@@ -21,8 +21,17 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from ._base import (AttentionRule, Core, Mask, Operand, check_float, mask_dtype_ok, rank_of, same_length,
-                    undo_repeat_kv)
+from ._base import (
+    AttentionRule,
+    Core,
+    Mask,
+    Operand,
+    check_float,
+    mask_dtype_ok,
+    rank_of,
+    same_length,
+    undo_repeat_kv,
+)
 
 
 class OnnxAttention(AttentionRule):

@@ -96,15 +96,6 @@ class AttentionSettings:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
 
 
-def settings_for_choice(choice: str, base: AttentionSettings | None = None) -> AttentionSettings | None:
-    """The settings of an ``--attn`` choice (None for ``off``)."""
-    if choice not in ATTN_CHOICES:
-        raise ConfigError(f"--attn={choice!r} must be one of {', '.join(ATTN_CHOICES)}")
-    if choice == "off":
-        return None
-    return dataclasses.replace(base or AttentionSettings(), select=choice)
-
-
 def resolve_attn_choice(attn: str | None, kwta_on: bool, kwta_target: str) -> tuple[str, str]:
     """(choice, why): an explicit ``--attn`` wins; otherwise seed 000's ``--kwta-target=attn|both``
     means ``energy``; otherwise ``off``."""

@@ -102,8 +102,9 @@ _config_from_args = config_from_args
 
 def _print_rules() -> None:
     from .graph_rewrite import describe_rules
-
-    from .graph_rewrite.attention_rules import describe_rules as describe_attention_rules
+    from .graph_rewrite.attention_rules import (
+        describe_rules as describe_attention_rules,
+    )
 
     print("Rewrite rules (a layer takes the first that matches):")
     for name, before_after, _ in describe_rules():
@@ -123,7 +124,12 @@ def _write_report(report, path: str) -> None:
 
 
 def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool) -> int:
-    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, parse_shape_overrides, verify_models
+    from .verify import (
+        DEFAULT_BUDGET,
+        EXACT_BUDGET,
+        parse_shape_overrides,
+        verify_models,
+    )
 
     if report.exact:
         budget, reason = EXACT_BUDGET, "tight: every rewritten layer keeps all inputs (k=1, threshold=0)"

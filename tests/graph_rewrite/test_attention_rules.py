@@ -9,14 +9,18 @@ import math
 import sys
 from pathlib import Path
 
+import attention_graphs as ag
 import numpy as np
 import onnx
 import pytest
-
-import attention_graphs as ag
 import tiny_graphs as tg
 from ort_run import run_ortsparse, run_reference, token_feeds
-from ortsparse.graph_rewrite import ConfigError, RewriteConfig, list_layers, rewrite_model
+from ortsparse.graph_rewrite import (
+    ConfigError,
+    RewriteConfig,
+    list_layers,
+    rewrite_model,
+)
 from ortsparse.graph_rewrite.attention_rules import describe_rules
 from ortsparse.graph_rewrite.techniques import popcount
 from ortsparse.graph_rewrite.techniques.popcount import AttentionSettings
@@ -62,17 +66,17 @@ def test_rules_have_before_after_docstrings():
 # -- decomposed (eager) attention -------------------------------------------------------------
 
 EAGER_FORMS = [
-    dict(k_form="t0132", scale="div"),
-    dict(k_form="t0231", scale="mul"),
-    dict(k_form="rtr", scale="split"),
-    dict(k_form="t0132", scale="none"),
-    dict(k_form="t0132", scale="div", masks=("add",)),
-    dict(k_form="t0231", scale="div", masks=("bool",)),
-    dict(k_form="t0132", scale="mul", masks=("add", "bool")),
-    dict(k_form="t0132", scale="split", masks=("inf",), tail="nanguard"),
-    dict(k_form="t0132", scale="div", masks=("add",), tail="cast"),
-    dict(k_form="t0132", scale="div", masks=("add",), gqa=True),
-    dict(k_form="t0132", scale="split", masks=("inf",), tail="nanguard", gqa=True),
+    {"k_form": "t0132", "scale": "div"},
+    {"k_form": "t0231", "scale": "mul"},
+    {"k_form": "rtr", "scale": "split"},
+    {"k_form": "t0132", "scale": "none"},
+    {"k_form": "t0132", "scale": "div", "masks": ("add",)},
+    {"k_form": "t0231", "scale": "div", "masks": ("bool",)},
+    {"k_form": "t0132", "scale": "mul", "masks": ("add", "bool")},
+    {"k_form": "t0132", "scale": "split", "masks": ("inf",), "tail": "nanguard"},
+    {"k_form": "t0132", "scale": "div", "masks": ("add",), "tail": "cast"},
+    {"k_form": "t0132", "scale": "div", "masks": ("add",), "gqa": True},
+    {"k_form": "t0132", "scale": "split", "masks": ("inf",), "tail": "nanguard", "gqa": True},
 ]
 
 
@@ -180,8 +184,8 @@ def popcount_free_kwta():
 # -- ONNX Attention (opset 23) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs", [
-    dict(mask="bool"), dict(mask="add"), dict(mask=None, is_causal=1), dict(mask="bool", gqa=True),
-    dict(mask="add", scale=0.3),
+    {"mask": "bool"}, {"mask": "add"}, {"mask": None, "is_causal": 1}, {"mask": "bool", "gqa": True},
+    {"mask": "add", "scale": 0.3},
 ])
 def test_onnx_attention(kwargs):
     model = ag.onnx_attention(**kwargs)
@@ -196,8 +200,8 @@ def test_onnx_attention(kwargs):
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(softcap=30.0), "softcap"),
-    (dict(mask=None, is_causal=1, k_len="total"), "not provably equal"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"mask": None, "is_causal": 1, "k_len": "total"}, "not provably equal"),
 ])
 def test_onnx_attention_near_misses(kwargs, reason):
     out, report = rewrite(ag.onnx_attention(**kwargs))
