@@ -329,3 +329,24 @@ def test_rewritten_model_still_classifies_attention_layers():
     again = list_layers(out, ATTN_ONLY)
     assert [(r.layer_class, r.role) for r in again.layers] == before
     assert again.attention == []  # PopcountAttention is no candidate for another attention rewrite
+
+
+@pytest.mark.skipif("bert_tiny.torchscript.onnx" not in TINY_FILES, reason="models/tiny not generated")
+def test_ort_optimized_tiny_bert(tmp_path, manifest):
+    """onnxruntime.transformers' BERT optimizer on the tiny TorchScript BERT: com.microsoft.Attention
+    fed by EmbedLayerNormalization's [B] mask_index; the padded batch row must stay masked."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    sys.path.insert(0, str(ROOT / "models"))
+    from make_tiny_models import reference_inputs
+
+    optimized = optimizer.optimize_model(str(TINY / "bert_tiny.torchscript.onnx"), model_type="bert", num_heads=4,
+                                         hidden_size=64, opt_level=0).model
+    assert [n.op_type for n in optimized.graph.node].count("Attention") == 2
+    if not any(o.domain == ag.MS for o in optimized.opset_import):  # the optimizer leaves it out; ORT does not mind
+        optimized.opset_import.append(onnx.helper.make_opsetid(ag.MS, 1))
+    out, report = rewrite(optimized)
+    assert [r.rule for r in report.attention] == ["attention_ms_attention"] * 2
+    assert all(r.rewritten for r in report.attention)
+    feeds = reference_inputs(manifest["bert_tiny.torchscript.onnx"])
+    assert (feeds["attention_mask"] == 0).any()
+    assert_close(optimized, out, feeds)
