@@ -2,16 +2,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <limits>
 #include <vector>
 
 #include "common/error.h"
 #include "engine/kwta_gate.h"
+#include "engine/order_key.h"
 
 namespace ortsparse::attention {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
 // One query row's view of the mask: value(j) is what is added to the scaled score of key j.
 struct MaskRow {
@@ -42,7 +47,8 @@ struct Call {
 
 struct Scratch {
   std::vector<float> sel, scores;
-  std::vector<int32_t> counts, kept, final_rows;
+  std::vector<int32_t> counts, kept, final_rows, cand, next;
+  std::vector<uint32_t> keys, hist;
   std::vector<uint32_t> topk;
   std::vector<uint64_t> qbits;
   uint64_t keys_total = 0, keys_exact = 0;
@@ -53,48 +59,7 @@ struct Scratch {
 size_t pack_planes(PackMode mode) { return mode == PackMode::kTernary ? 2 : 1; }
 
 float pack_vector(const float* x, size_t d, PackMode mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set) {
-  const size_t words = (d + 63) / 64;
-  double sum = 0.0;
-  size_t active = 0;
-  for (size_t w = 0; w < words; ++w) {
-    uint64_t pos = 0, neg = 0;
-    const size_t end = std::min(d, (w + 1) * 64);
-    for (size_t i = w * 64; i < end; ++i) {
-      const float v = x[i];
-      const uint64_t bit = uint64_t{1} << (i - w * 64);
-      switch (mode) {
-        case PackMode::kSign:
-          if (v > 0.0f) pos |= bit;
-          sum += std::fabs(static_cast<double>(v));
-          break;
-        case PackMode::kBinary:
-          if (std::fabs(v) > eps) {
-            pos |= bit;
-            sum += std::fabs(static_cast<double>(v));
-            ++active;
-          }
-          break;
-        case PackMode::kTernary:
-          if (v > eps) {
-            pos |= bit;
-          } else if (v < -eps) {
-            neg |= bit;
-          } else {
-            break;
-          }
-          sum += std::fabs(static_cast<double>(v));
-          ++active;
-          break;
-      }
-    }
-    out[w * stride] = pos;
-    if (mode == PackMode::kTernary) out[(words + w) * stride] = neg;
-    *bits_set += static_cast<uint64_t>(__builtin_popcountll(pos) + __builtin_popcountll(neg));
-  }
-  // Sign: gamma = mean |x| over all D entries (every entry carries a bit). Binary/ternary: over the
-  // active entries, eps when there are none (seed 003).
-  if (mode == PackMode::kSign) return d ? static_cast<float>(sum / static_cast<double>(d)) : 0.0f;
-  return active ? static_cast<float>(sum / static_cast<double>(active)) : eps;
+  return attention_kernels_scalar().pack_row(x, d, static_cast<int>(mode), eps, out, stride, bits_set);
 }
 
 PackMode parse_pack_mode(const std::string& name) {
@@ -136,6 +101,8 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, Popc
   if (!std::isfinite(config.scale) || config.scale < 0.0f)
     fail("attribute scale=", config.scale, " must be >= 0 (0: 1/sqrt(D))");
   if (config.topk < 0) fail("attribute topk=", config.topk, " must be >= 0 (0: approximate scores only)");
+  if (config.keep_first < 0) fail("attribute keep_first=", config.keep_first, " must be >= 0");
+  if (config.keep_recent < 0) fail("attribute keep_recent=", config.keep_recent, " must be >= 0");
   if (config.min_keys < 0) fail("attribute min_keys=", config.min_keys, " must be >= 0");
   if (!(config.eps >= 0.0f)) fail("attribute eps=", config.eps, " must be >= 0");
   if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
@@ -151,11 +118,74 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, Popc
 
 namespace {
 
+// Indices (ascending) of the k largest of v[0:n], ties to the lower index. A threshold from a
+// strided sample of 256 values (ranked with some slack) lets one branch-free pass keep ~1.3k
+// candidates; the exact top k is then taken among those (total order: value, then lower index).
+// If the sample was unlucky (fewer than k candidates), all n are candidates. Measured on 4096
+// keys, 9 heads: the selection was the largest cost of a decode step before this (radix select
+// histograms serialise on the few bins float keys fall in).
+size_t top_k_select(const float* v, size_t n, size_t k, int32_t* kept, Scratch& s) {
+  if (k >= n) {
+    for (size_t i = 0; i < n; ++i) kept[i] = static_cast<int32_t>(i);
+    return n;
+  }
+  if (k == 0) return 0;
+  uint32_t* keys = s.keys.data();
+  for (size_t i = 0; i < n; ++i) keys[i] = engine::order_key(v[i]);
+  constexpr size_t kSample = 256;
+  uint32_t threshold = 0;
+  if (n >= 2 * kSample && n > 4 * k) {
+    uint32_t* sample = s.hist.data();
+    const size_t step = n / kSample;
+    for (size_t j = 0; j < kSample; ++j) sample[j] = keys[j * step];
+    const size_t rank = std::min(kSample - 1, (k * kSample) / n + (k * kSample) / (4 * n) + 8);
+    std::nth_element(sample, sample + rank, sample + kSample, std::greater<uint32_t>());
+    threshold = sample[rank];
+  }
+  int32_t* cand = s.cand.data();
+  size_t c = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cand[c] = static_cast<int32_t>(i);
+    c += keys[i] >= threshold;
+  }
+  if (c < k) {
+    for (size_t i = 0; i < n; ++i) cand[i] = static_cast<int32_t>(i);
+    c = n;
+  }
+  if (c > k) {
+    std::nth_element(cand, cand + (k - 1), cand + c, [keys](int32_t a, int32_t b) {
+      const uint32_t ka = keys[a], kb = keys[b];
+      return ka != kb ? ka > kb : a < b;
+    });
+  }
+  std::copy_n(cand, k, kept);
+  std::sort(kept, kept + k);
+  return k;
+}
+
+// s[j] += mask value of key j, for keys 0..n-1 (branches hoisted so the loops vectorise).
+void add_mask(const MaskRow& m, float* s, size_t n) {
+  if (m.add) {
+    if (m.stride == 1) {
+      for (size_t j = 0; j < n; ++j) s[j] += m.add[j];
+    } else {
+      for (size_t j = 0; j < n; ++j) s[j] += m.add[j * m.stride];
+    }
+  } else if (m.keep) {
+    for (size_t j = 0; j < n; ++j) s[j] = m.keep[j * m.stride] ? s[j] : kNegInf;
+  }
+}
+
 // Exact scores of the listed keys (rows == nullptr: keys 0..n-1): s = q·k * scale + mask.
 void exact_scores(const Call& c, const AttentionKernels& attn, const float* qrow, const float* khead, const MaskRow& m,
                   const int32_t* rows, size_t n, float* s) {
   attn.dot_rows(qrow, khead, c.dims.d, c.dims.d, rows, n, s);
-  for (size_t i = 0; i < n; ++i) s[i] = s[i] * c.scale + m.value(rows ? static_cast<size_t>(rows[i]) : i);
+  for (size_t i = 0; i < n; ++i) s[i] *= c.scale;
+  if (rows == nullptr) {
+    add_mask(m, s, n);
+  } else if (m.add || m.keep) {
+    for (size_t i = 0; i < n; ++i) s[i] += m.value(static_cast<size_t>(rows[i]));
+  }
 }
 
 // y = softmax(s) · V[rows]; s is overwritten by the probabilities. All -inf: y = 0.
@@ -179,6 +209,95 @@ void softmax_pv(const Call& c, const engine::KernelTable& kernels, float* s, con
 
 }  // namespace
 
+std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_keys(const float* k, const AttentionDims& dims,
+                                                                                 const TaskRunner& runner,
+                                                                                 AttentionStats& stats) const {
+  const size_t heads_kv = dims.b * dims.hkv, d = dims.d, skv = dims.skv;
+  const bool popcount = config_.select == Selector::kPopcount;
+  auto fresh = std::make_shared<KeyCache>();
+  KeyCache& kc = *fresh;
+  kc.heads_kv = heads_kv;
+  kc.skv = skv;
+  kc.d = d;
+  kc.key_blocks = (skv + kLanes - 1) / kLanes;
+  kc.words = popcount ? (d + 63) / 64 : 0;
+  kc.planes = popcount ? pack_planes(config_.mode) : 0;
+  kc.block_words = kc.planes * kc.words * kLanes;
+  kc.bits_set.assign(heads_kv, 0);
+  if (popcount) {
+    kc.packed.assign(heads_kv * kc.key_blocks * kc.block_words, 0);
+    kc.gamma.assign(heads_kv * kc.key_blocks * kLanes, 0.0f);
+  } else {
+    kc.energy.assign(heads_kv * skv, 0.0f);
+  }
+
+  // Reuse of the previous call's packed keys (decode with a growing KV cache): the rows it packed
+  // are taken as unchanged when its fingerprint rows (first, middle, last) are bit-identical in
+  // this call's K. In a causal LM, K[j] depends only on tokens 0..j, so an identical last row
+  // means an identical prefix; were it ever wrong, only the selection would suffer (refine and
+  // output always use this call's K and V).
+  size_t reuse = 0;
+  std::shared_ptr<const KeyCache> old;
+  if (config_.cache_keys) {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    old = cache_;
+  }
+  if (old && old->heads_kv == heads_kv && old->d == d && old->skv <= skv && old->skv > 0) {
+    bool same = true;
+    for (size_t hk = 0; hk < heads_kv && same; ++hk)
+      for (size_t f = 0; f < KeyCache::kFingerprintRows && same; ++f) {
+        const size_t row = old->fingerprint_row(f);
+        same = std::memcmp(k + (hk * skv + row) * d, old->fingerprint.data() + (hk * KeyCache::kFingerprintRows + f) * d,
+                           d * sizeof(float)) == 0;
+      }
+    if (same) reuse = old->skv;
+  }
+  if (reuse > 0) {
+    const size_t old_blocks = (reuse + kLanes - 1) / kLanes;
+    for (size_t hk = 0; hk < heads_kv; ++hk) {
+      if (popcount) {
+        std::copy_n(old->packed.data() + hk * old->key_blocks * kc.block_words, old_blocks * kc.block_words,
+                    kc.packed.data() + hk * kc.key_blocks * kc.block_words);
+        std::copy_n(old->gamma.data() + hk * old->key_blocks * kLanes, reuse, kc.gamma.data() + hk * kc.key_blocks * kLanes);
+      } else {
+        std::copy_n(old->energy.data() + hk * old->skv, reuse, kc.energy.data() + hk * skv);
+      }
+      kc.bits_set[hk] = old->bits_set[hk];
+    }
+  }
+  KeyCache* kp = &kc;
+  const AttentionKernels* attn = attn_;
+  const int mode = static_cast<int>(config_.mode);
+  const float eps = config_.eps;
+  runner.run(heads_kv, [=](size_t hk) {
+    const float* kh = k + hk * skv * d;
+    if (popcount) {
+      uint64_t* out = kp->packed.data() + hk * kp->key_blocks * kp->block_words;
+      float* g = kp->gamma.data() + hk * kp->key_blocks * kLanes;
+      for (size_t j = reuse; j < skv; ++j)
+        g[j] = attn->pack_row(kh + j * d, d, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
+                              &kp->bits_set[hk]);
+    } else {
+      for (size_t j = reuse; j < skv; ++j) {
+        double s = 0.0;
+        for (size_t i = 0; i < d; ++i) s += static_cast<double>(kh[j * d + i]) * kh[j * d + i];
+        kp->energy[hk * skv + j] = static_cast<float>(std::sqrt(s));
+      }
+    }
+  });
+  stats.keys_packed = static_cast<uint64_t>(heads_kv) * (skv - reuse);
+  if (config_.cache_keys) {
+    kc.fingerprint.resize(heads_kv * KeyCache::kFingerprintRows * d);
+    for (size_t hk = 0; hk < heads_kv; ++hk)
+      for (size_t f = 0; f < KeyCache::kFingerprintRows; ++f)
+        std::copy_n(k + (hk * skv + kc.fingerprint_row(f)) * d, d,
+                    kc.fingerprint.data() + (hk * KeyCache::kFingerprintRows + f) * d);
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    cache_ = fresh;
+  }
+  return fresh;
+}
+
 AttentionStats PopcountAttention::run(const float* q, const float* k, const float* v, const MaskView& mask,
                                       const AttentionDims& dims, float* y, const TaskRunner& runner) const {
   AttentionStats stats;
@@ -196,65 +315,53 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
   c.select = config_.select != Selector::kNone && dims.skv >= static_cast<size_t>(config_.min_keys) && dims.skv > 0 &&
              (config_.topk == 0 || dims.skv > static_cast<size_t>(config_.topk));
 
-  std::vector<uint64_t> packed;
-  std::vector<float> gamma, energy;
+  std::shared_ptr<const KeyCache> keys;
   if (c.select) {
-    c.key_blocks = (dims.skv + kLanes - 1) / kLanes;
+    keys = prepare_keys(k, dims, runner, stats);
+    c.key_blocks = keys->key_blocks;
+    c.words = keys->words;
+    c.planes = keys->planes;
+    c.block_words = keys->block_words;
+    c.packed = keys->packed.data();
+    c.gamma = keys->gamma.data();
+    c.energy = keys->energy.data();
     if (config_.select == Selector::kPopcount) {
-      c.words = (dims.d + 63) / 64;
-      c.planes = pack_planes(config_.mode);
-      c.block_words = c.planes * c.words * kLanes;
-      packed.assign(heads_kv * c.key_blocks * c.block_words, 0);
-      gamma.assign(heads_kv * c.key_blocks * kLanes, 0.0f);
-      std::vector<uint64_t> bits(heads_kv, 0);
-      uint64_t* packed_p = packed.data();
-      float* gamma_p = gamma.data();
-      uint64_t* bits_p = bits.data();
-      const PackMode mode = config_.mode;
-      const float eps = config_.eps;
-      const Call* cp = &c;
-      runner.run(heads_kv, [=](size_t hk) {
-        const float* kh = cp->k + hk * cp->dims.skv * cp->dims.d;
-        uint64_t* out = packed_p + hk * cp->key_blocks * cp->block_words;
-        float* g = gamma_p + hk * cp->key_blocks * kLanes;
-        for (size_t j = 0; j < cp->dims.skv; ++j)
-          g[j] = pack_vector(kh + j * cp->dims.d, cp->dims.d, mode, eps,
-                             out + (j / kLanes) * cp->block_words + j % kLanes, kLanes, &bits_p[hk]);
-      });
-      for (uint64_t b : bits) stats.bits_set += b;
+      for (uint64_t b : keys->bits_set) stats.bits_set += b;
       stats.bits_total = static_cast<uint64_t>(heads_kv) * dims.skv * dims.d;
       const double density = static_cast<double>(stats.bits_set) / static_cast<double>(stats.bits_total ? stats.bits_total : 1);
       // Sign packing is dense by construction (half the bits set); the sparsity check is for the
       // eps-thresholded modes, as in seed 003.
       if (config_.mode != PackMode::kSign && density > config_.density_max) c.select = false;
-      c.packed = packed.data();
-      c.gamma = gamma.data();
-    } else {
-      energy.assign(heads_kv * dims.skv, 0.0f);
-      float* energy_p = energy.data();
-      const Call* cp = &c;
-      runner.run(heads_kv, [=](size_t hk) {
-        const float* kh = cp->k + hk * cp->dims.skv * cp->dims.d;
-        for (size_t j = 0; j < cp->dims.skv; ++j) {
-          double s = 0.0;
-          for (size_t i = 0; i < cp->dims.d; ++i) s += static_cast<double>(kh[j * cp->dims.d + i]) * kh[j * cp->dims.d + i];
-          energy_p[hk * cp->dims.skv + j] = static_cast<float>(std::sqrt(s));
-        }
-      });
-      c.energy = energy.data();
     }
   }
   stats.packed = c.select;
 
   const size_t n_tasks = std::min<size_t>(rows_total, 64);
-  std::vector<Scratch> scratch(n_tasks);
+  std::unique_ptr<std::vector<Scratch>> pooled;
+  {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    if (!scratch_pool_.empty()) {
+      pooled.reset(static_cast<std::vector<Scratch>*>(scratch_pool_.back().release()));
+      scratch_pool_.pop_back();
+    }
+  }
+  if (!pooled) pooled = std::make_unique<std::vector<Scratch>>();
+  std::vector<Scratch>& scratch = *pooled;
+  if (scratch.size() < n_tasks) scratch.resize(n_tasks);
   const size_t pad = ((dims.skv + kLanes - 1) / kLanes) * kLanes + engine::kIndexSlack;
-  for (Scratch& s : scratch) {
+  for (size_t t = 0; t < n_tasks; ++t) {
+    Scratch& s = scratch[t];
+    s.keys_total = s.keys_exact = 0;
+    if (s.sel.size() >= pad && s.qbits.size() >= 2 * ((dims.d + 63) / 64) + 1) continue;
     s.sel.resize(pad);
     s.scores.resize(pad);
     s.counts.resize(pad);
     s.kept.resize(pad);
     s.final_rows.resize(pad);
+    s.cand.resize(pad);
+    s.next.resize(pad);
+    s.keys.resize(pad);
+    s.hist.resize(2048);
     s.topk.resize(2 * pad + engine::kIndexSlack);
     s.qbits.resize(2 * ((dims.d + 63) / 64) + 1);
   }
@@ -298,7 +405,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
       float* sel = s.sel.data();
       if (cfg->select == Selector::kPopcount) {
         uint64_t unused = 0;
-        const float gq = pack_vector(qrow, dd.d, cfg->mode, cfg->eps, s.qbits.data(), 1, &unused);
+        const float gq = attn->pack_row(qrow, dd.d, static_cast<int>(cfg->mode), cfg->eps, s.qbits.data(), 1, &unused);
         const uint64_t* kp = c.packed + hk * c.key_blocks * c.block_words;
         const float* gk = c.gamma + hk * c.key_blocks * kLanes;
         const size_t nb = (limit + kLanes - 1) / kLanes;
@@ -312,39 +419,56 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
         // Approximate q·k: sign: (agreements - disagreements)·γq·γk = (D - 2·hamming)·γq·γk;
         // binary: |q∧k|·γq·γk; ternary: (agree - disagree)·γq·γk. Same float op order as the
         // numpy reference, so the selections match exactly.
-        for (size_t j = 0; j < limit; ++j) {
-          const int32_t a = cfg->mode == PackMode::kSign ? d - 2 * cnt[j] : cnt[j];
-          sel[j] = static_cast<float>(a) * gq * gk[j] * c.scale + m.value(j);
-        }
+        if (cfg->mode == PackMode::kSign)
+          for (size_t j = 0; j < limit; ++j) cnt[j] = d - 2 * cnt[j];
+        for (size_t j = 0; j < limit; ++j) sel[j] = static_cast<float>(cnt[j]) * gq * gk[j] * c.scale;
+        add_mask(m, sel, limit);
       } else {
-        const float* e = c.energy + hk * dd.skv;
-        for (size_t j = 0; j < limit; ++j) sel[j] = e[j] + m.value(j);
+        std::copy_n(c.energy + hk * dd.skv, limit, sel);
+        add_mask(m, sel, limit);
       }
       if (topk == 0) {  // the seed's pure approximate path: softmax of the approximate scores
         softmax_pv(c, *kernels, sel, nullptr, limit, vhead, yrow);
         continue;
       }
-      size_t allowed = 0;
-      for (size_t j = 0; j < limit; ++j) allowed += sel[j] != kNegInf;
-      if (allowed <= topk) {
+      // Protected keys (the first keep_first, the last keep_recent of the causal prefix) are
+      // always kept: +inf outranks every selector score. Masked-out keys stay out.
+      const size_t first = std::min(limit, static_cast<size_t>(cfg->keep_first));
+      const size_t recent_begin = limit - std::min(limit, static_cast<size_t>(cfg->keep_recent));
+      size_t allowed = 0, forced = 0;
+      for (size_t j = 0; j < limit; ++j) {
+        if (sel[j] == kNegInf) continue;
+        ++allowed;
+        if (j < first || j >= recent_begin) {
+          sel[j] = kPosInf;
+          ++forced;
+        }
+      }
+      if (allowed <= topk + forced) {
         exact_scores(c, *attn, qrow, khead, m, nullptr, limit, s.scores.data());
         softmax_pv(c, *kernels, s.scores.data(), nullptr, limit, vhead, yrow);
         s.keys_exact += limit;
         continue;
       }
       const size_t want = std::min<size_t>(
-          allowed, std::max<size_t>(topk, static_cast<size_t>(std::ceil(static_cast<double>(cfg->candidates) * topk))));
-      const size_t kept = engine::select_top_k(*kernels, sel, limit, want, s.kept.data(), s.topk);
+          allowed,
+          forced + std::max<size_t>(topk, static_cast<size_t>(std::ceil(static_cast<double>(cfg->candidates) * topk))));
+      const size_t kept = top_k_select(sel, limit, want, s.kept.data(), s);
       exact_scores(c, *attn, qrow, khead, m, s.kept.data(), kept, s.scores.data());
       s.keys_exact += kept;
-      if (kept <= topk) {
+      if (kept <= topk + forced) {
         softmax_pv(c, *kernels, s.scores.data(), s.kept.data(), kept, vhead, yrow);
         continue;
       }
-      // Oversampled candidates: keep the topk best exact scores among them.
+      // Oversampled candidates: keep the topk best exact scores among them (plus the protected).
+      float* rank = s.sel.data();  // sel is no longer needed
+      for (size_t t = 0; t < kept; ++t) {
+        const size_t j = static_cast<size_t>(s.kept[t]);
+        rank[t] = (j < first || j >= recent_begin) ? kPosInf : s.scores[t];
+      }
       int32_t* fin = s.final_rows.data();
-      const size_t nf = engine::select_top_k(*kernels, s.scores.data(), kept, topk, fin, s.topk);
-      float* fs = s.sel.data();  // sel is no longer needed
+      const size_t nf = top_k_select(rank, kept, topk + forced, fin, s);
+      float* fs = s.sel.data();
       for (size_t t = 0; t < nf; ++t) {
         fs[t] = s.scores[static_cast<size_t>(fin[t])];
         fin[t] = s.kept[static_cast<size_t>(fin[t])];
@@ -352,9 +476,13 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
       softmax_pv(c, *kernels, fs, fin, nf, vhead, yrow);
     }
   });
-  for (const Scratch& s : scratch) {
-    stats.keys_total += s.keys_total;
-    stats.keys_exact += s.keys_exact;
+  for (size_t t = 0; t < n_tasks; ++t) {
+    stats.keys_total += scratch[t].keys_total;
+    stats.keys_exact += scratch[t].keys_exact;
+  }
+  {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    scratch_pool_.emplace_back(pooled.release(), [](void* p) { delete static_cast<std::vector<Scratch>*>(p); });
   }
   return stats;
 }

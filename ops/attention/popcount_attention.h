@@ -6,7 +6,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "attention/attention_kernels.h"
 #include "attention/popcount_kernels.h"
@@ -33,6 +36,9 @@ struct PopcountAttentionConfig {
   float eps = 1e-4f;         // binary / ternary threshold
   float density_max = 0.15f; // binary / ternary: key bitmap density above this -> exact for the call
   float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk
+  bool cache_keys = true;    // reuse the previous call's packed keys for an unchanged K prefix
+  int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
+  int64_t keep_recent = 0;   // ... and the last ones of each query's causal prefix (local window)
 };
 
 struct AttentionDims {
@@ -54,6 +60,7 @@ struct AttentionStats {
   uint64_t bits_total = 0;
   uint64_t keys_total = 0;   // keys each query could attend (causal prefix), summed over queries
   uint64_t keys_exact = 0;   // keys that got an exact score, summed over queries
+  uint64_t keys_packed = 0;  // key rows packed (or norms computed) by this call; the rest reused
 };
 
 class PopcountAttention {
@@ -70,11 +77,31 @@ class PopcountAttention {
                      float* y, const TaskRunner& runner) const;
 
  private:
+  // Packed keys (popcount) or key norms (energy) of one call, per (b, hkv) head.
+  struct KeyCache {
+    static constexpr size_t kFingerprintRows = 3;
+    size_t heads_kv = 0, skv = 0, d = 0, key_blocks = 0, words = 0, planes = 0, block_words = 0;
+    std::vector<uint64_t> packed;
+    std::vector<float> gamma, energy, fingerprint;
+    std::vector<uint64_t> bits_set;  // per head
+    size_t fingerprint_row(size_t f) const { return f == 0 ? 0 : f == 1 ? skv / 2 : skv - 1; }
+  };
+  std::shared_ptr<const KeyCache> prepare_keys(const float* k, const AttentionDims& dims, const TaskRunner& runner,
+                                               AttentionStats& stats) const;
+
   PopcountAttentionConfig config_;
   PopcntPath popcnt_;
   const PopcountTable* pop_;
   const AttentionKernels* attn_;
   const engine::KernelTable* kernels_;
+  // The last call's keys: concurrent runs each take a snapshot and publish their own (a cache
+  // that belongs to another sequence is simply not reused).
+  mutable std::mutex cache_mutex_;
+  mutable std::shared_ptr<const KeyCache> cache_;
+  // Per-call work buffers, reused across calls (one set per concurrent run; type-erased because
+  // the scratch type is private to the .cc).
+  mutable std::mutex scratch_mutex_;
+  mutable std::vector<std::unique_ptr<void, void (*)(void*)>> scratch_pool_;
 };
 
 // Bit packing of one vector (exposed for tests): writes planes x words uint64 at

@@ -9,7 +9,7 @@
 namespace ortsparse::ort {
 namespace {
 
-enum Counter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact };
+enum Counter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact, kKeysPacked };
 enum Constant { kEnabled, kMode, kPopcnt };
 
 std::vector<std::pair<std::string, double>> describe_pack(const uint64_t* c, const double* constants) {
@@ -23,6 +23,7 @@ std::vector<std::pair<std::string, double>> describe_pack(const uint64_t* c, con
       {"calls", static_cast<double>(c[kCalls])},
       {"keys_total", static_cast<double>(c[kKeysTotal])},
       {"keys_exact", static_cast<double>(c[kKeysExact])},
+      {"keys_packed", static_cast<double>(c[kKeysPacked])},
   };
 }
 
@@ -39,6 +40,11 @@ attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
   c.eps = attrs.get_float("eps", 1e-4f);
   c.density_max = attrs.get_float("density_max", 0.15f);
   c.candidates = attrs.get_float("candidates", 1.0f);
+  const int64_t cache = attrs.get_int("pack_cache", 1);
+  if (cache != 0 && cache != 1) fail("attribute pack_cache=", cache, " must be 0 or 1");
+  c.cache_keys = cache == 1;
+  c.keep_first = attrs.get_int("keep_first", 0);
+  c.keep_recent = attrs.get_int("keep_recent", 0);
   return c;
 }
 
@@ -150,6 +156,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     metrics_->add(kBitsTotal, stats.bits_total);
     metrics_->add(kKeysTotal, stats.keys_total);
     metrics_->add(kKeysExact, stats.keys_exact);
+    metrics_->add(kKeysPacked, stats.keys_packed);
   }
 
  private:

@@ -40,10 +40,12 @@ std::vector<size_t> shape4(const FloatArray& a, const char* name) {
           static_cast<size_t>(a.shape(3))};
 }
 
-// mask: None, or a 4-D bool/float array whose dims are 1 or equal to [B, H, Sq, Skv].
-py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object mask, float scale, bool causal,
-                         const std::string& mode, const std::string& select, int64_t topk, int64_t min_keys, float eps,
-                         float density_max, float candidates, const std::string& isa, const std::string& popcnt) {
+py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArray k, FloatArray v, py::object mask);
+
+attention::PopcountAttentionConfig make_config(float scale, bool causal, const std::string& mode, const std::string& select,
+                                               int64_t topk, int64_t min_keys, float eps, float density_max,
+                                               float candidates, bool pack_cache, int64_t keep_first,
+                                               int64_t keep_recent) {
   attention::PopcountAttentionConfig c;
   c.scale = scale;
   c.causal = causal;
@@ -54,7 +56,39 @@ py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object ma
   c.eps = eps;
   c.density_max = density_max;
   c.candidates = candidates;
-  const attention::PopcountAttention op(c, popcnt_by_name(popcnt), isa_by_name(isa));
+  c.cache_keys = pack_cache;
+  c.keep_first = keep_first;
+  c.keep_recent = keep_recent;
+  return c;
+}
+
+// A kernel instance that lives across calls (its packed-key cache too), as in an ORT session.
+class AttentionOp {
+ public:
+  AttentionOp(float scale, bool causal, const std::string& mode, const std::string& select, int64_t topk,
+              int64_t min_keys, float eps, float density_max, float candidates, bool pack_cache, int64_t keep_first,
+              int64_t keep_recent, const std::string& isa, const std::string& popcnt)
+      : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache,
+                        keep_first, keep_recent),
+            popcnt_by_name(popcnt), isa_by_name(isa)) {}
+  py::tuple call(FloatArray q, FloatArray k, FloatArray v, py::object mask) { return run_op(op_, q, k, v, mask); }
+
+ private:
+  attention::PopcountAttention op_;
+};
+
+// mask: None, or a 4-D bool/float array whose dims are 1 or equal to [B, H, Sq, Skv].
+py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object mask, float scale, bool causal,
+                         const std::string& mode, const std::string& select, int64_t topk, int64_t min_keys, float eps,
+                         float density_max, float candidates, const std::string& isa, const std::string& popcnt,
+                         bool pack_cache, int64_t keep_first, int64_t keep_recent) {
+  const attention::PopcountAttention op(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max,
+                                                    candidates, pack_cache, keep_first, keep_recent),
+                                        popcnt_by_name(popcnt), isa_by_name(isa));
+  return run_op(op, q, k, v, mask);
+}
+
+py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArray k, FloatArray v, py::object mask) {
   const auto qs = shape4(q, "q"), ks = shape4(k, "k"), vs = shape4(v, "v");
   attention::AttentionDims dims{qs[0], qs[1], ks[1], qs[2], ks[2], qs[3], vs[3]};
   if (ks[0] != qs[0] || vs[0] != qs[0] || ks[3] != qs[3] || vs[1] != ks[1] || vs[2] != ks[2] || ks[1] == 0 ||
@@ -94,12 +128,15 @@ py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object ma
   stats["bits_total"] = st.bits_total;
   stats["keys_total"] = st.keys_total;
   stats["keys_exact"] = st.keys_exact;
+  stats["keys_packed"] = st.keys_packed;
   return py::make_tuple(y, stats);
 }
 
 // Approximate counts of one packed query against keys [N, D] on one popcount path: the integer
 // before gamma (sign: D - 2·hamming; binary: |q∧k|; ternary: agree - disagree), plus gammas.
-py::tuple popcount_counts(const std::string& path, const std::string& mode_name, FloatArray q, FloatArray keys, float eps) {
+py::tuple popcount_counts(const std::string& path, const std::string& mode_name, FloatArray q, FloatArray keys, float eps,
+                          const std::string& isa) {
+  const attention::AttentionKernels& attn = attention::attention_kernels_for(isa_by_name(isa));
   const attention::PackMode mode = attention::parse_pack_mode(mode_name);
   const attention::PopcountTable& table = attention::popcount_table(popcnt_by_name(path));
   if (q.ndim() != 1 || keys.ndim() != 2 || keys.shape(1) != q.shape(0)) throw py::value_error("q [D], keys [N, D]");
@@ -109,11 +146,11 @@ py::tuple popcount_counts(const std::string& path, const std::string& mode_name,
   py::array_t<float> gk(n);
   uint64_t bits = 0;
   for (size_t j = 0; j < n; ++j)
-    gk.mutable_data()[j] = attention::pack_vector(keys.data() + j * d, d, mode, eps,
+    gk.mutable_data()[j] = attn.pack_row(keys.data() + j * d, d, static_cast<int>(mode), eps,
                                                   packed.data() + (j / attention::kLanes) * planes * words * attention::kLanes +
                                                       j % attention::kLanes,
                                                   attention::kLanes, &bits);
-  const float gq = attention::pack_vector(q.data(), d, mode, eps, qbits.data(), 1, &bits);
+  const float gq = attn.pack_row(q.data(), d, static_cast<int>(mode), eps, qbits.data(), 1, &bits);
   std::vector<int32_t> counts(nb * attention::kLanes);
   switch (mode) {
     case attention::PackMode::kSign: table.xor_counts(qbits.data(), packed.data(), words, nb, counts.data()); break;
@@ -134,9 +171,18 @@ void register_attention(py::module_& m) {
   m.def("popcount_attention", &attention_call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(),
         py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
         py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
-        py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active");
+        py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active", py::arg("pack_cache") = true,
+        py::arg("keep_first") = 0, py::arg("keep_recent") = 0);
+  py::class_<AttentionOp>(m, "PopcountAttention")
+      .def(py::init<float, bool, const std::string&, const std::string&, int64_t, int64_t, float, float, float, bool,
+                    int64_t, int64_t, const std::string&, const std::string&>(),
+           py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
+           py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
+           py::arg("candidates") = 1.0f, py::arg("pack_cache") = true, py::arg("keep_first") = 0,
+           py::arg("keep_recent") = 0, py::arg("isa") = "active", py::arg("popcnt") = "active")
+      .def("__call__", &AttentionOp::call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none());
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
-        py::arg("eps") = 1e-4f);
+        py::arg("eps") = 1e-4f, py::arg("isa") = "active");
   m.def("popcnt_paths", [] {
     std::vector<std::string> out;
     for (auto p : {attention::PopcntPath::kPortable, attention::PopcntPath::kPopcnt, attention::PopcntPath::kVpopcntdq})

@@ -122,22 +122,30 @@ def top_indices(values, count):
 
 
 def selected_keys(q, k, mask=None, *, causal=False, scale=0.0, select="popcount", mode="sign", eps=1e-4, topk=256,
-                  candidates=1.0):
-    """bool [B, H, Sq, Skv]: the keys that get exact scores and take part in the softmax."""
+                  candidates=1.0, keep_first=0, keep_recent=0):
+    """bool [B, H, Sq, Skv]: the keys that get exact scores and take part in the softmax. The
+    first keep_first and the last keep_recent keys of each query's causal prefix are always kept
+    (unless masked out); topk more come from the selector."""
     sel = selection_scores(q, k, mask, causal=causal, scale=scale, select=select, mode=mode, eps=eps)
     b, h, sq, skv = sel.shape
     keep = np.zeros(sel.shape, dtype=bool)
-    want = max(topk, math.ceil(candidates * topk))
     for idx in np.ndindex(b, h, sq):
-        row = sel[idx]
+        row = sel[idx].copy()
+        i = idx[2]
+        limit = max(0, min(skv, skv - sq + i + 1)) if causal else skv
         allowed = np.flatnonzero(~np.isneginf(row))
-        if len(allowed) <= topk:
+        protected = np.array([j for j in allowed if j < keep_first or j >= limit - keep_recent], dtype=int)
+        row[protected] = np.inf
+        forced = len(protected)
+        if len(allowed) <= topk + forced:
             keep[idx][:] = True  # exact over everything (masked keys weigh 0 anyway)
             continue
+        want = forced + max(topk, math.ceil(candidates * topk))
         cand = top_indices(row, min(want, len(allowed)))
-        if len(cand) > topk:
+        if len(cand) > topk + forced:
             exact = attention_scores_row(q, k, mask, causal, scale, idx)[cand]
-            cand = cand[top_indices(exact, topk)]
+            exact = np.where(np.isin(cand, protected), np.inf, exact)
+            cand = cand[top_indices(exact, topk + forced)]
         keep[idx][cand] = True
     return keep
 

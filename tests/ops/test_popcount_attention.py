@@ -130,6 +130,9 @@ def test_bad_mask_shape_is_a_clear_error(rng):
     (dict(candidates=0.5), "candidates=0.5"),
     (dict(select="energy", topk=0), "needs select='popcount'"),
     (dict(is_causal=2), "is_causal=2"),
+    (dict(keep_first=-1), "keep_first=-1"),
+    (dict(keep_recent=-2), "keep_recent=-2"),
+    (dict(pack_cache=3), "pack_cache=3"),
 ])
 def test_bad_attributes_are_clear_errors(attrs, message):
     with pytest.raises(Exception) as err:
@@ -325,3 +328,105 @@ def test_unknown_popcount_path_is_a_clear_error():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ORTSPARSE_POPCNT="sse9"),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "ORTSPARSE_POPCNT=sse9 is not one of portable, popcnt, vpopcntdq" in out.stderr
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("d", [1, 9, 16, 63, 64, 65, 100, 130])
+def test_pack_every_isa(isa, mode, d, rng):
+    keys = rng.standard_normal((13, d)).astype(np.float32)
+    keys[:, ::4] = 0
+    keys[:, 1::7] = 0.4  # exactly on eps: not active
+    q = rng.standard_normal(d).astype(np.float32)
+    counts, gq, gk = _kernels.popcount_counts("portable", mode, q, keys, 0.4, isa=isa)
+    qp, qn, gq_ref = ref.pack(q[None], mode, 0.4)
+    kp, kn, gk_ref = ref.pack(keys, mode, 0.4)
+    assert counts.tolist() == ref.approx_counts((qp, qn), (kp, kn), mode, d)[0].tolist()
+    np.testing.assert_allclose(gk, gk_ref, rtol=1e-6)
+    np.testing.assert_allclose(gq, gq_ref[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("select,mode", SELECT_CASES)
+@pytest.mark.parametrize("topk", [5, 40, 300])
+def test_selection_at_long_context(select, mode, topk, rng):
+    """Skv large enough for the sampled-threshold path of the top-k (n >= 512, n > 4 k)."""
+    q, k, v = qkv(rng, 1, 4, 2, 1, 1500, 64)
+    k *= rng.uniform(0.5, 2.0, size=(1, 2, 1500, 1)).astype(np.float32)
+    keep = ref.selected_keys(q, k, select=select, mode=mode, eps=0.5, topk=topk)
+    expected = ref.attention(q, k, v, keep=keep)
+    y, stats = _kernels.popcount_attention(q, k, v, select=select, mode=mode, eps=0.5, topk=topk, min_keys=0,
+                                           density_max=1.0)
+    assert stats["keys_exact"] == 4 * topk
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_packed_keys_are_reused_while_the_cache_grows(rng):
+    q, k, v = qkv(rng, 1, 4, 2, 1, 60, 64)
+    op = _kernels.PopcountAttention(topk=8, min_keys=0, is_causal=True)
+    for n, packed in ((50, 100), (51, 2), (52, 2), (52, 0)):
+        y, stats = op(q, k[:, :, :n], v[:, :, :n])
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
+        np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
+                                   rtol=1e-5, atol=2e-6)
+        assert stats["keys_packed"] == packed
+    # A changed fingerprint row (the middle one, 26 of 0..52) means another sequence: repack all.
+    k2 = k.copy()
+    k2[:, :, 26] += 1.0
+    _, stats = op(q, k2[:, :, :53], v[:, :, :53])
+    assert stats["keys_packed"] == 2 * 53
+    # A different sequence of the same length: repack.
+    k3 = rng.standard_normal(k.shape).astype(np.float32)
+    y, stats = op(q, k3[:, :, :53], v[:, :, :53])
+    assert stats["keys_packed"] == 2 * 53
+    keep = ref.selected_keys(q, k3[:, :, :53], causal=True, topk=8)
+    np.testing.assert_allclose(y, ref.attention(q, k3[:, :, :53], v[:, :, :53], causal=True, keep=keep),
+                               rtol=1e-5, atol=2e-6)
+    # Off: every call packs everything.
+    op = _kernels.PopcountAttention(topk=8, min_keys=0, pack_cache=False)
+    op(q, k[:, :, :50], v[:, :, :50])
+    assert op(q, k[:, :, :51], v[:, :, :51])[1]["keys_packed"] == 2 * 51
+
+
+def test_energy_norms_are_reused(rng):
+    q, k, v = qkv(rng, 1, 2, 1, 1, 40, 16)
+    op = _kernels.PopcountAttention(select="energy", topk=8, min_keys=0)
+    op(q, k[:, :, :30], v[:, :, :30])
+    y, stats = op(q, k[:, :, :31], v[:, :, :31])
+    assert stats["keys_packed"] == 1
+    keep = ref.selected_keys(q, k[:, :, :31], select="energy", topk=8)
+    np.testing.assert_allclose(y, ref.attention(q, k[:, :, :31], v[:, :, :31], keep=keep), rtol=1e-5, atol=2e-6)
+
+
+def test_decode_through_ort_reuses_packed_keys(rng):
+    ortsparse.reset_metrics()
+    q, k, v = qkv(rng, 1, 4, 2, 1, 40, 32)
+    session = ortsparse.inference_session(ref.attention_model(node_name="dec", topk=8, min_keys=0, is_causal=1))
+    for n in range(30, 35):
+        y = session.run(None, {"Q": q, "K": k[:, :, :n], "V": v[:, :, :n]})[0]
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
+        np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
+                                   rtol=1e-5, atol=2e-6)
+    assert ortsparse.metrics()["dec"]["keys_packed"] == 2 * 30 + 4 * 2
+
+
+@pytest.mark.parametrize("keep_first,keep_recent", [(1, 0), (0, 5), (3, 4)])
+@pytest.mark.parametrize("candidates", [1.0, 2.0])
+@pytest.mark.parametrize("select,mode", [("popcount", "sign"), ("popcount", "ternary"), ("energy", "sign")])
+def test_protected_sink_and_recent_keys(keep_first, keep_recent, candidates, select, mode, rng):
+    q, k, v, mask = selection_case(rng, 3, True, "bool")
+    kw = dict(select=select, mode=mode, eps=0.5, topk=6, candidates=candidates, keep_first=keep_first,
+              keep_recent=keep_recent)
+    keep = ref.selected_keys(q, k, mask, causal=True, **kw)
+    # The protected keys are in (where not masked out).
+    limit = np.arange(70 - 3 + 1, 70 + 1)
+    allowed = ref.full_bias(mask, q, k, True) > -np.inf
+    for i in range(3):
+        protected = np.zeros(70, bool)
+        protected[:keep_first] = True
+        protected[limit[i] - keep_recent:limit[i]] = True
+        assert np.all(keep[:, :, i][allowed[:, :, i] & protected])
+    expected = ref.attention(q, k, v, mask, causal=True, keep=keep)
+    y, _ = _kernels.popcount_attention(q, k, v, mask, is_causal=True, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-6)
+    model = ref.attention_model(mask_type=mask_type(mask), is_causal=1, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(run(model, q, k, v, mask), expected, rtol=1e-5, atol=2e-6)
