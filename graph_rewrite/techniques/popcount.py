@@ -36,18 +36,19 @@ SELECTS = ("popcount", "energy", "none")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSettings:
-    """User-chosen attributes of ``PopcountAttention``.
+    """User-chosen attributes of ``PopcountAttention``; the defaults are the op's (docs/ops.md), so
+    a rewritten file written with every attribute means what the op's defaults mean today."""
 
-    Defaults: the seed's ``binary`` bitmaps with eps 1e-4 and density_max 0.15; 32 refined keys per
-    query; exact attention below 64 keys (a few dozen keys are cheaper to score exactly than to pack).
-    """
-
-    mode: str = "binary"
+    mode: str = "sign"
     select: str = "popcount"
-    topk: int = 32
-    min_keys: int = 64
+    topk: int = 256
+    min_keys: int = 1024
     eps: float = 1e-4
     density_max: float = 0.15
+    candidates: float = 1.0
+    keep_first: int = 0
+    keep_recent: int = 0
+    pack_cache: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -63,6 +64,14 @@ class AttentionSettings:
             problems.append(f"eps={self.eps!r} must be a finite number >= 0")
         if not (isinstance(self.density_max, (int, float)) and 0.0 <= self.density_max <= 1.0):
             problems.append(f"density_max={self.density_max!r} must be in [0, 1]")
+        if not (isinstance(self.candidates, (int, float)) and self.candidates >= 1.0 and math.isfinite(self.candidates)):
+            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1")
+        for name in ("keep_first", "keep_recent"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                problems.append(f"{name}={value!r} must be an integer >= 0")
+        if self.pack_cache not in (0, 1) or isinstance(self.pack_cache, (bool, float)):
+            problems.append(f"pack_cache={self.pack_cache!r} must be 0 or 1")
         if self.select == "energy" and self.topk == 0:
             problems.append("select='energy' needs topk > 0 (the number of keys kept)")
         if problems:
@@ -79,7 +88,7 @@ class AttentionSettings:
         if unknown:
             raise ConfigError(f"{where}unknown attention setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         values = dict(changes)
-        for name in ("eps", "density_max"):
+        for name in ("eps", "density_max", "candidates"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         try:
@@ -90,7 +99,9 @@ class AttentionSettings:
     def attributes(self) -> dict[str, Any]:
         # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move.
         return {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
-                "eps": float(self.eps), "density_max": float(self.density_max)}
+                "eps": float(self.eps), "density_max": float(self.density_max),
+                "candidates": float(self.candidates), "keep_first": int(self.keep_first),
+                "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache)}
 
     def short(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
@@ -132,7 +143,16 @@ def add_arguments(parser) -> None:
     group.add_argument("--attn-eps", type=float, default=default.eps, metavar="EPS",
                        help=f"bit set when |x| > EPS (default {default.eps:g})")
     group.add_argument("--attn-density-max", type=float, default=default.density_max, metavar="RHO",
-                       help=f"pack not used for a call whose bitmap density exceeds RHO (default {default.density_max:g})")
+                       help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact "
+                            f"(default {default.density_max:g}; 1 = never)")
+    group.add_argument("--attn-candidates", type=float, default=default.candidates, metavar="C",
+                       help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)")
+    group.add_argument("--attn-keep-first", type=int, default=default.keep_first, metavar="N",
+                       help="first N keys (attention sinks) always kept (default 0)")
+    group.add_argument("--attn-keep-recent", type=int, default=default.keep_recent, metavar="N",
+                       help="last N keys of each query's prefix always kept (default 0)")
+    group.add_argument("--attn-pack-cache", type=int, choices=(0, 1), default=default.pack_cache,
+                       help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)")
 
 
 def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[AttentionSettings | None, str]:
@@ -143,7 +163,9 @@ def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[Attention
     if choice != "off":
         settings = AttentionSettings(mode=args.attn_mode, select=choice, topk=args.attn_topk,
                                      min_keys=args.attn_min_keys, eps=args.attn_eps,
-                                     density_max=args.attn_density_max)
+                                     density_max=args.attn_density_max, candidates=args.attn_candidates,
+                                     keep_first=args.attn_keep_first, keep_recent=args.attn_keep_recent,
+                                     pack_cache=args.attn_pack_cache)
     event_attn = getattr(args, "event_driven", "off") == "on" and getattr(args, "event_target", "mlp") in ("attn", "both")
     check_composition(settings, event_attn)
     return settings, why

@@ -30,7 +30,8 @@ TINY = ROOT / "models" / "tiny"
 TINY_FILES = sorted(p.name for p in TINY.glob("*.onnx")) if TINY.is_dir() else []
 EXACT = AttentionSettings(select="none")
 ATTN_ONLY = RewriteConfig(kwta_enabled=False, attention=EXACT)
-ATTRIBUTES = {"scale", "is_causal", "mode", "select", "topk", "min_keys", "eps", "density_max"}
+ATTRIBUTES = {"scale", "is_causal", "mode", "select", "topk", "min_keys", "eps", "density_max", "candidates",
+              "keep_first", "keep_recent", "pack_cache"}
 
 
 def rewrite(model: onnx.ModelProto, config: RewriteConfig = ATTN_ONLY):
@@ -146,11 +147,13 @@ def test_off_by_default_reports_cores_without_rewriting():
 
 
 def test_settings_become_attributes():
-    settings = AttentionSettings(mode="ternary", select="popcount", topk=7, min_keys=3, eps=0.01, density_max=0.3)
+    settings = AttentionSettings(mode="ternary", select="popcount", topk=7, min_keys=3, eps=0.01, density_max=0.3,
+                                 keep_first=1)
     out, report = rewrite(ag.eager_core(), RewriteConfig(kwta_enabled=False, attention=settings))
     a = attrs(pop_nodes(out)[0])
     assert (a["mode"], a["select"], a["topk"], a["min_keys"]) == (b"ternary", b"popcount", 7, 3)
     assert a["eps"] == pytest.approx(0.01) and a["density_max"] == pytest.approx(0.3)
+    assert (a["keep_first"], a["keep_recent"], a["pack_cache"]) == (1, 0, 1) and a["candidates"] == 1.0
     assert not report.exact  # approximate attention: --verify uses the loose budget
     _, exact_report = rewrite(ag.eager_core())
     assert exact_report.exact
@@ -262,7 +265,8 @@ def test_tiny_export_attention(name, manifest):
 
 @pytest.mark.parametrize("changes, message", [
     ({"mode": "quaternary"}, "mode="), ({"topk": -1}, "topk="), ({"density_max": 1.5}, "density_max="),
-    ({"select": "energy", "topk": 0}, "needs topk > 0"),
+    ({"select": "energy", "topk": 0}, "needs topk > 0"), ({"candidates": 0.5}, "candidates="),
+    ({"keep_first": -1}, "keep_first="), ({"pack_cache": 2}, "pack_cache="),
 ])
 def test_invalid_settings(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -279,9 +283,11 @@ def _args(argv):
 
 def test_cli_flags():
     config = _args(["--attn=popcount", "--attn-topk=16", "--attn-mode=ternary", "--attn-eps=0.001",
-                    "--attn-min-keys=8", "--attn-density-max=0.2"])
+                    "--attn-min-keys=8", "--attn-density-max=0.2", "--attn-candidates=2", "--attn-keep-first=4",
+                    "--attn-keep-recent=8", "--attn-pack-cache=0"])
     assert config.attention == AttentionSettings(mode="ternary", select="popcount", topk=16, min_keys=8, eps=0.001,
-                                                 density_max=0.2)
+                                                 density_max=0.2, candidates=2.0, keep_first=4, keep_recent=8,
+                                                 pack_cache=0)
     assert not config.kwta_enabled  # --kwta=auto: off when another technique is chosen
     assert _args([]).attention is None
     assert _args(["--attn=off"]).attention is None
@@ -350,3 +356,24 @@ def test_ort_optimized_tiny_bert(tmp_path, manifest):
     feeds = reference_inputs(manifest["bert_tiny.torchscript.onnx"])
     assert (feeds["attention_mask"] == 0).any()
     assert_close(optimized, out, feeds)
+
+
+@pytest.mark.parametrize("select", ["popcount", "energy"])
+def test_selection_settings_run_on_the_rewritten_graph(select):
+    """Through the rewrite the op's selectors see the original masks: with topk >= every query's
+    keys a selector keeps all attendable keys (exact); with topk 2 the output stays finite and the
+    padded keys of batch row 1 (masked with -inf) are never attended."""
+    model = ag.eager_core(masks=("inf",), tail="nanguard", gqa=True)
+    feeds = ag.feeds(model)
+    wide = AttentionSettings(select=select, topk=ag.S, min_keys=0)
+    out, _ = rewrite(model, RewriteConfig(kwta_enabled=False, attention=wide))
+    assert_close(model, out, feeds)
+    narrow = AttentionSettings(select=select, topk=2, min_keys=0, density_max=1.0)
+    out, report = rewrite(model, RewriteConfig(kwta_enabled=False, attention=narrow))
+    assert not report.exact
+    y = run_ortsparse(out, feeds)[0]
+    assert np.isfinite(y).all()
+    changed = dict(feeds)
+    changed["V"] = feeds["V"].copy()
+    changed["V"][1, :, ag.S - 2:] = 1e6  # values of the padded keys of row 1
+    assert np.array_equal(run_ortsparse(out, changed)[0][1], y[1])
