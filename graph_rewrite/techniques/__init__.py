@@ -15,8 +15,9 @@ from .base import (
     TechniqueSettings,
 )
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+from .pack import PACK, PACK_MODES, PackSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA,)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PACK)}
 
 
 def technique(name: str) -> Technique:
@@ -25,5 +26,5 @@ def technique(name: str) -> Technique:
 
 __all__ = [
     "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+    "LayerWeights", "OpBuild", "PACK", "PACK_MODES", "PackSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
 ]
