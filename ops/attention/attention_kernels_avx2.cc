@@ -14,8 +14,13 @@ inline float hsum(__m256 v) {
 }
 
 void dot_rows_avx2(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
+  constexpr size_t kAhead = 8;  // rows of a gathered list: prefetch ahead (no stride to predict)
   for (size_t i = 0; i < n; ++i) {
     const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
+    if (rows && i + kAhead < n) {
+      const char* next = reinterpret_cast<const char*>(k + static_cast<size_t>(rows[i + kAhead]) * ldk);
+      for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     size_t j = 0;
     for (; j + 16 <= d; j += 16) {

@@ -9,8 +9,13 @@ namespace {
 inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
 void dot_rows_avx512(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
+  constexpr size_t kAhead = 8;  // rows of a gathered list: prefetch ahead (no stride to predict)
   for (size_t i = 0; i < n; ++i) {
     const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
+    if (rows && i + kAhead < n) {
+      const char* next = reinterpret_cast<const char*>(k + static_cast<size_t>(rows[i + kAhead]) * ldk);
+      for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     size_t j = 0;
     for (; j + 32 <= d; j += 32) {

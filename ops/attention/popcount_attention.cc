@@ -51,6 +51,7 @@ struct Scratch {
   std::vector<float> sel, scores;
   std::vector<int32_t> counts, kept, final_rows, cand, next;
   std::vector<uint32_t> keys, hist;
+  std::vector<uint64_t> comp;
   std::vector<uint32_t> topk;
   std::vector<uint64_t> qbits;
   std::vector<float> qproj;
@@ -166,7 +167,7 @@ size_t top_k_select(const float* v, size_t n, size_t k, int32_t* kept, Scratch& 
   for (size_t i = 0; i < n; ++i) keys[i] = engine::order_key(v[i]);
   constexpr size_t kSample = 256;
   uint32_t threshold = 0;
-  if (n >= 2 * kSample && n > 4 * k) {
+  if (n >= 2 * kSample && 2 * k < n) {
     uint32_t* sample = s.hist.data();
     const size_t step = n / kSample;
     for (size_t j = 0; j < kSample; ++j) sample[j] = keys[j * step];
@@ -185,13 +186,28 @@ size_t top_k_select(const float* v, size_t n, size_t k, int32_t* kept, Scratch& 
     c = n;
   }
   if (c > k) {
-    std::nth_element(cand, cand + (k - 1), cand + c, [keys](int32_t a, int32_t b) {
-      const uint32_t ka = keys[a], kb = keys[b];
-      return ka != kb ? ka > kb : a < b;
-    });
+    // (key, lower index first) as one integer, so nth_element compares plain uint64 values.
+    uint64_t* comp = s.comp.data();
+    for (size_t t = 0; t < c; ++t) {
+      const uint32_t i = static_cast<uint32_t>(cand[t]);
+      comp[t] = (static_cast<uint64_t>(keys[i]) << 32) | (0xFFFFFFFFu - i);
+    }
+    std::nth_element(comp, comp + (k - 1), comp + c, std::greater<uint64_t>());
+    for (size_t t = 0; t < k; ++t) cand[t] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(comp[t]));
   }
   std::copy_n(cand, k, kept);
-  std::sort(kept, kept + k);
+  if (k <= 64 || k * 8 < n) {
+    std::sort(kept, kept + k);
+  } else {  // many of n: mark and scan, O(n) instead of k log k
+    uint8_t* mark = reinterpret_cast<uint8_t*>(s.comp.data());
+    std::fill(mark, mark + n, uint8_t{0});
+    for (size_t t = 0; t < k; ++t) mark[kept[t]] = 1;
+    size_t out = 0;
+    for (size_t i = 0; i < n; ++i) {
+      kept[out] = static_cast<int32_t>(i);
+      out += mark[i];
+    }
+  }
   return k;
 }
 
@@ -429,6 +445,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
     s.cand.resize(pad);
     s.next.resize(pad);
     s.keys.resize(pad);
+    s.comp.resize(pad);
     s.hist.resize(2048);
     s.topk.resize(2 * pad + engine::kIndexSlack);
     s.qbits.resize(2 * ((dp + 63) / 64) + 1);
