@@ -17,6 +17,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr size_t kCenterRows = 256;  // keys the center μ is the mean of (the first ones)
 
 // One query row's view of the mask: value(j) is what is added to the scaled score of key j.
 struct MaskRow {
@@ -292,7 +293,11 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
     std::lock_guard<std::mutex> lock(cache_mutex_);
     old = cache_;
   }
-  if (old && old->heads_kv == heads_kv && old->d == d && old->skv <= skv && old->skv > 0) {
+  // With centering, μ is the mean of the first min(Skv, kCenterRows) keys: a property of the
+  // sequence prefix, not of the call history, so a cache may be extended only once it covers them.
+  const bool center = popcount && config_.center;
+  const bool center_ok = !center || (old && old->skv >= std::min(skv, kCenterRows));
+  if (old && center_ok && old->heads_kv == heads_kv && old->d == d && old->skv <= skv && old->skv > 0) {
     bool same = true;
     for (size_t hk = 0; hk < heads_kv && same; ++hk)
       for (size_t f = 0; f < KeyCache::kFingerprintRows && same; ++f) {
@@ -316,16 +321,15 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
     }
     kc.center = old->center;
   }
-  const bool center = popcount && config_.center;
   if (center && reuse == 0) {
-    // The center is the mean key of the call that starts the cache, kept while the cache grows:
     // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
+    const size_t rows = std::min(skv, kCenterRows);
     kc.center.assign(heads_kv * d, 0.0f);
     for (size_t hk = 0; hk < heads_kv; ++hk) {
       std::vector<double> sum(d, 0.0);
-      for (size_t j = 0; j < skv; ++j)
+      for (size_t j = 0; j < rows; ++j)
         for (size_t i = 0; i < d; ++i) sum[i] += k[(hk * skv + j) * d + i];
-      for (size_t i = 0; i < d; ++i) kc.center[hk * d + i] = static_cast<float>(sum[i] / static_cast<double>(skv));
+      for (size_t i = 0; i < d; ++i) kc.center[hk * d + i] = static_cast<float>(sum[i] / static_cast<double>(rows));
     }
   }
   std::shared_ptr<const std::vector<float>> proj;

@@ -39,7 +39,7 @@ struct PopcountAttentionConfig {
   bool cache_keys = true;    // reuse the previous call's packed keys for an unchanged K prefix
   int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
   int64_t keep_recent = 0;   // ... and the last ones of each query's causal prefix (local window)
-  bool center = true;        // popcount: pack k - mean(k) (ranking-invariant for exact scores)
+  bool center = true;        // popcount: pack k - mean of the first 256 keys (ranking-invariant for exact scores)
   int64_t proj_bits = 0;     // popcount: > 0 packs R^T x, R a fixed random Gaussian [D, proj_bits]
 };
 

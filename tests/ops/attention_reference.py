@@ -112,9 +112,8 @@ def selection_scores(q, k, mask=None, *, causal=False, scale=0.0, select="popcou
         return (norm[:, :, None, :] + bias).astype(np.float32)
     qx = q
     if center is not False:
-        # center: True = the mean key of this call; an array [B, Hkv, 1, D] = a given mean (the
-        # op keeps the mean of the call that started its packed-key cache).
-        mu = k.astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32) if center is True else center
+        # The mean of the first min(Skv, 256) keys of each (b, kv head).
+        mu = k[:, :, :256].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
         kk = expand_kv((k - mu).astype(np.float32), h)
     if proj_bits:
         from ortsparse import _kernels

@@ -366,11 +366,10 @@ def test_selection_at_long_context(select, mode, topk, rng):
 
 def test_packed_keys_are_reused_while_the_cache_grows(rng):
     q, k, v = qkv(rng, 1, 4, 2, 1, 60, 64)
-    op = _kernels.PopcountAttention(topk=8, min_keys=0, is_causal=True)
-    mu = k[:, :, :50].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
+    op = _kernels.PopcountAttention(topk=8, min_keys=0, is_causal=True, center=False)
     for n, packed in ((50, 100), (51, 2), (52, 2), (52, 0)):
         y, stats = op(q, k[:, :, :n], v[:, :, :n])
-        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=mu)  # the first call's mean
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=False)
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
         assert stats["keys_packed"] == packed
@@ -383,11 +382,11 @@ def test_packed_keys_are_reused_while_the_cache_grows(rng):
     k3 = rng.standard_normal(k.shape).astype(np.float32)
     y, stats = op(q, k3[:, :, :53], v[:, :, :53])
     assert stats["keys_packed"] == 2 * 53
-    keep = ref.selected_keys(q, k3[:, :, :53], causal=True, topk=8)
+    keep = ref.selected_keys(q, k3[:, :, :53], causal=True, topk=8, center=False)
     np.testing.assert_allclose(y, ref.attention(q, k3[:, :, :53], v[:, :, :53], causal=True, keep=keep),
                                rtol=1e-5, atol=2e-6)
     # Off: every call packs everything.
-    op = _kernels.PopcountAttention(topk=8, min_keys=0, pack_cache=False)
+    op = _kernels.PopcountAttention(topk=8, min_keys=0, pack_cache=False, center=False)
     op(q, k[:, :, :50], v[:, :, :50])
     assert op(q, k[:, :, :51], v[:, :, :51])[1]["keys_packed"] == 2 * 51
 
@@ -405,11 +404,11 @@ def test_energy_norms_are_reused(rng):
 def test_decode_through_ort_reuses_packed_keys(rng):
     ortsparse.reset_metrics()
     q, k, v = qkv(rng, 1, 4, 2, 1, 40, 32)
-    session = ortsparse.inference_session(ref.attention_model(node_name="dec", topk=8, min_keys=0, is_causal=1))
-    mu = k[:, :, :30].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
+    session = ortsparse.inference_session(ref.attention_model(node_name="dec", topk=8, min_keys=0, is_causal=1,
+                                                              center=0))
     for n in range(30, 35):
         y = session.run(None, {"Q": q, "K": k[:, :, :n], "V": v[:, :, :n]})[0]
-        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=mu)
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=False)
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
     assert ortsparse.metrics()["dec"]["keys_packed"] == 2 * 30 + 4 * 2
@@ -465,3 +464,52 @@ def test_random_projection_bits(proj_bits, mode, rng):
     r = _kernels.projection_matrix(48, proj_bits)
     assert r.shape == (48, proj_bits) and abs(r.mean()) < 0.1 and abs(r.std() - 1) < 0.1
     np.testing.assert_array_equal(r, _kernels.projection_matrix(48, proj_bits))  # fixed, part of the op
+
+
+def test_concurrent_runs_with_different_sequences(rng):
+    """Threads share one session, each decoding its own sequence: the packed-key cache is a
+    snapshot, so a cache of another sequence is never reused (results equal the reference)."""
+    import threading
+
+    session = ortsparse.inference_session(ref.attention_model(node_name="conc", topk=6, min_keys=0, is_causal=1,
+                                                              center=0))
+    seqs = [qkv(np.random.default_rng(s), 1, 4, 2, 1, 48, 32) for s in range(4)]
+    expected = {}
+    for s, (q, k, v) in enumerate(seqs):
+        for n in range(40, 48):
+            keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=6, center=False)
+            expected[s, n] = ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep)
+    errors = []
+
+    def worker(s):
+        q, k, v = seqs[s]
+        try:
+            for _ in range(20):
+                for n in range(40, 48):
+                    y = session.run(None, {"Q": q, "K": k[:, :, :n].copy(), "V": v[:, :, :n].copy()})[0]
+                    np.testing.assert_allclose(y, expected[s, n], rtol=1e-5, atol=2e-6)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+
+
+def test_centered_cache_extends_only_past_the_center_rows(rng):
+    """center = 1: mu = mean of the first 256 keys. Below 256 keys every call repacks (mu still
+    changes); from 256 on the cache grows by the new rows only, and results never depend on the
+    call history."""
+    q, k, v = qkv(rng, 1, 2, 1, 1, 300, 32)
+    op = _kernels.PopcountAttention(topk=8, min_keys=0, is_causal=True)
+    fresh = lambda n: _kernels.popcount_attention(q, k[:, :, :n], v[:, :, :n], topk=8, min_keys=0, is_causal=True)
+    for n, packed in ((100, 100), (101, 101), (256, 256), (257, 1), (300, 43)):
+        y, stats = op(q, k[:, :, :n], v[:, :, :n])
+        assert stats["keys_packed"] == packed
+        np.testing.assert_array_equal(y, fresh(n)[0])
+        keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
+        np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
+                                   rtol=1e-5, atol=2e-6)
