@@ -203,8 +203,17 @@ size_t top_k_select(const float* v, size_t n, size_t k, int32_t* kept, Scratch& 
     uint8_t* mark = reinterpret_cast<uint8_t*>(s.comp.data());
     std::fill(mark, mark + n, uint8_t{0});
     for (size_t t = 0; t < k; ++t) mark[kept[t]] = 1;
-    size_t out = 0;
-    for (size_t i = 0; i < n; ++i) {
+    size_t out = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {  // mostly empty groups of 8: skip them a word at a time
+      uint64_t group;
+      std::memcpy(&group, mark + i, sizeof(group));
+      if (group == 0) continue;
+      for (size_t j = i; j < i + 8; ++j) {
+        kept[out] = static_cast<int32_t>(j);
+        out += mark[j];
+      }
+    }
+    for (; i < n; ++i) {
       kept[out] = static_cast<int32_t>(i);
       out += mark[i];
     }
@@ -530,14 +539,19 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
       const size_t first = std::min(limit, static_cast<size_t>(cfg->keep_first));
       const size_t recent_begin = limit - std::min(limit, static_cast<size_t>(cfg->keep_recent));
       size_t allowed = 0, forced = 0;
-      for (size_t j = 0; j < limit; ++j) {
-        if (sel[j] == kNegInf) continue;
-        ++allowed;
-        if (j < first || j >= recent_begin) {
+      if (m.add || m.keep) {
+        for (size_t j = 0; j < limit; ++j) allowed += sel[j] != kNegInf;
+      } else {
+        allowed = limit;  // no mask: every key of the causal prefix is attendable
+      }
+      auto protect = [&](size_t j) {
+        if (sel[j] != kNegInf) {
           sel[j] = kPosInf;
           ++forced;
         }
-      }
+      };
+      for (size_t j = 0; j < first; ++j) protect(j);
+      for (size_t j = std::max(first, recent_begin); j < limit; ++j) protect(j);
       if (allowed <= topk + forced) {
         exact_scores(c, *attn, qrow, khead, m, nullptr, limit, s.scores.data());
         softmax_pv(c, *kernels, s.scores.data(), nullptr, limit, vhead, yrow);
