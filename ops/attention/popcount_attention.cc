@@ -17,6 +17,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr float kMaskedOut = -1e30f;  // an additive mask below this excludes the key from selection
 constexpr size_t kCenterRows = 256;  // keys the center μ is the mean of (the first ones)
 
 // One query row's view of the mask: value(j) is what is added to the scaled score of key j.
@@ -534,6 +535,11 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
         softmax_pv(c, *kernels, sel, nullptr, limit, vhead, yrow);
         continue;
       }
+      // Exported models mask with a huge finite value (finfo.min): such keys are out of the
+      // selection as -inf ones are (never candidates, never protected); refine still adds the
+      // mask as given.
+      if (m.add)
+        for (size_t j = 0; j < limit; ++j) sel[j] = sel[j] < kMaskedOut ? kNegInf : sel[j];
       // Protected keys (the first keep_first, the last keep_recent of the causal prefix) are
       // always kept: +inf outranks every selector score. Masked-out keys stay out.
       const size_t first = std::min(limit, static_cast<size_t>(cfg->keep_first));

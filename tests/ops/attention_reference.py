@@ -144,6 +144,7 @@ def selected_keys(q, k, mask=None, *, causal=False, scale=0.0, select="popcount"
                            proj_bits=proj_bits)
     b, h, sq, skv = sel.shape
     keep = np.zeros(sel.shape, dtype=bool)
+    sel = np.where(sel < np.float32(-1e30), np.float32(-np.inf), sel)  # finfo.min-style masks: out
     for idx in np.ndindex(b, h, sq):
         row = sel[idx].copy()
         i = idx[2]

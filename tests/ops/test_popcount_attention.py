@@ -513,3 +513,24 @@ def test_centered_cache_extends_only_past_the_center_rows(rng):
         keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8)
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("select", ["popcount", "energy"])
+def test_finite_min_mask_keys_are_out_of_the_selection(select, rng):
+    """An HF-style causal mask (finfo.min above the diagonal, no is_causal) selects like is_causal:
+    masked keys are neither candidates nor protected recent keys."""
+    q, k, v = qkv(rng, 1, 4, 2, 6, 70, 32)
+    allowed = ref.causal_allowed(6, 70)
+    mask = np.where(allowed, np.float32(0), np.finfo(np.float32).min).astype(np.float32)[None, None]
+    # keep_recent counts from the end of the causal prefix with is_causal, from Skv with a mask
+    # only (the same keys at decode, Sq = 1), so it is left out of the equality below.
+    keep = ref.selected_keys(q, k, mask, select=select, topk=8, keep_recent=5, center=False)
+    assert not np.any(keep & ~allowed[None, None])
+    kw = dict(select=select, topk=8, keep_first=2, center=False)
+    keep = ref.selected_keys(q, k, mask, **kw)
+    assert not np.any(keep & ~allowed[None, None])  # no masked key kept (each row has > 15 keys)
+    assert np.array_equal(keep, ref.selected_keys(q, k, causal=True, **kw))
+    y, _ = _kernels.popcount_attention(q, k, v, mask, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(y, ref.attention(q, k, v, mask, keep=keep), rtol=1e-5, atol=2e-6)
+    y_causal, _ = _kernels.popcount_attention(q, k, v, is_causal=True, min_keys=0, density_max=1.0, **kw)
+    np.testing.assert_allclose(y, y_causal, rtol=1e-5, atol=2e-6)
