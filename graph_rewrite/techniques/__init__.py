@@ -15,8 +15,9 @@ from .base import (
     TechniqueSettings,
 )
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+from .tt import TT_TECHNIQUE, TTSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA,)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, TT_TECHNIQUE)}
 
 
 def technique(name: str) -> Technique:
@@ -25,5 +26,5 @@ def technique(name: str) -> Technique:
 
 __all__ = [
     "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "technique",
 ]
