@@ -333,6 +333,29 @@ class WhitenedSVD:
         return [u.reshape(1, self.k, 1, r), v.reshape(r, 1, self.n, 1)]
 
 
+_WHITENED_CACHE: dict[tuple[str, str], WhitenedSVD] | None = None
+
+
+def enable_factor_cache(enabled: bool = True) -> None:
+    """Keep every WhitenedSVD computed by :func:`whitened_svd` (keyed by the bytes of W and X) for
+    the rest of the process: sweeps that rebuild the same layers at many ranks pay each SVD once.
+    ~10 MB per 576 x 1536 layer; off by default."""
+    global _WHITENED_CACHE
+    _WHITENED_CACHE = {} if enabled else None
+
+
+def whitened_svd(w: np.ndarray, x: np.ndarray) -> WhitenedSVD:
+    if _WHITENED_CACHE is None:
+        return WhitenedSVD(w, x)
+    import hashlib
+
+    key = (hashlib.sha1(np.ascontiguousarray(w).tobytes()).hexdigest(),
+           hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest())
+    if key not in _WHITENED_CACHE:
+        _WHITENED_CACHE[key] = WhitenedSVD(w, x)
+    return _WHITENED_CACHE[key]
+
+
 def lowrank_whitened(w: np.ndarray, x: np.ndarray, rank: int) -> list[np.ndarray]:
     return WhitenedSVD(w, x).cores(rank)
 
@@ -345,15 +368,34 @@ def lowrank_svd(w: np.ndarray, rank: int) -> list[np.ndarray]:
     return [(u[:, :r] * root).reshape(1, w.shape[0], 1, r), (root[:, None] * vt[:r]).reshape(r, 1, w.shape[1], 1)]
 
 
+def _is_lowrank(cores: Sequence[np.ndarray]) -> bool:
+    return len(cores) == 2 and cores[0].shape[2] == 1 and cores[1].shape[1] == 1
+
+
 def gap(w: np.ndarray, approx: np.ndarray | Sequence[np.ndarray], x: np.ndarray, bias: np.ndarray | None = None) -> float:
     """Relative output error on calibration inputs: ||X W - X W~||_F / ||X W + b||_F (the bias cancels
     in the difference and only sets the scale). ``approx``: W~ [K, N] or TT cores."""
     w = np.asarray(w, dtype=np.float64)
-    w_hat = approx if isinstance(approx, np.ndarray) and approx.ndim == 2 else tt_full(approx)
     x = np.asarray(x, dtype=np.float64).reshape(-1, w.shape[0])
     ref = x @ w
+    if not (isinstance(approx, np.ndarray) and approx.ndim == 2) and _is_lowrank(approx):
+        u = np.asarray(approx[0], dtype=np.float64).reshape(w.shape[0], -1)
+        v = np.asarray(approx[1], dtype=np.float64).reshape(-1, w.shape[1])
+        out = (x @ u) @ v  # S (K + N) r instead of S K N
+    else:
+        out = x @ (approx if isinstance(approx, np.ndarray) and approx.ndim == 2 else tt_full(approx))
     denom = np.linalg.norm(ref + (0 if bias is None else np.asarray(bias, dtype=np.float64)))
-    return float(np.linalg.norm(x @ (w - w_hat)) / max(denom, 1e-30))
+    return float(np.linalg.norm(ref - out) / max(denom, 1e-30))
+
+
+def split_calibration(x: np.ndarray, min_rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(fit, held): alternate rows. Whitening is fitted on ``fit`` and the gap measured on ``held``,
+    so a rank cannot pass by fitting the calibration rows themselves (with S rows, rank >= S
+    reproduces them exactly). Fewer than 2 * min_rows rows: both are all of X."""
+    x = np.asarray(x).reshape(-1, np.shape(x)[-1])
+    if len(x) < 2 * min_rows:
+        return x, x
+    return x[0::2], x[1::2]
 
 
 def weight_error(w: np.ndarray, cores: Sequence[np.ndarray]) -> float:
@@ -441,10 +483,12 @@ def build(w: np.ndarray, rank: int, *, name: str = "", layout: str = "lowrank", 
     k, n = w.shape
     if in_modes is None or out_modes is None:
         in_modes, out_modes = choose_modes(k, n, d, layout)
-    cores = factor(w, in_modes, out_modes, rank, method, x=x, maxvol_k=maxvol_k)
+    fit, held = split_calibration(x) if x is not None else (None, None)
+    whitened = whitened_svd(w, fit) if method == "svd-whitened" else None
+    cores = factor(w, in_modes, out_modes, rank, method, x=fit, maxvol_k=maxvol_k, whitened=whitened)
     ranks = tt_ranks(cores)
     macs = tt_macs(in_modes, out_modes, ranks)
-    g = gap(w, cores, x, bias) if x is not None else float("nan")
+    g = gap(w, cores, held, bias) if x is not None else float("nan")
     return TTLayerResult(name, "tt", f"fixed rank {rank}", k, n, list(in_modes), list(out_modes), ranks, method, g,
                          k * n / macs, sum(c.size for c in cores) / (k * n), cores)
 
@@ -453,8 +497,9 @@ def autotune(w: np.ndarray, x: np.ndarray, gap_tol: float = 0.02, *, name: str =
              layout: str = "lowrank", d: int = 2, method: str | None = None, maxvol_k: int = 8,
              min_flop_ratio: float = DEFAULT_MIN_FLOP_RATIO, max_rank: int | None = None) -> TTLayerResult:
     """The smallest uniform rank with gap <= gap_tol on the calibration inputs X, among ranks whose
-    FLOP ratio is >= min_flop_ratio. Binary search (the gap shrinks with the rank: exactly so for
-    the whitened SVD on its own calibration set, in practice for the others). No such rank: the
+    FLOP ratio is >= min_flop_ratio. Whitening is fitted on half of X's rows and the gap measured
+    on the other half (:func:`split_calibration`). Binary search (the gap shrinks with the rank:
+    in practice, and exactly for the whitened SVD on its fit rows). No such rank: the
     layer stays dense, ``reason`` says which bound failed and the gap at the largest useful rank."""
     k, n = w.shape
     in_modes, out_modes = choose_modes(k, n, d, layout)
@@ -467,13 +512,14 @@ def autotune(w: np.ndarray, x: np.ndarray, gap_tol: float = 0.02, *, name: str =
     if top < 1:
         dense.reason = f"no rank gives a FLOP ratio >= {min_flop_ratio} for modes {in_modes} x {out_modes}"
         return dense
-    whitened = WhitenedSVD(w, x) if method == "svd-whitened" else None
+    fit, held = split_calibration(x)
+    whitened = whitened_svd(w, fit) if method == "svd-whitened" else None
     cache: dict[int, tuple[float, list[np.ndarray]]] = {}
 
     def at(rank: int) -> float:
         if rank not in cache:
-            cores = factor(w, in_modes, out_modes, rank, method, x=x, maxvol_k=maxvol_k, whitened=whitened)
-            g = gap(w, cores, x, bias)
+            cores = factor(w, in_modes, out_modes, rank, method, x=fit, maxvol_k=maxvol_k, whitened=whitened)
+            g = gap(w, cores, held, bias)
             cache[rank] = (g, cores)
             dense.tried.append({"rank": rank, "gap": g})
         return cache[rank][0]

@@ -119,11 +119,13 @@ def test_autotune_picks_smallest_passing_rank(rng):
     x = rng.standard_normal((400, k))
     result = tt.autotune(w, x, gap_tol=0.05, name="layer")
     assert result.decision == "tt" and result.ranks == [1, true_rank, 1]
-    # the rank below does not pass, the chosen one does
-    below = tt.gap(w, tt.lowrank_whitened(w, x, true_rank - 1), x)
+    # the rank below does not pass, the chosen one does (whitening fitted on even rows, gap on odd)
+    fit, held = tt.split_calibration(x)
+    assert len(fit) == len(held) == 200 and np.array_equal(held, x[1::2])
+    below = tt.gap(w, tt.lowrank_whitened(w, fit, true_rank - 1), held)
     assert below > 0.05 >= result.gap
     assert result.flop_ratio == pytest.approx(k * n / (true_rank * (k + n)))
-    assert result.cores is not None and tt.gap(w, result.cores, x) == pytest.approx(result.gap)
+    assert result.cores is not None and tt.gap(w, result.cores, held) == pytest.approx(result.gap)
     meta = result.metadata()
     assert meta["rank"] == true_rank and "cores" not in meta
     for method in ("svd", "cross"):
@@ -156,3 +158,33 @@ def test_autotune_layers_progress(rng):
               for i in range(3)]
     results = tt.autotune_layers(layers, gap_tol=1e-6, progress=False)
     assert [r.name for r in results] == ["l0", "l1", "l2"] and all(r.rank == 3 for r in results)
+
+
+def test_held_out_gap_is_not_fooled_by_few_calibration_rows(rng):
+    # 200 calibration rows, rank 100 of a random 128 x 160 layer: fitting 100 whitened directions
+    # reproduces the fit rows almost exactly, the held-out rows show the real error
+    w = rng.standard_normal((128, 160))
+    x = rng.standard_normal((200, 128))
+    fit, held = tt.split_calibration(x)
+    cores = tt.lowrank_whitened(w, fit, 100)
+    assert tt.gap(w, cores, fit) < 1e-6 < 0.1 < tt.gap(w, cores, held)
+    result = tt.build(w, 100, x=x, method="svd-whitened")
+    assert result.gap == pytest.approx(tt.gap(w, cores, held))
+
+
+def test_factored_gap_equals_dense_gap(rng):
+    w = rng.standard_normal((30, 20))
+    x = rng.standard_normal((50, 30))
+    cores = tt.lowrank_svd(w, 5)
+    assert tt.gap(w, cores, x) == pytest.approx(tt.gap(w, tt.tt_full(cores), x), rel=1e-10)
+
+
+def test_factor_cache(rng):
+    w = rng.standard_normal((40, 30))
+    x = rng.standard_normal((100, 40))
+    tt.enable_factor_cache()
+    try:
+        assert tt.whitened_svd(w, x) is tt.whitened_svd(w.copy(), x.copy())
+    finally:
+        tt.enable_factor_cache(False)
+    assert tt.whitened_svd(w, x) is not tt.whitened_svd(w, x)
