@@ -77,13 +77,16 @@ TTShape make_tt_shape(const std::vector<int64_t>& in_modes, const std::vector<in
   return s;
 }
 
-// Layouts (m = token, left-to-right order, step t = 1..d):
-//   in  [m, j_1..j_{t-1}, r_{t-1}, i_t, i_{t+1}..i_d]   = [P = m * prod j_<t, b = r_{t-1} k_t, q = prod k_>t]
-//   out [m, j_1..j_{t-1}, j_t, r_t, i_{t+1}..i_d]       = [P, a = n_t r_t, q]
-// so X (t = 1, r_0 = 1) is the first input and Y (t = d, r_d = 1) the last output, with no transposes.
-// Right-to-left (t = d..1) mirrors it:
-//   in  [m, i_1..i_{t-1}, i_t, r_t, j_{t+1}..j_d]       = [P = m * prod k_<t, b = k_t r_t, q = prod n_>t]
-//   out [m, i_1..i_{t-1}, r_{t-1}, j_t, j_{t+1}..j_d]   = [P, a = r_{t-1} n_t, q]
+// Layouts (m = token; every step is one GEMM [rows x b] . [b x a] on contiguous memory, then a 2-D
+// transpose that brings the next core's mode beside its rank):
+// first core first, before step t = 1..d:  [i_{t+1}..i_d, m, j_1..j_{t-1}, (r_{t-1} i_t)]
+//   GEMM out:                               [i_{t+1}..i_d, m, j_1..j_{t-1}, (j_t r_t)]
+//   transpose [i_{t+1} x rest] -> [rest x i_{t+1}] gives step t+1's input; X needs one transpose
+//   [(m i_1) x (i_2..i_d)] first, and step d's output is Y [m, j_1..j_d] as it stands.
+// last core first, before step t = d..1:   [j_{t+1}..j_d, m, i_1..i_{t-1}, (i_t r_t)]
+//   GEMM out:                               [j_{t+1}..j_d, m, i_1..i_{t-1}, (r_{t-1} j_t)]
+//   transpose [rest x j_t] -> [j_t x rest] (t > 1); after step 1, [(j_2..j_d) x (m j_1)] -> Y.
+// X [m, K] is step d's input as it stands.  A transpose with a side of 1 is skipped.
 double TTBackend::order_macs(const TTShape& s, bool rtl) {
   double total = 0;
   const size_t d = s.d();
@@ -103,48 +106,112 @@ TTBackend::TTBackend(TTShape shape, const float* cores, int right_to_left)
   right_to_left_ = right_to_left < 0 ? rtl_macs < ltr_macs : right_to_left == 1;
   macs_ = right_to_left_ ? rtl_macs : ltr_macs;
   const size_t d = shape_.d();
+  const auto& km = shape_.in_modes;
+  const auto& nm = shape_.out_modes;
   std::vector<size_t> core_offset(d + 1, 0);
   for (size_t t = 0; t < d; ++t) core_offset[t + 1] = core_offset[t] + shape_.core_size(t);
   mats_.resize(std::max<size_t>(1, core_offset[d]));
   scratch_per_token_ = 0;
+  if (!right_to_left_ && d > 1) {
+    pre_c_ = 1;
+    for (size_t u = 1; u < d; ++u) pre_c_ *= km[u];
+    if (pre_c_ == 1) pre_c_ = 0;
+    scratch_per_token_ = k_;
+  }
   for (size_t step = 0; step < d; ++step) {
     const size_t t = right_to_left_ ? d - 1 - step : step;
-    const size_t r0 = shape_.ranks[t], kt = shape_.in_modes[t], nt = shape_.out_modes[t], r1 = shape_.ranks[t + 1];
-    Step s{1, 0, 0, 1, core_offset[t]};
-    for (size_t u = 0; u < t; ++u) s.pf *= right_to_left_ ? shape_.in_modes[u] : shape_.out_modes[u];
-    for (size_t u = t + 1; u < d; ++u) s.q *= right_to_left_ ? shape_.out_modes[u] : shape_.in_modes[u];
+    const size_t r0 = shape_.ranks[t], kt = km[t], nt = nm[t], r1 = shape_.ranks[t + 1];
+    Step s{1, 0, 0, core_offset[t], 0, 0};
+    for (size_t u = 0; u < t; ++u) s.rows_per_token *= right_to_left_ ? km[u] : nm[u];
+    for (size_t u = t + 1; u < d; ++u) s.rows_per_token *= right_to_left_ ? nm[u] : km[u];
     s.a = right_to_left_ ? r0 * nt : nt * r1;
     s.b = right_to_left_ ? kt * r1 : r0 * kt;
+    if (!right_to_left_) {
+      if (t + 1 < d) s.tr_r = km[t + 1];
+    } else if (t > 0) {
+      s.tr_c = nt;
+    } else {
+      s.tr_r = 1;
+      for (size_t u = 1; u < d; ++u) s.tr_r *= nm[u];
+    }
+    if (s.tr_r == 1 || s.tr_c == 1) s.tr_r = s.tr_c = 0;
     const float* g = cores + core_offset[t];
     float* dst = mats_.data() + s.offset;
-    // G[x0, i, j, x1] sits at ((x0 * kt + i) * nt + j) * r1 + x1.
+    // G[x0, i, j, x1] sits at ((x0 * kt + i) * nt + j) * r1 + x1; the step multiplies by mat [b x a].
     for (size_t x0 = 0; x0 < r0; ++x0)
       for (size_t i = 0; i < kt; ++i)
         for (size_t j = 0; j < nt; ++j)
           for (size_t x1 = 0; x1 < r1; ++x1) {
-            const float v = g[((x0 * kt + i) * nt + j) * r1 + x1];
-            const size_t row_a = right_to_left_ ? x0 * nt + j : j * r1 + x1;   // index into a
-            const size_t col_b = right_to_left_ ? i * r1 + x1 : x0 * kt + i;   // index into b
-            if (s.q == 1) {
-              dst[col_b * s.a + row_a] = v;  // At [b x a]
-            } else {
-              dst[row_a * s.b + col_b] = v;  // A [a x b]
-            }
+            const size_t col_a = right_to_left_ ? x0 * nt + j : j * r1 + x1;
+            const size_t row_b = right_to_left_ ? i * r1 + x1 : x0 * kt + i;
+            dst[row_b * s.a + col_a] = g[((x0 * kt + i) * nt + j) * r1 + x1];
           }
-    if (step + 1 < d) scratch_per_token_ = std::max(scratch_per_token_, s.pf * s.a * s.q);
+    scratch_per_token_ = std::max(scratch_per_token_, s.rows_per_token * s.a);
     steps_.push_back(s);
   }
 }
 
-void TTBackend::step_range(const Step& s, const float* in, float* out, size_t p0, size_t p1, size_t c0, size_t c1,
-                           const TTKernelTable& kernels) const {
-  const float* mat = mats_.data() + s.offset;
-  if (s.q == 1) {
-    kernels.gemm(in + p0 * s.b, s.b, mat + c0, s.a, out + p0 * s.a + c0, s.a, p1 - p0, s.b, c1 - c0);
-    return;
+namespace {
+
+// dst [c x r] = src [r x c]^T, in 16 x 16 tiles so both sides stay in cache lines.
+void transpose(const float* src, float* dst, size_t rows, size_t cols) {
+  constexpr size_t kTile = 16;
+  for (size_t r0 = 0; r0 < rows; r0 += kTile) {
+    const size_t r1 = std::min(rows, r0 + kTile);
+    for (size_t c0 = 0; c0 < cols; c0 += kTile) {
+      const size_t c1 = std::min(cols, c0 + kTile);
+      for (size_t r = r0; r < r1; ++r)
+        for (size_t c = c0; c < c1; ++c) dst[c * rows + r] = src[r * cols + c];
+    }
   }
-  for (size_t p = p0; p < p1; ++p)
-    kernels.gemm(mat, s.b, in + p * s.b * s.q + c0, s.q, out + p * s.a * s.q + c0, s.q, s.a, s.b, c1 - c0);
+}
+
+}  // namespace
+
+void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const TTKernelTable& kernels,
+                          const TaskRunner* step_runner) const {
+  const float* cur = x;
+  if (pre_c_) {
+    transpose(x, s0, count * k_ / pre_c_, pre_c_);
+    cur = s0;
+  }
+  const size_t d = steps_.size();
+  for (size_t i = 0; i < d; ++i) {
+    const Step& s = steps_[i];
+    const bool last = i + 1 == d;
+    const size_t rows = count * s.rows_per_token, total = rows * s.a;
+    const size_t tr_rows = s.tr_r ? s.tr_r : (s.tr_c ? total / s.tr_c : 0);
+    const size_t tr_cols = tr_rows ? total / tr_rows : 0;
+    const bool transposed = tr_rows > 1 && tr_cols > 1;
+    float* out = last && !transposed ? y : (cur == s0 ? s1 : s0);
+    const float* mat = mats_.data() + s.offset;
+    const double macs = static_cast<double>(rows) * s.a * s.b;
+    const size_t want =
+        step_runner ? static_cast<size_t>(std::min<double>(kMaxStepTasks, std::max(1.0, macs / kMinTaskMacs))) : 1;
+    if (want <= 1) {
+      kernels.gemm(cur, s.b, mat, s.a, out, s.a, rows, s.b, s.a);
+    } else if (rows >= 4 * want) {
+      step_runner->run(want, [&, cur, out, mat, rows](size_t task) {
+        const size_t r0 = rows * task / want, r1 = rows * (task + 1) / want;
+        kernels.gemm(cur + r0 * s.b, s.b, mat, s.a, out + r0 * s.a, s.a, r1 - r0, s.b, s.a);
+      });
+    } else {
+      // Few rows (decode): column spans in multiples of 32 (whole SIMD panels).
+      const size_t span = std::max<size_t>(32, ((s.a + want - 1) / want + 31) / 32 * 32);
+      const size_t tasks = (s.a + span - 1) / span;
+      step_runner->run(tasks, [&, cur, out, mat, rows, span](size_t task) {
+        const size_t c0 = task * span, c1 = std::min(s.a, c0 + span);
+        kernels.gemm(cur, s.b, mat + c0, s.a, out + c0, s.a, rows, s.b, c1 - c0);
+      });
+    }
+    if (transposed) {
+      float* dst = last ? y : (out == s0 ? s1 : s0);
+      transpose(out, dst, tr_rows, tr_cols);
+      cur = dst;
+    } else {
+      cur = out;
+    }
+  }
 }
 
 void TTBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
@@ -179,51 +246,22 @@ void TTBackend::run_tt(const float* x, size_t m, const GatedRows& gated, const f
   scratch_buffer.resize(std::max<size_t>(1, 2 * m * per));
   float* const s0 = scratch_buffer.data();
   float* const s1 = s0 + m * per;
-  const size_t d = steps_.size();
   const size_t k = k_, n = n_;
-
   if (m >= kTokenChunkMin) {
+    // Token chunks through the whole chain: no barrier per core, every chunk's cores stay in cache.
     const size_t tokens_per_task = std::max<size_t>(kTokenChunkMin, (m + 15) / 16);
     const size_t tasks = (m + tokens_per_task - 1) / tokens_per_task;
     runner.run(tasks, [&, xin, s0, s1, y, bias](size_t task) {
-      const size_t t0 = task * tokens_per_task, t1 = std::min(m, t0 + tokens_per_task), count = t1 - t0;
-      const float* in = xin + t0 * k;
-      for (size_t i = 0; i < d; ++i) {
-        const Step& s = steps_[i];
-        float* out = i + 1 == d ? y + t0 * n : ((i % 2 == 0) ? s0 : s1) + t0 * per;
-        step_range(s, in, out, 0, count * s.pf, 0, s.q == 1 ? s.a : s.q, kernels);
-        in = out;
-      }
+      const size_t t0 = task * tokens_per_task, t1 = std::min(m, t0 + tokens_per_task);
+      run_chunk(xin + t0 * k, t1 - t0, y + t0 * n, s0 + t0 * per, s1 + t0 * per, kernels, nullptr);
       if (bias)
         for (size_t t = t0; t < t1; ++t)
           for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
     });
     return;
   }
-  // Few tokens (decode): one core at a time, each split over rows or columns when big enough.
-  const float* in = xin;
-  for (size_t i = 0; i < d; ++i) {
-    const Step& s = steps_[i];
-    float* out = i + 1 == d ? y : (i % 2 == 0 ? s0 : s1);
-    const size_t rows = m * s.pf, cols = s.q == 1 ? s.a : s.q;
-    const double macs = static_cast<double>(rows) * s.a * s.b * s.q;
-    const size_t want = static_cast<size_t>(std::min<double>(kMaxStepTasks, std::max(1.0, macs / kMinTaskMacs)));
-    if (want <= 1) {
-      step_range(s, in, out, 0, rows, 0, cols, kernels);
-    } else if (rows >= want) {
-      runner.run(want, [&, in, out](size_t task) {
-        step_range(s, in, out, rows * task / want, rows * (task + 1) / want, 0, cols, kernels);
-      });
-    } else {
-      // Column spans in multiples of 32 (whole SIMD panels).
-      const size_t span = std::max<size_t>(32, (cols + want - 1) / want + 31) / 32 * 32;
-      const size_t tasks = (cols + span - 1) / span;
-      runner.run(tasks, [&, in, out](size_t task) {
-        step_range(s, in, out, 0, rows, task * span, std::min(cols, (task + 1) * span), kernels);
-      });
-    }
-    in = out;
-  }
+  // Few tokens (decode): one chain, each core's GEMM split over rows or columns when big enough.
+  run_chunk(xin, m, y, s0, s1, kernels, &runner);
   if (bias)
     for (size_t t = 0; t < m; ++t)
       for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];

@@ -58,14 +58,17 @@ class TTBackend final : public WeightBackend {
   static double order_macs(const TTShape& shape, bool right_to_left);
 
  private:
-  // out[p] (a x q) = A (a x b) . in[p] (b x q) for p < tokens * pf. q == 1 steps are one GEMM,
-  // in [P x b] . At [b x a], and `mat` holds At; otherwise `mat` holds A.
+  // One core: a GEMM out [rows x a] = in [rows x b] . mat [b x a] with rows = tokens * rows_per_token,
+  // then (unless trivial) a 2-D transpose of out, [R x C] -> [C x R], that moves the next core's
+  // mode next to its rank so the next step is again a plain GEMM (layouts in tt_backend.cc).
   struct Step {
-    size_t pf, a, b, q;
-    size_t offset;  // into mats_
+    size_t rows_per_token, a, b;
+    size_t offset;            // of mat in mats_
+    size_t tr_r, tr_c;        // transpose after: R = tr_r or C = tr_c (the other = total / it); 0, 0 = none
   };
-  void step_range(const Step& s, const float* in, float* out, size_t p0, size_t p1, size_t c0, size_t c1,
-                  const TTKernelTable& kernels) const;
+  // Whole chain for `count` tokens: x [count, K] -> y [count, N], with two scratch buffers.
+  void run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const TTKernelTable& kernels,
+                 const TaskRunner* step_runner) const;
 
   TTShape shape_;
   size_t k_, n_, bytes_;
@@ -74,6 +77,7 @@ class TTBackend final : public WeightBackend {
   std::vector<Step> steps_;
   AlignedBuffer<float> mats_;
   size_t scratch_per_token_;  // floats of the largest intermediate of one token
+  size_t pre_c_ = 0;  // first core first: X [(m k_1) x q_1] -> [q_1 x (m k_1)] before the first GEMM
 };
 
 // The TT table matching a KernelTable's ISA (the engine hands backends the shared table).

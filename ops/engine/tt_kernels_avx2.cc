@@ -12,7 +12,8 @@ inline __m256i tail_mask(size_t count) {
 }
 
 // R rows of C x 16 columns (two ymm, masked at the right edge) over kc steps of the depth.
-template <int R>
+// kFull: a whole 16-column panel (plain loads; vmaskmovps costs extra uops in the inner loop).
+template <int R, bool kFull>
 void micro(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t kc, __m256i m0,
            __m256i m1, bool first) {
   __m256 acc0[R], acc1[R];
@@ -21,8 +22,8 @@ void micro(const float* a, size_t lda, const float* b, size_t ldb, float* c, siz
     acc1[r] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + r * ldc + 8, m1);
   }
   for (size_t p = 0; p < kc; ++p) {
-    const __m256 b0 = _mm256_maskload_ps(b + p * ldb, m0);
-    const __m256 b1 = _mm256_maskload_ps(b + p * ldb + 8, m1);
+    const __m256 b0 = kFull ? _mm256_loadu_ps(b + p * ldb) : _mm256_maskload_ps(b + p * ldb, m0);
+    const __m256 b1 = kFull ? _mm256_loadu_ps(b + p * ldb + 8) : _mm256_maskload_ps(b + p * ldb + 8, m1);
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + r * lda + p);
       acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
@@ -36,6 +37,19 @@ void micro(const float* a, size_t lda, const float* b, size_t ldb, float* c, siz
 }
 
 constexpr size_t kRows = 4;
+
+template <bool kFull>
+void panel_rows(const float* a, size_t lda, const float* bp, size_t ldb, float* c, size_t ldc, size_t m, size_t k0,
+                size_t kc, __m256i m0, __m256i m1, bool first) {
+  size_t i = 0;
+  for (; i + kRows <= m; i += kRows) micro<4, kFull>(a + i * lda + k0, lda, bp, ldb, c + i * ldc, ldc, kc, m0, m1, first);
+  switch (m - i) {
+    case 3: micro<3, kFull>(a + i * lda + k0, lda, bp, ldb, c + i * ldc, ldc, kc, m0, m1, first); break;
+    case 2: micro<2, kFull>(a + i * lda + k0, lda, bp, ldb, c + i * ldc, ldc, kc, m0, m1, first); break;
+    case 1: micro<1, kFull>(a + i * lda + k0, lda, bp, ldb, c + i * ldc, ldc, kc, m0, m1, first); break;
+    default: break;
+  }
+}
 
 void gemm_avx2(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t m, size_t k,
                size_t n) {
@@ -52,13 +66,10 @@ void gemm_avx2(const float* a, size_t lda, const float* b, size_t ldb, float* c,
       const __m256i m0 = tail_mask(width);
       const __m256i m1 = width > 8 ? tail_mask(width - 8) : _mm256_setzero_si256();
       const float* bp = b + k0 * ldb + j;
-      size_t i = 0;
-      for (; i + kRows <= m; i += kRows) micro<4>(a + i * lda + k0, lda, bp, ldb, c + i * ldc + j, ldc, kc, m0, m1, first);
-      switch (m - i) {
-        case 3: micro<3>(a + i * lda + k0, lda, bp, ldb, c + i * ldc + j, ldc, kc, m0, m1, first); break;
-        case 2: micro<2>(a + i * lda + k0, lda, bp, ldb, c + i * ldc + j, ldc, kc, m0, m1, first); break;
-        case 1: micro<1>(a + i * lda + k0, lda, bp, ldb, c + i * ldc + j, ldc, kc, m0, m1, first); break;
-        default: break;
+      if (width == kTTPanel) {
+        panel_rows<true>(a, lda, bp, ldb, c + j, ldc, m, k0, kc, m0, m1, first);
+      } else {
+        panel_rows<false>(a, lda, bp, ldb, c + j, ldc, m, k0, kc, m0, m1, first);
       }
     }
   }
