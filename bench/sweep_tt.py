@@ -214,13 +214,16 @@ def sweep_encoder(args) -> dict[str, Any]:
     log(f"encoder: loading {path}")
     model = onnx.load(str(path))
     layers = target_layers(model, args.target)
+    if args.layers:
+        layers = [layer for layer in layers if _layer_index(layer.name) in set(args.layers)]
     batches = encoder_batches()
     calib_batches = batches[len(batches) // 2:]  # calibration from the second half of the sentences
     calib = calibration(model, layers, calib_batches, args.max_rows)
     points = []
     for kind, value in [("rank", r) for r in args.ranks] + [("gap", g) for g in args.gaps]:
         settings = dict(rank=int(value), gap=0.0, min_flop_ratio=0.0) if kind == "rank" else dict(rank=0, gap=float(value))
-        rewritten, report = rewrite_model(model, tt_config(args.target, **settings), calibration=calib)
+        config = _restrict(tt_config(args.target, **settings), {layer.name for layer in layers}, model, args)
+        rewritten, report = rewrite_model(model, config, calibration=calib)
         n_tt, n_cand, details = kept_layers(report)
         res = compare_embeddings(model, rewritten, session_options=ONE_THREAD) if n_tt else {"cosine_mean": 1.0, "cosine_min": 1.0}
         points.append(dict(kind=kind, value=value, tt_layers=n_tt, candidates=n_cand, cosine_mean=res["cosine_mean"],
