@@ -55,9 +55,9 @@ TTShape make_tt_shape(const std::vector<int64_t>& in_modes, const std::vector<in
   TTShape s;
   for (size_t t = 0; t < in_modes.size(); ++t) {
     if (in_modes[t] < 1 || in_modes[t] > std::numeric_limits<int32_t>::max())
-      fail("attribute in_modes ", list_string(in_modes), ": every mode must be >= 1");
+      fail("attribute in_modes ", list_string(in_modes), ": every mode must be in [1, 2^31 - 1]");
     if (out_modes[t] < 1 || out_modes[t] > std::numeric_limits<int32_t>::max())
-      fail("attribute out_modes ", list_string(out_modes), ": every mode must be >= 1");
+      fail("attribute out_modes ", list_string(out_modes), ": every mode must be in [1, 2^31 - 1]");
     s.in_modes.push_back(static_cast<size_t>(in_modes[t]));
     s.out_modes.push_back(static_cast<size_t>(out_modes[t]));
   }

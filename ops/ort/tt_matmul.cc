@@ -42,7 +42,7 @@ std::vector<int64_t> get_ints(const OrtKernelInfo* info, const char* name) {
   OrtStatus* status = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
   if (status != nullptr) {
     Ort::GetApi().ReleaseStatus(status);
-    fail("attribute ", name, " (ints) is required");
+    fail("attribute ", name, " is required and must be a list of ints");
   }
   std::vector<int64_t> out(size);
   if (size > 0) {

@@ -136,7 +136,47 @@ def kwta_block_matmul(rng):
     return "KwtaBlockMatMul", name, make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
 
 
+def tt_matmul(rng):
+    """TTMatMul(X, cores, B?, W_dense?): small TT-matrices; broken cases get wrong mode/rank lists,
+    a cores tensor of the wrong length/rank/dtype or not constant, bad nan_guard/order values."""
+    start_case(rng)
+    d = int(rng.integers(1, 4))
+    in_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
+    out_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
+    ranks = [1] + [int(rng.integers(1, 5)) for _ in range(d - 1)] + [1]
+    size = sum(ranks[t] * in_modes[t] * out_modes[t] * ranks[t + 1] for t in range(d))
+    k, n = int(np.prod(in_modes)), int(np.prod(out_modes))
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, with_bias=False)
+    cores_shape = pick(rng, [[size + 1], [max(size - 1, 0)], [1, size], []]) if broken(rng) else [size]
+    dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+    weight_input(rng, "cores", values(rng, cores_shape, dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    if rng.random() < 0.3:
+        b_shape = pick(rng, [[n + 1], [1, n], []]) if broken(rng) else [n]
+        weight_input(rng, "B", values(rng, b_shape, np.float32, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    elif rng.random() < 0.3:
+        node_inputs.append("")
+    if rng.random() < 0.2:
+        if len(node_inputs) == 2:
+            node_inputs.append("")
+        w_shape = pick(rng, [[k, n + 1], [n, k], [k]]) if broken(rng) else [k, n]
+        weight_input(rng, "W_dense", values(rng, w_shape, np.float32, 0.0), graph_inputs, initializers, feeds,
+                     node_inputs)
+    attrs = {
+        "in_modes": attr_value(rng, in_modes, [in_modes[:-1] or [0], [0] * d, [-1] * d, [2**40] * d]),
+        "out_modes": attr_value(rng, out_modes, [out_modes + [2], [0] * d, [2**31] * d]),
+        "ranks": attr_value(rng, ranks, [ranks[1:], [2] + ranks[1:], ranks[:-1] + [3], [1] + [0] * (d - 1) + [1],
+                                         [1] + [2**20] * (d - 1) + [1]]),
+        "nan_guard": attr_value(rng, int(rng.integers(0, 2)) if rng.random() < 0.3 else None, [2, -1, 0.5]),
+        "order": attr_value(rng, int(rng.integers(-1, 2)) if rng.random() < 0.3 else None, [2, -2]),
+        "gap": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [float("nan"), 1]),
+    }
+    name = f"tt_{int(rng.integers(1000))}"
+    return "TTMatMul", name, make_model("TTMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+
+
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
+    "TTMatMul": tt_matmul,
 }
