@@ -40,7 +40,7 @@ def target_layers(model, target: str):
 
 
 def calibration(model, layers, batches, max_rows: int) -> dict[str, np.ndarray]:
-    """Node name -> X [rows, K] for the given layers."""
+    """Node name -> X [rows, K] for the given layers (tt.layer_calibration does this for a target)."""
     from ortsparse import tt
 
     by_input = tt.collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows)

@@ -603,3 +603,16 @@ def collect_matmul_inputs(model: Any, input_names: Sequence[str], batches: Itera
             rows = rows[np.sort(rng.choice(len(rows), max_rows, replace=False))]
         result[value] = rows
     return result
+
+
+def layer_calibration(model: Any, target: str, batches: Iterable[Any], max_rows: int = 2048, seed: int = 0,
+                      feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+    """Calibration inputs for ``rewrite_model(..., calibration=...)``: {node name: X [rows, K]} for
+    the linear layers ``target`` selects (mlp, attn, both, down, all), from running the dense model
+    on ``batches`` (LM token windows or encoder sentence batches, see harness.quality.lm_feeds)."""
+    from .harness.calibrate import target_layers
+
+    layers = target_layers(model, target)
+    by_input = collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows,
+                                     seed=seed, feeds=feeds)
+    return {layer.name: by_input[layer.input_name] for layer in layers}

@@ -97,3 +97,25 @@ def test_flags_and_settings():
 def test_tt_is_exclusive_and_takes_no_gate():
     with pytest.raises(ConfigError, match="TTMatMul \\(tt\\) cannot be combined with kwta"):
         compose_module.compose("mlp.0", {"kwta": KwtaSettings(), "tt": TTSettings()})
+
+
+
+def test_layer_calibration_collects_each_layers_input():
+    import onnxruntime as ort
+
+    model = tg.llama_like()
+    feeds = token_feeds(model)
+    calib = tt.layer_calibration(model, "mlp", [feeds], max_rows=7, feeds=lambda session, batch: batch)
+    mlp = [r for r in rewrite_model(model, tt_config(rank=16, gap=0.0, min_flop_ratio=0.0))[1].rewritten]
+    assert sorted(calib) == sorted(r.name for r in mlp)
+    for record in mlp:
+        assert calib[record.name].shape == (7, record.k) and calib[record.name].dtype == np.float32
+    # the sampled rows are rows of the value ORT computes for that layer's input
+    node = next(n for n in model.graph.node if n.name == mlp[0].name)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(onnx.helper.make_empty_tensor_value_info(node.input[0]))
+    full = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        [node.input[0]], feeds)[0].reshape(-1, mlp[0].k)
+    for row in calib[mlp[0].name]:
+        assert np.min(np.abs(full - row).max(axis=1)) == 0.0
