@@ -21,15 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))  # run from a checkout too
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One BLAS thread: on a shared 2-core machine OpenBLAS's second thread makes each SVD ~5x slower
 # (measured: a 576 x 1536 whitened SVD 2.8 s at 1 thread, 13 s at 2 under load).
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402  (after the BLAS thread setting)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))  # run from a checkout too
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ONE_THREAD = {"intra_op_num_threads": 1}  # quality runs share the machine
 
 
