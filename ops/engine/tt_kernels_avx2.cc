@@ -36,7 +36,41 @@ void micro(const float* a, size_t lda, const float* b, size_t ldb, float* c, siz
   }
 }
 
+// Few rows (decode, m <= 2): four vectors (32 columns) per row keep 4 FMA chains in flight, so the
+// loop is bound by loading B rather than by the FMA latency of one row's two accumulators.
+template <int R>
+void micro_wide(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t kc,
+                const __m256i* mask, bool full, bool first) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + r * ldc + 8 * v, mask[v]);
+  if (full) {
+    for (size_t p = 0; p < kc; ++p) {
+      __m256 bv[4];
+      for (int v = 0; v < 4; ++v) bv[v] = _mm256_loadu_ps(b + p * ldb + 8 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + r * lda + p);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
+      }
+    }
+  } else {
+    for (size_t p = 0; p < kc; ++p) {
+      __m256 bv[4];
+      for (int v = 0; v < 4; ++v) bv[v] = _mm256_maskload_ps(b + p * ldb + 8 * v, mask[v]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + r * lda + p);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_maskstore_ps(c + r * ldc + 8 * v, mask[v], acc[r][v]);
+}
+
 constexpr size_t kRows = 4;
+constexpr size_t kWideRows = 2;
+constexpr size_t kWidePanel = 32;
 
 template <bool kFull>
 void panel_rows(const float* a, size_t lda, const float* bp, size_t ldb, float* c, size_t ldc, size_t m, size_t k0,
@@ -56,6 +90,22 @@ void gemm_avx2(const float* a, size_t lda, const float* b, size_t ldb, float* c,
   if (k == 0) {
     for (size_t i = 0; i < m; ++i)
       for (size_t j = 0; j < n; ++j) c[i * ldc + j] = 0.0f;
+    return;
+  }
+  if (m <= kWideRows) {
+    for (size_t k0 = 0; k0 < k; k0 += kTTDepthBlock) {
+      const size_t kc = k - k0 < kTTDepthBlock ? k - k0 : kTTDepthBlock;
+      for (size_t j = 0; j < n; j += kWidePanel) {
+        const size_t width = n - j < kWidePanel ? n - j : kWidePanel;
+        __m256i mask[4];
+        for (size_t v = 0; v < 4; ++v) mask[v] = width > 8 * v ? tail_mask(width - 8 * v) : _mm256_setzero_si256();
+        if (m == 2) {
+          micro_wide<2>(a + k0, lda, b + k0 * ldb + j, ldb, c + j, ldc, kc, mask, width == kWidePanel, k0 == 0);
+        } else {
+          micro_wide<1>(a + k0, lda, b + k0 * ldb + j, ldb, c + j, ldc, kc, mask, width == kWidePanel, k0 == 0);
+        }
+      }
+    }
     return;
   }
   for (size_t k0 = 0; k0 < k; k0 += kTTDepthBlock) {

@@ -35,7 +35,31 @@ void micro(const float* a, size_t lda, const float* b, size_t ldb, float* c, siz
   }
 }
 
+// Few rows (decode, m <= 2): one row has only its own accumulators, and with two of them the FMA
+// latency chain (4 cycles) bounds the loop. Four vectors (64 columns) per row keep 4 chains in
+// flight per row, so the loop is bound by loading B instead.
+template <int R>
+void micro_wide(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t kc,
+                const __mmask16* mask, bool first) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[v], c + r * ldc + 16 * v);
+  for (size_t p = 0; p < kc; ++p) {
+    __m512 bv[4];
+    for (int v = 0; v < 4; ++v) bv[v] = _mm512_maskz_loadu_ps(mask[v], b + p * ldb + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * lda + p]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, mask[v], acc[r][v]);
+}
+
 constexpr size_t kRows = 6;
+constexpr size_t kWideRows = 2;
+constexpr size_t kWidePanel = 64;
 constexpr size_t kPanel = 2 * kTTPanel;
 
 void gemm_avx512(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t m, size_t k,
@@ -43,6 +67,22 @@ void gemm_avx512(const float* a, size_t lda, const float* b, size_t ldb, float* 
   if (k == 0) {
     for (size_t i = 0; i < m; ++i)
       for (size_t j = 0; j < n; ++j) c[i * ldc + j] = 0.0f;
+    return;
+  }
+  if (m <= kWideRows) {
+    for (size_t k0 = 0; k0 < k; k0 += kTTDepthBlock) {
+      const size_t kc = k - k0 < kTTDepthBlock ? k - k0 : kTTDepthBlock;
+      for (size_t j = 0; j < n; j += kWidePanel) {
+        const size_t width = n - j < kWidePanel ? n - j : kWidePanel;
+        __mmask16 mask[4];
+        for (size_t v = 0; v < 4; ++v) mask[v] = width > 16 * v ? tail_mask(width - 16 * v) : static_cast<__mmask16>(0);
+        if (m == 2) {
+          micro_wide<2>(a + k0, lda, b + k0 * ldb + j, ldb, c + j, ldc, kc, mask, k0 == 0);
+        } else {
+          micro_wide<1>(a + k0, lda, b + k0 * ldb + j, ldb, c + j, ldc, kc, mask, k0 == 0);
+        }
+      }
+    }
     return;
   }
   for (size_t k0 = 0; k0 < k; k0 += kTTDepthBlock) {
