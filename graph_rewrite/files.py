@@ -38,6 +38,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"input model {path} does not exist or is not a file")
+    if path.stat().st_size == 0:
+        raise ModelFileError(f"input model {path} is empty (0 bytes)")
     try:
         model = ir.load(path)
     except Exception as error:  # protobuf and onnx raise many types for a broken file
@@ -142,7 +144,7 @@ def rewrite_file(
 
     in_path, out_path = Path(in_path), Path(out_path)
     _validate_paths(in_path, out_path)
-    stages = ["load", "analyse", "build", "rewrite", "save"]
+    stages = ["load", "analyse", "build", "rewrite", "attention", "save"]
     with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
         def stage(name: str) -> None:
             bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer

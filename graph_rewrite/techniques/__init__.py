@@ -15,9 +15,10 @@ from .base import (
     TechniqueSettings,
 )
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+from .pack import PACK, PACK_MODES, PackSettings
 from .tt import TT_TECHNIQUE, TTSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, TT_TECHNIQUE)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PACK, TT_TECHNIQUE)}
 
 
 def technique(name: str) -> Technique:
@@ -26,5 +27,6 @@ def technique(name: str) -> Technique:
 
 __all__ = [
     "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "technique",
+    "LayerWeights", "OpBuild", "PACK", "PACK_MODES", "PackSettings", "Technique", "TechniqueChoice", "TechniqueSettings",
+    "TTSettings", "TT_TECHNIQUE", "technique",
 ]

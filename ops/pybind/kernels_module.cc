@@ -14,6 +14,7 @@
 #include "engine/kwta_gate.h"
 
 namespace py = pybind11;
+void register_attention(py::module_& m);
 void register_tt(py::module_& m);  // tt_module.cc
 using namespace ortsparse;
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -202,6 +203,7 @@ class KwtaMatMul {
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "ortsparse raw kernels (tests, benchmarks, offline builders)";
+  register_attention(m);
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   m.attr("TOKEN_TILE") = engine::kTokenTile;
   register_tt(m);

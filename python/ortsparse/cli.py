@@ -42,6 +42,9 @@ def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
     for technique in TECHNIQUES.values():
         technique.add_arguments(parser)
+    from .graph_rewrite.techniques import popcount
+
+    popcount.add_arguments(parser)
 
 
 add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
@@ -79,16 +82,19 @@ def config_from_args(args: argparse.Namespace):
     ``--kwta`` defaults to ``auto``: on (the tool's default technique) unless another technique
     is switched on, so ``--tt=on`` alone does not also gate the same layers with KWTA."""
     from .graph_rewrite.config import RewriteConfig, load_overrides
-    from .graph_rewrite.techniques import TECHNIQUES
+    from .graph_rewrite.techniques import TECHNIQUES, popcount
 
     choices = {name: technique.choice_from_args(args) for name, technique in TECHNIQUES.items()}
     kwta = choices.pop("kwta")
     kwta_enabled = kwta.enabled
+    attn_explicit = getattr(args, "attn", None) not in (None, "off")
     if getattr(args, "kwta", "on") == "auto":
-        kwta_enabled = not any(choice.enabled for choice in choices.values())
+        kwta_enabled = not any(choice.enabled for choice in choices.values()) and not attn_explicit
     overrides = load_overrides(args.config) if args.config else ()
+    attention, attention_why = popcount.settings_from_args(args, kwta_on=kwta_enabled, kwta_target=kwta.target)
     return RewriteConfig(kwta=kwta.settings, kwta_enabled=kwta_enabled, kwta_target=kwta.target,
-                         overrides=overrides, techniques=choices)
+                         overrides=overrides, techniques=choices, attention=attention,
+                         attention_why=attention_why)
 
 
 _config_from_args = config_from_args
@@ -96,9 +102,15 @@ _config_from_args = config_from_args
 
 def _print_rules() -> None:
     from .graph_rewrite import describe_rules
+    from .graph_rewrite.attention_rules import (
+        describe_rules as describe_attention_rules,
+    )
 
     print("Rewrite rules (a layer takes the first that matches):")
     for name, before_after, _ in describe_rules():
+        print(f"  {name:26s} {before_after}")
+    print("Attention rules (--attn; an attention core takes the first that matches):")
+    for name, before_after, _ in describe_attention_rules():
         print(f"  {name:26s} {before_after}")
 
 
@@ -111,15 +123,14 @@ def _write_report(report, path: str) -> None:
         raise ModelFileError(f"cannot write report {path}: {error.strerror or error}") from None
 
 
-def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool) -> int:
-    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, parse_shape_overrides, verify_models
+def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes) -> int:
+    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, verify_models
 
     if report.exact:
         budget, reason = EXACT_BUDGET, "tight: every rewritten layer keeps all inputs (k=1, threshold=0)"
     else:
         budget = DEFAULT_BUDGET if args.verify_budget is None else args.verify_budget
         reason = "approximate layers present; set with --verify-budget"
-    shapes = parse_shape_overrides(args.verify_shape)
     try:
         result = verify_models(args.input, args.output, runs=args.verify, budget=budget, budget_reason=reason,
                                shapes=shapes, seed=args.verify_seed, progress=progress)
@@ -150,6 +161,8 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.list_layers:
         report = list_file_layers(args.input, config)
         print(report.layer_table())
+        if report.attention:
+            print(report.attention_table())
         print(report.summary())
         if args.report:
             _write_report(report, args.report)
@@ -157,13 +170,18 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if not args.output:
         parser.error("-o/--output OUT.onnx is required (the input file is never modified)")
     progress = not args.quiet and sys.stderr.isatty()
+    shapes = None
+    if args.verify:
+        from .verify import parse_shape_overrides
+
+        shapes = parse_shape_overrides(args.verify_shape)  # a bad spec is a usage error before anything is written
     report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check)
     say(f"wrote {args.output}")
     say(report.summary())
     if args.report:
         _write_report(report, args.report)
     if args.verify:
-        return _verify(args, report, say, progress)
+        return _verify(args, report, say, progress, shapes)
     return EXIT_OK
 
 
