@@ -1,0 +1,128 @@
+// AVX-512 (F/BW/VL/DQ) kernels of the proc backend: 64-bit lane multiplies (vpmullq) hash 8
+// weights at once; fp16 deltas widen with vcvtph2ps. Only called when the CPU has AVX-512.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "engine/proc_kernels.h"
+
+namespace ortsparse::engine {
+namespace {
+
+inline __mmask16 tail_mask(size_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+inline __m512i mix8(__m512i z) {
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<long long>(kProcMix1)));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<long long>(kProcMix2)));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  return _mm512_srli_epi64(z, 40);
+}
+
+// base(n, k0 + i) for i < 16: consecutive k are consecutive generator states (state0 + i * G).
+struct Hasher {
+  uint64_t seed;
+  __m512 scale;
+  __m512i steps, step8;
+  Hasher(uint64_t seed_, float scale_) : seed(seed_), scale(_mm512_set1_ps(scale_)) {
+    steps = _mm512_mullo_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0),
+                               _mm512_set1_epi64(static_cast<long long>(kProcGolden)));
+    step8 = _mm512_set1_epi64(static_cast<long long>(8 * kProcGolden));
+  }
+  __m512 base16(uint64_t n, uint64_t k0) const {
+    const uint64_t s0 = seed + kProcGolden * (((n << 32) | k0) + 1);
+    const __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(s0)), steps);
+    const __m512i z1 = _mm512_add_epi64(z0, step8);
+    const __m256 f0 = _mm512_cvtepi64_ps(mix8(z0)), f1 = _mm512_cvtepi64_ps(mix8(z1));
+    const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(f0), f1, 1);
+    const __m512 u = _mm512_sub_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.0f / 8388608.0f)), _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(scale, u);
+  }
+};
+
+inline __m512 load_delta(const float* d, __mmask16 m) { return _mm512_maskz_loadu_ps(m, d); }
+inline __m512 load_delta(const uint16_t* d, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, d)); }
+
+// T tokens, C independent accumulation chains per token (one chain would wait on FMA latency at
+// M = 1: 4 chains keep the loads, not the adder, the limit).
+template <typename D, int T, bool kHashed>
+size_t units_t(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
+               const float* bias, float* const* y) {
+  constexpr int C = T == 1 ? 4 : (T == 2 ? 2 : 1);
+  const D* deltas = static_cast<const D*>(p.deltas);
+  const Hasher hasher(p.seed, p.base_scale);
+  const float* xs[T];
+  for (int t = 0; t < T; ++t) xs[t] = x[t];
+  const size_t fanout = p.fanout, block = p.block, k = p.k;
+  size_t computed = 0;
+  for (size_t j = n0; j < n1; ++j) {
+    __m512 acc[T][C];
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
+    const uint16_t* idx = p.index + j * fanout;
+    const D* dj = deltas + j * fanout * block;
+    for (size_t f = 0; f < fanout; ++f) {
+      const size_t b = idx[f];
+      if (mask && !mask[b]) continue;
+      ++computed;
+      const size_t start = b * block, len = std::min(block, k - start);
+      const D* d = dj + f * block;
+      for (size_t r = 0; r < len; r += 16) {
+        const __mmask16 m = tail_mask(len - r);
+        __m512 w = load_delta(d + r, m);
+        if (kHashed) w = _mm512_add_ps(hasher.base16(j, start + r), w);
+        for (int t = 0; t < T; ++t) {
+          const __m512 next = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xs[t] + start + r), acc[t][0]);
+          for (int c = 0; c + 1 < C; ++c) acc[t][c] = acc[t][c + 1];
+          acc[t][C - 1] = next;
+        }
+      }
+    }
+    const float bj = bias ? bias[j] : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      __m512 s = acc[t][0];
+      for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[t][c]);
+      y[t][j] = _mm512_reduce_add_ps(s) + bj;
+    }
+  }
+  return computed;
+}
+
+template <typename D, bool kHashed>
+size_t units_tokens(const ProcPacked& p, const float* const* x, size_t count, const uint8_t* mask, size_t n0,
+                    size_t n1, const float* bias, float* const* y) {
+  switch (count) {
+    case 1: return units_t<D, 1, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 2: return units_t<D, 2, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 3: return units_t<D, 3, kHashed>(p, x, mask, n0, n1, bias, y);
+    default: return units_t<D, 4, kHashed>(p, x, mask, n0, n1, bias, y);
+  }
+}
+
+size_t units_avx512(const ProcPacked& p, const float* const* x, size_t count, const uint8_t* mask, size_t n0,
+                    size_t n1, const float* bias, float* const* y) {
+  const bool hashed = p.base_scale != 0.0f;
+  if (p.delta_type == DeltaType::kF16)
+    return hashed ? units_tokens<uint16_t, true>(p, x, count, mask, n0, n1, bias, y)
+                  : units_tokens<uint16_t, false>(p, x, count, mask, n0, n1, bias, y);
+  return hashed ? units_tokens<float, true>(p, x, count, mask, n0, n1, bias, y)
+                : units_tokens<float, false>(p, x, count, mask, n0, n1, bias, y);
+}
+
+void base_values_avx512(uint64_t seed, float scale, uint64_t n, uint64_t k0, size_t count, float* out) {
+  const Hasher hasher(seed, scale);
+  for (size_t i = 0; i < count; i += 16)
+    _mm512_mask_storeu_ps(out + i, tail_mask(count - i), hasher.base16(n, k0 + i));
+}
+
+}  // namespace
+
+const ProcKernels& proc_kernels_avx512() {
+  static const ProcKernels table{"avx512", units_avx512, base_values_avx512};
+  return table;
+}
+
+}  // namespace ortsparse::engine
