@@ -91,14 +91,93 @@ size_t units_t(const ProcPacked& p, const float* const* x, const uint8_t* mask, 
   return computed;
 }
 
+inline __m512 load_delta_full(const float* d) { return _mm512_loadu_ps(d); }
+inline __m512 load_delta_full(const uint16_t* d) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+}
+
+// Blocks of kC * 16 rows (block 16, 32, 64): every block but a short last one is whole, so its
+// chunks load without masks into one accumulator per chunk. At M = 1 the unit's blocks rotate
+// over kSets accumulator sets so consecutive blocks do not wait on each other's FMAs. The per
+// block cost is then the loads alone (the general loop above was ~2x slower at block 32).
+template <typename D, int T, bool kHashed, int kC>
+size_t units_whole(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
+                   const float* bias, float* const* y) {
+  constexpr int kSets = T == 1 ? (kC == 1 ? 4 : 2) : 1;
+  const D* deltas = static_cast<const D*>(p.deltas);
+  const Hasher hasher(p.seed, p.base_scale);
+  const float* xs[T];
+  for (int t = 0; t < T; ++t) xs[t] = x[t];
+  const size_t fanout = p.fanout, block = p.block, k = p.k;
+  const size_t short_block = k % block ? p.num_blocks - 1 : p.num_blocks;  // none when K % block == 0
+  size_t computed = 0;
+  for (size_t j = n0; j < n1; ++j) {
+    __m512 acc[kSets][T][kC];
+    for (int s = 0; s < kSets; ++s)
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < kC; ++c) acc[s][t][c] = _mm512_setzero_ps();
+    const uint16_t* idx = p.index + j * fanout;
+    const D* dj = deltas + j * fanout * block;
+    // One kept block into accumulator set e (a compile-time index after unrolling: registers).
+    auto one = [&](size_t f, __m512 (&a)[T][kC]) __attribute__((always_inline)) {
+      const size_t b = idx[f];
+      if (mask && !mask[b]) return;
+      ++computed;
+      const size_t start = b * block;
+      const D* d = dj + f * block;
+      if (b == short_block) {
+        const size_t len = k - start;
+        for (size_t r = 0; r < len; r += 16) {
+          const __mmask16 m = tail_mask(len - r);
+          __m512 w = load_delta(d + r, m);
+          if (kHashed) w = _mm512_add_ps(hasher.base16(j, start + r), w);
+          for (int t = 0; t < T; ++t) a[t][0] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xs[t] + start + r), a[t][0]);
+        }
+        return;
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < kC; ++c) {
+        __m512 w = load_delta_full(d + 16 * c);
+        if (kHashed) w = _mm512_add_ps(hasher.base16(j, start + 16 * c), w);
+        for (int t = 0; t < T; ++t) a[t][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[t] + start + 16 * c), a[t][c]);
+      }
+    };
+    size_t f = 0;
+    for (; f + kSets <= fanout; f += kSets) {
+#pragma GCC unroll 4
+      for (int e = 0; e < kSets; ++e) one(f + e, acc[e]);
+    }
+    for (; f < fanout; ++f) one(f, acc[0]);
+    const float bj = bias ? bias[j] : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      __m512 s = _mm512_setzero_ps();
+      for (int e = 0; e < kSets; ++e)
+        for (int c = 0; c < kC; ++c) s = _mm512_add_ps(s, acc[e][t][c]);
+      y[t][j] = _mm512_reduce_add_ps(s) + bj;
+    }
+  }
+  return computed;
+}
+
+template <typename D, int T, bool kHashed>
+size_t units_dispatch(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
+                      const float* bias, float* const* y) {
+  switch (p.block) {
+    case 16: return units_whole<D, T, kHashed, 1>(p, x, mask, n0, n1, bias, y);
+    case 32: return units_whole<D, T, kHashed, 2>(p, x, mask, n0, n1, bias, y);
+    case 64: return units_whole<D, T, kHashed, 4>(p, x, mask, n0, n1, bias, y);
+    default: return units_t<D, T, kHashed>(p, x, mask, n0, n1, bias, y);
+  }
+}
+
 template <typename D, bool kHashed>
 size_t units_tokens(const ProcPacked& p, const float* const* x, size_t count, const uint8_t* mask, size_t n0,
                     size_t n1, const float* bias, float* const* y) {
   switch (count) {
-    case 1: return units_t<D, 1, kHashed>(p, x, mask, n0, n1, bias, y);
-    case 2: return units_t<D, 2, kHashed>(p, x, mask, n0, n1, bias, y);
-    case 3: return units_t<D, 3, kHashed>(p, x, mask, n0, n1, bias, y);
-    default: return units_t<D, 4, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 1: return units_dispatch<D, 1, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 2: return units_dispatch<D, 2, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 3: return units_dispatch<D, 3, kHashed>(p, x, mask, n0, n1, bias, y);
+    default: return units_dispatch<D, 4, kHashed>(p, x, mask, n0, n1, bias, y);
   }
 }
 
