@@ -15,8 +15,9 @@ from .base import (
     TechniqueSettings,
 )
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+from .proc import PROC, ProcSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA,)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PROC)}
 
 
 def technique(name: str) -> Technique:
@@ -24,6 +25,6 @@ def technique(name: str) -> Technique:
 
 
 __all__ = [
-    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PROC", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
+    "LayerWeights", "OpBuild", "ProcSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
 ]
