@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                    dppl=got["ppl"] / dense["ppl"] - 1.0,
                    top1_agreement=float(np.mean(got["predictions"] == dense["predictions"])))
         del rewritten
-        if minilm is not None:
+        if minilm is not None and point["score"] == "delta":  # no MiniLM calibration: wanda would be delta
             rw, _ = rewrite_model(minilm, config)
             emb = compare_embeddings(minilm, rw, session_options=opts)
             row.update(cosine_mean=emb["cosine_mean"], cosine_min=emb["cosine_min"])

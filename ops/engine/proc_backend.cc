@@ -107,9 +107,10 @@ ProcBackend::Stats ProcBackend::run_counted(const float* x, size_t m, const Gate
   thread_local std::vector<uint8_t> mask_buffer;
   thread_local std::vector<const float*> input_buffer;
   thread_local std::vector<uint64_t> count_buffer;
+  thread_local std::vector<uint8_t> tile_masked;
   input_buffer.resize(m);
   mask_buffer.assign(tiles * nb, 0);
-  std::vector<uint8_t> tile_masked(tiles, 0);
+  tile_masked.assign(tiles, 0);
   size_t gathered = 0;
   for (size_t t = 0; t < m; ++t) gathered += !(gated.dense[t] && gated.scale[t] == 1.0f);
   xv_buffer.resize(gathered * k);
