@@ -118,6 +118,7 @@ def plot(results, path, title):
             axes[-1].plot([100 * r["dppl"] for r in sp], [r["speedup"] for r in sp], marker="o", label=name)
     axes[0].axhline(2.0, color="grey", ls="--", lw=0.8)
     axes[0].set_yscale("symlog", linthresh=1.0)
+    axes[0].set_ylim(bottom=min(-0.5, 1.2 * min(100 * r["dppl"] for r in results)))
     axes[0].set_xlabel("fanout (fraction of K-blocks kept per output unit)")
     axes[0].set_ylabel("SmolLM2 dppl (%) — symlog; dashed: 2% budget")
     axes[0].invert_xaxis()

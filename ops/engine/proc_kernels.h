@@ -79,6 +79,8 @@ struct ProcKernels {
   // For units j in [n0, n1) and tokens t < count (1..kProcTokenTile):
   //   y[t][j] = (bias ? bias[j] : 0) + sum over unit j's kept blocks b with (mask == nullptr || mask[b])
   //             of sum_{r in b} fl(base(j, r) + delta(j, b, r)) * x[t][r].
+  // x must be 0 on the rows of blocks the mask excludes (the backend zeroes them), so a kernel may
+  // compute such a block anyway: the AVX-512 block-1 path (gathers) does not test the mask.
   // Returns the number of (unit, block) pairs computed. base_scale == 0 never hashes.
   size_t (*units)(const ProcPacked& p, const float* const* x, size_t count, const uint8_t* mask, size_t n0,
                   size_t n1, const float* bias, float* const* y);

@@ -101,8 +101,7 @@ size_t units_t(const ProcPacked& p, const float* const* x, const uint8_t* mask, 
         const size_t count = len - r;
         __m256 w = load_delta(d + r, count);
         if (kHashed) {
-          // Lanes past the block's end must stay 0: x is 0 there, but base * 0 is not guaranteed
-          // to be 0 only for non-finite bases, which u in [-1, 1) rules out; still mask for clarity.
+          // Lanes past the block's end: x loads 0 there; the base is masked too so w is the block's.
           const __m256 base = hasher.base8(j, start + r);
           w = _mm256_add_ps(count >= 8 ? base : _mm256_and_ps(base, _mm256_castsi256_ps(lane_mask(count))), w);
         }
@@ -123,14 +122,99 @@ size_t units_t(const ProcPacked& p, const float* const* x, const uint8_t* mask, 
   return computed;
 }
 
+inline __m256 load_delta_full(const float* d) { return _mm256_loadu_ps(d); }
+inline __m256 load_delta_full(const uint16_t* d) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+}
+
+// Blocks of kC * 8 rows, whole except a short last one: unmasked chunk loads, one accumulator per
+// chunk (x kSets sets at M = 1), as in the AVX-512 twin. Only where the accumulators fit the 16
+// ymm registers with room for loads (T * kC * kSets <= 8); the general loop covers the rest.
+template <typename D, int T, bool kHashed, int kC>
+size_t units_whole(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
+                   const float* bias, float* const* y) {
+  constexpr int kSets = (T == 1 && kC <= 2) ? 2 : 1;
+  static_assert(T * kC * kSets <= 8, "accumulators must fit the registers");
+  const D* deltas = static_cast<const D*>(p.deltas);
+  const Hasher hasher(p.seed, p.base_scale);
+  const float* xs[T];
+  for (int t = 0; t < T; ++t) xs[t] = x[t];
+  const size_t fanout = p.fanout, block = p.block, k = p.k;
+  const size_t short_block = k % block ? p.num_blocks - 1 : p.num_blocks;
+  size_t computed = 0;
+  for (size_t j = n0; j < n1; ++j) {
+    __m256 acc[kSets][T][kC];
+    for (int s = 0; s < kSets; ++s)
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < kC; ++c) acc[s][t][c] = _mm256_setzero_ps();
+    const uint16_t* idx = p.index + j * fanout;
+    const D* dj = deltas + j * fanout * block;
+    auto one = [&](size_t f, __m256 (&a)[T][kC]) __attribute__((always_inline)) {
+      const size_t b = idx[f];
+      if (mask && !mask[b]) return;
+      ++computed;
+      const size_t start = b * block;
+      const D* d = dj + f * block;
+      if (b == short_block) {
+        const size_t len = k - start;
+        for (size_t r = 0; r < len; r += 8) {
+          const size_t count = len - r;
+          __m256 w = load_delta(d + r, count);
+          if (kHashed) {
+            const __m256 base = hasher.base8(j, start + r);
+            w = _mm256_add_ps(count >= 8 ? base : _mm256_and_ps(base, _mm256_castsi256_ps(lane_mask(count))), w);
+          }
+          for (int t = 0; t < T; ++t) a[t][0] = _mm256_fmadd_ps(w, load_x(xs[t] + start + r, count), a[t][0]);
+        }
+        return;
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < kC; ++c) {
+        __m256 w = load_delta_full(d + 8 * c);
+        if (kHashed) w = _mm256_add_ps(hasher.base8(j, start + 8 * c), w);
+        for (int t = 0; t < T; ++t) a[t][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[t] + start + 8 * c), a[t][c]);
+      }
+    };
+    size_t f = 0;
+    for (; f + kSets <= fanout; f += kSets) {
+#pragma GCC unroll 2
+      for (int e = 0; e < kSets; ++e) one(f + e, acc[e]);
+    }
+    for (; f < fanout; ++f) one(f, acc[0]);
+    const float bj = bias ? bias[j] : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      __m256 s = _mm256_setzero_ps();
+      for (int e = 0; e < kSets; ++e)
+        for (int c = 0; c < kC; ++c) s = _mm256_add_ps(s, acc[e][t][c]);
+      y[t][j] = hsum(s) + bj;
+    }
+  }
+  return computed;
+}
+
+template <typename D, int T, bool kHashed>
+size_t units_dispatch(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
+                      const float* bias, float* const* y) {
+  if constexpr (T <= 4) {
+    if (p.block == 16) return units_whole<D, T, kHashed, 2>(p, x, mask, n0, n1, bias, y);
+  }
+  if constexpr (T <= 2) {
+    if (p.block == 32) return units_whole<D, T, kHashed, 4>(p, x, mask, n0, n1, bias, y);
+  }
+  if constexpr (T == 1) {
+    if (p.block == 64) return units_whole<D, T, kHashed, 8>(p, x, mask, n0, n1, bias, y);
+  }
+  return units_t<D, T, kHashed>(p, x, mask, n0, n1, bias, y);
+}
+
 template <typename D, bool kHashed>
 size_t units_tokens(const ProcPacked& p, const float* const* x, size_t count, const uint8_t* mask, size_t n0,
                     size_t n1, const float* bias, float* const* y) {
   switch (count) {
-    case 1: return units_t<D, 1, kHashed>(p, x, mask, n0, n1, bias, y);
-    case 2: return units_t<D, 2, kHashed>(p, x, mask, n0, n1, bias, y);
-    case 3: return units_t<D, 3, kHashed>(p, x, mask, n0, n1, bias, y);
-    default: return units_t<D, 4, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 1: return units_dispatch<D, 1, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 2: return units_dispatch<D, 2, kHashed>(p, x, mask, n0, n1, bias, y);
+    case 3: return units_dispatch<D, 3, kHashed>(p, x, mask, n0, n1, bias, y);
+    default: return units_dispatch<D, 4, kHashed>(p, x, mask, n0, n1, bias, y);
   }
 }
 

@@ -41,6 +41,20 @@ struct Hasher {
     const __m512 u = _mm512_sub_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.0f / 8388608.0f)), _mm512_set1_ps(1.0f));
     return _mm512_mul_ps(scale, u);
   }
+  // base(n, k_i) for 16 arbitrary k (block 1: a unit's kept rows are not consecutive).
+  __m512 base_at(uint64_t n, __m512i k32) const {
+    const __m512i hi = _mm512_set1_epi64(static_cast<long long>((n << 32) + 1));
+    const __m512i golden = _mm512_set1_epi64(static_cast<long long>(kProcGolden));
+    const __m512i seed_v = _mm512_set1_epi64(static_cast<long long>(seed));
+    const __m512i i0 = _mm512_add_epi64(hi, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(k32)));
+    const __m512i i1 = _mm512_add_epi64(hi, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(k32, 1)));
+    const __m512i z0 = _mm512_add_epi64(seed_v, _mm512_mullo_epi64(golden, i0));
+    const __m512i z1 = _mm512_add_epi64(seed_v, _mm512_mullo_epi64(golden, i1));
+    const __m256 f0 = _mm512_cvtepi64_ps(mix8(z0)), f1 = _mm512_cvtepi64_ps(mix8(z1));
+    const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(f0), f1, 1);
+    const __m512 u = _mm512_sub_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.0f / 8388608.0f)), _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(scale, u);
+  }
 };
 
 inline __m512 load_delta(const float* d, __mmask16 m) { return _mm512_maskz_loadu_ps(m, d); }
@@ -159,10 +173,45 @@ size_t units_whole(const ProcPacked& p, const float* const* x, const uint8_t* ma
   return computed;
 }
 
+// Block 1 (each kept "block" is one row): 16 kept rows at a time, x gathered by index. The gate's
+// rows are not checked per row (x is already 0 outside them), so every kept row is computed.
+template <typename D, int T, bool kHashed>
+size_t units_rows(const ProcPacked& p, const float* const* x, size_t n0, size_t n1, const float* bias,
+                  float* const* y) {
+  const D* deltas = static_cast<const D*>(p.deltas);
+  const Hasher hasher(p.seed, p.base_scale);
+  const size_t fanout = p.fanout;
+  for (size_t j = n0; j < n1; ++j) {
+    __m512 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    const uint16_t* idx = p.index + j * fanout;
+    const D* d = deltas + j * fanout;
+    size_t f = 0;
+    auto step = [&](size_t at, __mmask16 m, int slot) __attribute__((always_inline)) {
+      const __m512i k32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, idx + at));
+      __m512 w = load_delta(d + at, m);
+      if (kHashed) w = _mm512_maskz_add_ps(m, hasher.base_at(j, k32), w);
+      for (int t = 0; t < T; ++t) {
+        const __m512 xv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, k32, x[t], 4);
+        acc[t][slot] = _mm512_fmadd_ps(w, xv, acc[t][slot]);
+      }
+    };
+    for (; f + 32 <= fanout; f += 32) {
+      step(f, static_cast<__mmask16>(0xFFFF), 0);
+      step(f + 16, static_cast<__mmask16>(0xFFFF), 1);
+    }
+    for (; f < fanout; f += 16) step(f, tail_mask(fanout - f), 0);
+    const float bj = bias ? bias[j] : 0.0f;
+    for (int t = 0; t < T; ++t) y[t][j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + bj;
+  }
+  return (n1 - n0) * fanout;
+}
+
 template <typename D, int T, bool kHashed>
 size_t units_dispatch(const ProcPacked& p, const float* const* x, const uint8_t* mask, size_t n0, size_t n1,
                       const float* bias, float* const* y) {
   switch (p.block) {
+    case 1: return units_rows<D, T, kHashed>(p, x, n0, n1, bias, y);
     case 16: return units_whole<D, T, kHashed, 1>(p, x, mask, n0, n1, bias, y);
     case 32: return units_whole<D, T, kHashed, 2>(p, x, mask, n0, n1, bias, y);
     case 64: return units_whole<D, T, kHashed, 4>(p, x, mask, n0, n1, bias, y);

@@ -167,7 +167,8 @@ def built(rng, k, n, block, fanout, base_scale, dtype, seed=3):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("k,block,fanout", [(1, 1, 1), (33, 1, 10), (40, 7, 3), (100, 16, 4), (95, 32, 2),
                                             (130, 17, 5), (64, 64, 1), (200, 40, 5),
-                                            (160, 16, 7), (200, 32, 5), (256, 64, 3), (300, 64, 4)])
+                                            (160, 16, 7), (200, 32, 5), (256, 64, 3), (300, 64, 4),
+                                            (100, 1, 45), (70, 1, 64)])
 @pytest.mark.parametrize("base_scale", [0.0, 0.25])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_kernel_matches_reconstruction(isa, k, block, fanout, base_scale, dtype, rng):
@@ -253,8 +254,9 @@ def test_op_matches_numpy_reconstruction(dtype, base_scale, m, rng):
 @pytest.mark.parametrize("kwta_block", [1, 8, 16])
 @pytest.mark.parametrize("m", [1, 2, 6])
 @pytest.mark.parametrize("base_scale", [0.0, 0.1])
-def test_composed_kwta_gate(kwta_block, m, base_scale, rng):
-    k, n, block, k_frac = 96, 40, 16, 0.5
+@pytest.mark.parametrize("block", [16, 1])
+def test_composed_kwta_gate(kwta_block, m, base_scale, block, rng):
+    k, n, k_frac = 96, 40, 0.5
     w = rng.standard_normal((k, n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
     p = P.build_proc_sparse(w, block=block, fanout=5, base_scale=base_scale, seed=5, delta_dtype="float32")
@@ -274,12 +276,14 @@ def test_composed_kwta_gate(kwta_block, m, base_scale, rng):
     np.testing.assert_allclose(run(model, x), expected, rtol=1e-5, atol=1e-4)
     stats = ortsparse.metrics()["comp"]
     assert stats["kwta.keep_ratio"] == pytest.approx(keep / math.ceil(k / kwta_block))
-    if kwta_block == block and m <= 4:
+    if kwta_block == block == 16 and m <= 4:
         # one tile: proc blocks computed = kept ∩ the union of the tile's gated blocks
         assert stats["proc.fanout_effective"] < 5
     # the pybind twin (same engine) agrees
-    mm = K.ProcMatMul(p.indices, p.deltas, k, block, 5, base_scale, kwta_k_frac=k_frac, kwta_block=kwta_block)
-    np.testing.assert_allclose(mm(x, b), expected, rtol=1e-5, atol=1e-4)
+    for isa in ISAS:
+        mm = K.ProcMatMul(p.indices, p.deltas, k, block, 5, base_scale, kwta_k_frac=k_frac, kwta_block=kwta_block,
+                          isa=isa)
+        np.testing.assert_allclose(mm(x, b), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_composed_gate_at_decode_counts_the_intersection(rng):
