@@ -26,7 +26,7 @@ class ProcWeights {
   size_t k() const { return packed_.k; }
   size_t n() const { return packed_.n; }
   // Stored bytes: indices + deltas (exactly the packed tensors' payload).
-  size_t bytes() const { return index_.size() * sizeof(uint16_t) + deltas_.size(); }
+  size_t bytes() const { return index_.size() * sizeof(uint16_t) + deltas_.size() - kProcDeltaPad; }
   // Stored deltas that are exactly 0 on real rows of kept blocks (shed by the builder: the weight
   // there is the base alone).
   size_t zero_deltas() const { return zero_deltas_; }

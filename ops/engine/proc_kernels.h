@@ -58,6 +58,9 @@ inline float half_to_float(uint16_t h) {
 
 enum class DeltaType { kF32, kF16 };
 
+// Bytes after the last delta a kernel may read (and ignore): whole-vector loads of short tails.
+constexpr size_t kProcDeltaPad = 64;
+
 // The packed layout (see docs/ops.md#procsparsematmul): per output unit n, `fanout` kept block
 // indices (ascending) and, contiguous, the `block` deltas of each kept block (a short last block is
 // zero-padded). Units follow each other, so a decode step streams the whole layout once.
@@ -66,7 +69,7 @@ struct ProcPacked {
   uint64_t seed = 0;
   float base_scale = 0.0f;
   const uint16_t* index = nullptr;  // [n, fanout]
-  const void* deltas = nullptr;     // [n, fanout, block], float or binary16
+  const void* deltas = nullptr;     // [n, fanout, block], float or binary16, + kProcDeltaPad readable bytes
   DeltaType delta_type = DeltaType::kF32;
 };
 
