@@ -153,6 +153,24 @@ def markdown(results, command, png):
     return "\n".join(lines) + "\n"
 
 
+def merge(paths, output, command) -> int:
+    import json
+
+    from ortsparse.benchmarking import write_report
+
+    results, sources = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        sources.append(f"{path}: `{data['command']}`")
+        results += data["results"]
+    png = output + ".png"
+    plot(results, png, "ProcSparseMatMul on SmolLM2 / MiniLM (merged sweeps)")
+    text = markdown(results, command, png) + "\nSources:\n\n" + "\n".join(f"- {s}" for s in sources) + "\n"
+    paths_out = write_report(output, dict(command=command, sources=sources, results=results), text)
+    print("wrote", *paths_out, png)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", nargs="+", default=["down", "mlp"])
@@ -170,7 +188,12 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("-o", "--output", default="reports/sweep_proc")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only combine earlier sweep reports (their JSON) into one table and PNG")
     args = parser.parse_args(argv)
+    command = "python bench/sweep_proc.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.merge:
+        return merge(args.merge, args.output, command.strip())
 
     from ortsparse.benchmarking import machine_info, write_report
     from ortsparse.graph_rewrite import rewrite_model
@@ -227,7 +250,6 @@ def main(argv=None) -> int:
         sp = f" speedup x{row['speedup']:.2f}" if "speedup" in row else ""
         print(f"{i + 1}/{len(points)} {row['label']}: mem {mem:.3f} ({layers} layers) dppl {row['dppl']:+.2%} "
               f"agree {row['top1_agreement']:.3f}{cos}{sp} ({time.time() - t0:.0f}s)", flush=True)
-    command = "python bench/sweep_proc.py " + " ".join(argv if argv is not None else sys.argv[1:])
     png = args.output + ".png"
     plot(results, png, f"ProcSparseMatMul on SmolLM2 ({args.windows}x{args.window_len} tokens) / MiniLM")
     payload = dict(machine=machine_info(), command=command.strip(), windows=args.windows,
