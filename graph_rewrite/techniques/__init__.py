@@ -15,9 +15,10 @@ from .base import (
     TechniqueSettings,
 )
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+from .pack import PACK, PACK_MODES, PackSettings
 from .proc import PROC, ProcSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PROC)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PACK, PROC)}
 
 
 def technique(name: str) -> Technique:
@@ -25,6 +26,7 @@ def technique(name: str) -> Technique:
 
 
 __all__ = [
-    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PROC", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "ProcSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES", "PROC", "TECHNIQUES", "WEIGHT",
+    "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings", "ProcSettings", "Technique", "TechniqueChoice",
+    "TechniqueSettings", "technique",
 ]

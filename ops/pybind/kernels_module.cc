@@ -15,6 +15,7 @@
 
 namespace py = pybind11;
 void register_proc(py::module_& m);  // ops/pybind/proc_module.cc
+void register_attention(py::module_& m);
 using namespace ortsparse;
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -202,6 +203,7 @@ class KwtaMatMul {
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "ortsparse raw kernels (tests, benchmarks, offline builders)";
+  register_attention(m);
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   m.attr("TOKEN_TILE") = engine::kTokenTile;
   register_proc(m);
