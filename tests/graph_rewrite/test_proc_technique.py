@@ -111,3 +111,9 @@ def test_wanda_score_uses_calibration_when_given():
              for name, r in zip(names, report.rewritten)}
     _, report = rewrite_model(model, c, calibration=calib)
     assert not any(any("without calibration" in n for n in r.notes) for r in report.rewritten)
+
+
+def test_proc_with_the_bitmap_gate_on_one_layer_is_an_error_naming_both():
+    c = config("--proc-sparse=on", "--proc-target=down", "--state-pack=binary", "--state-pack-target=down")
+    with pytest.raises(ConfigError, match=r"ProcSparseMatMul \(proc\) cannot be combined with pack"):
+        rewrite_model(tg.llama_like(), c)
