@@ -6,5 +6,6 @@
 namespace ortsparse::ort {
 
 const OrtCustomOp* kwta_block_matmul_op();
+const OrtCustomOp* event_driven_matmul_op();
 
 }  // namespace ortsparse::ort
