@@ -142,11 +142,11 @@ def rewrite_file(
 
     in_path, out_path = Path(in_path), Path(out_path)
     _validate_paths(in_path, out_path)
-    stages = ["load", "analyse", "rewrite", "save"]
+    stages = ["load", "analyse", "build", "rewrite", "save"]
     with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
         def stage(name: str) -> None:
-            bar.set_postfix_str(name)
-            bar.update(max(0, stages.index(name) - bar.n))
+            bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer
+            bar.update(max(0, stages.index(name.split(" ", 1)[0]) - bar.n))
 
         stage("load")
         model = load_model(in_path)

@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from .config import LAYER_CLASSES, KwtaSettings, RewriteConfig
+from .config import LAYER_CLASSES, RewriteConfig
 
 REWRITTEN = "rewritten"
 SKIPPED = "skipped"
@@ -26,7 +26,10 @@ class LayerRecord:
     decision: str  # "rewritten" | "skipped"
     reason: str  # why selected / why skipped
     new_op: str | None = None
-    settings: KwtaSettings | None = None
+    settings: Any = None  # the lead technique's settings (KwtaSettings, ...)
+    partners: dict[str, Any] = dataclasses.field(default_factory=dict)  # techniques folded into the op
+    attributes: dict[str, Any] | None = None  # the emitted node's attributes (after a rewrite)
+    is_exact: bool = True  # rewritten with settings that compute the dense result
     notes: list[str] = dataclasses.field(default_factory=list)
     near_misses: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     class_reason: str = ""
@@ -38,13 +41,12 @@ class LayerRecord:
     @property
     def exact(self) -> bool:
         """Rewritten with settings that keep every input block (or not rewritten at all)."""
-        if not self.rewritten or self.settings is None:
-            return True
-        return self.settings.is_exact(self.k or 0)
+        return not self.rewritten or self.is_exact
 
     def detail(self) -> str:
         if self.rewritten:
             text = f"{self.new_op} {self.settings.short() if self.settings else ''}".rstrip()
+            text += "".join(f" + {name}({settings.short()})" for name, settings in self.partners.items())
             overridden = [self.reason] if self.reason.startswith("set by") else []
             return "; ".join([text, *overridden, *self.notes])
         return self.reason
@@ -52,6 +54,7 @@ class LayerRecord:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["settings"] = self.settings.attributes() if self.settings else None
+        data["partners"] = {name: settings.attributes() for name, settings in self.partners.items()}
         data["near_misses"] = [{"rule": r, "reason": why} for r, why in self.near_misses]
         data["exact"] = self.exact
         return data

@@ -2,8 +2,9 @@
 selected ones, and report every candidate layer."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
@@ -13,6 +14,7 @@ from .layers import LinearLayer, survey
 from .plan import WeightPreparer, decide_layer
 from .report import REWRITTEN, SKIPPED, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, LayerPlan, make_rules
+from .techniques import BIAS, TECHNIQUES, WEIGHT, LayerWeights
 
 
 def _record(layer: LinearLayer, decision: str, reason: str, **extra) -> LayerRecord:
@@ -33,28 +35,50 @@ def rewrite_model(
     config: RewriteConfig | None = None,
     *,
     on_stage: Callable[[str], None] | None = None,
+    calibration: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
     """Replace the selected linear layers by ortsparse ops.
 
     A ``ModelProto`` is left untouched and a new ``ModelProto`` is returned; an ``ir.Model`` is
     rewritten in place and returned. ``on_stage`` is called with the name of each stage (progress).
+    ``calibration`` maps layer (node) names to sample inputs X [S, K], for techniques whose build
+    uses activations (e.g. TT's output gap).
     """
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
-        report = _plan_and_apply(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage)
+        report = _plan_and_apply(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage,
+                                 calibration=calibration)
         return ir.to_proto(ir_model), report
     if isinstance(model, ir.Model):
-        return model, _plan_and_apply(model, config or RewriteConfig(), apply=True, on_stage=on_stage)
+        return model, _plan_and_apply(model, config or RewriteConfig(), apply=True, on_stage=on_stage,
+                                      calibration=calibration)
     raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
 
 
+def _layer_weights(layer: LinearLayer, operands, calibration) -> LayerWeights:
+    def weight() -> np.ndarray:
+        array = operands.weight.const_value.numpy()
+        return np.ascontiguousarray(array.T if operands.weight_is_transposed else array, dtype=np.float32)
+
+    def bias() -> np.ndarray | None:
+        if operands.bias is None:
+            return None
+        flat = operands.bias.const_value.numpy().reshape(-1).astype(np.float32)
+        return np.ascontiguousarray(np.broadcast_to(flat, (layer.n,)))
+
+    samples = calibration.get(layer.name) if calibration else None
+    return LayerWeights(name=layer.name, k=layer.k, n=layer.n, weight=weight, bias=bias, calibration=samples)
+
+
 def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
-                    on_stage: Callable[[str], None] | None = None) -> RewriteReport:
+                    on_stage: Callable[[str], None] | None = None,
+                    calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
     stage = on_stage or (lambda _: None)
     stage("analyse")
     found = survey(model)
     layers = found.layers
     records: dict[int, LayerRecord] = {}
+    metadata: dict[str, dict[str, str]] = {}
     plans: dict[int, LayerPlan] = {}
     preparer = WeightPreparer(model.graph)
     for layer in layers:
@@ -65,18 +89,37 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
         if layer.rule is None:
             records[layer.index] = _record(layer, SKIPPED, layer.blocker)
             continue
-        settings = decision.settings.for_layer(layer.k)
-        notes = []
-        if settings.block != decision.settings.block:
-            notes.append(f"block {decision.settings.block} > K={layer.k}: block set to K")
-        records[layer.index] = _record(layer, REWRITTEN, decision.why, new_op=decision.op_type,
-                                       settings=settings, notes=notes)
-        if apply:
-            operands = layer.operands
-            plans[id(layer.node)] = LayerPlan(
-                rule=layer.rule, op_type=decision.op_type, node_name=layer.name,
-                weight=preparer.weight(operands), bias=preparer.bias(operands, layer.n),
-                attributes=settings.attributes())
+        technique = TECHNIQUES[decision.lead]
+        exact = all(s.for_layer(layer.k).is_exact(layer.k or 0)
+                    for s in (decision.settings, *decision.partners.values()))
+        record = _record(layer, REWRITTEN, decision.why, new_op=decision.op_type,
+                         settings=decision.settings.for_layer(layer.k), partners=dict(decision.partners),
+                         is_exact=exact)
+        records[layer.index] = record
+        if not apply:
+            continue
+        stage(f"build {layer.name}")
+        operands = layer.operands
+        built = technique.build(_layer_weights(layer, operands, calibration), decision.settings,
+                                decision.partners)
+        record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
+        record.notes.extend(built.notes)
+        inputs = []
+        for position, entry in enumerate(built.inputs):
+            if isinstance(entry, str) and entry == WEIGHT:
+                inputs.append(preparer.weight(operands))
+            elif isinstance(entry, str) and entry == BIAS:
+                inputs.append(preparer.bias(operands, layer.n))
+            elif entry is None:
+                inputs.append(None)
+            else:
+                inputs.append(preparer.new_initializer(f"{layer.name or 'layer'}_{built.op_type}_{position}", entry))
+        if WEIGHT not in [e for e in built.inputs if isinstance(e, str)]:
+            preparer.replaced(operands)
+        plans[id(layer.node)] = LayerPlan(rule=layer.rule, op_type=built.op_type, node_name=layer.name,
+                                          inputs=tuple(inputs), attributes=built.attributes)
+        if built.metadata:
+            metadata[layer.name] = built.metadata
 
     report = RewriteReport(layers=[records[layer.index] for layer in layers], config=config,
                            attention_cores=found.attention_cores, preview=not apply)
@@ -89,8 +132,12 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
         record = records[layer.index]
         if record.rewritten and layer.node.graph is not None:
             # The survey matched, so this means another rewrite consumed part of the pattern.
-            record.decision, record.new_op, record.settings = SKIPPED, None, None
+            record.decision, record.new_op, record.settings, record.partners = SKIPPED, None, None, {}
+            record.attributes, record.is_exact = None, True
             record.reason = "pattern no longer matched at rewrite time (overlapping rewrite)"
+    for node in model.graph:
+        if node.domain == DOMAIN and node.name in metadata:
+            node.metadata_props.update(metadata[node.name])
     preparer.drop_unused()
     if report.rewritten:
         model.opset_imports[DOMAIN] = DOMAIN_VERSION

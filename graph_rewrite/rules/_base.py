@@ -37,8 +37,7 @@ class LayerPlan:
     rule: str
     op_type: str
     node_name: str
-    weight: ir.Value  # [K, N] float32 initializer
-    bias: ir.Value | None  # [N] float32 initializer
+    inputs: tuple[ir.Value | None, ...]  # after X; None = an omitted optional input
     attributes: Mapping[str, Any]
 
 
@@ -127,6 +126,8 @@ class LinearRule(RewriteRuleClassBase, abc.ABC):
 
     def rewrite(self, op, linear_out: ir.Value, x: ir.Value, **_: Any):
         plan = self._plan[id(linear_out.producer())]
-        inputs = [x, plan.weight] + ([plan.bias] if plan.bias is not None else [])
+        inputs = [x, *plan.inputs]
+        while inputs and inputs[-1] is None:  # trailing optional inputs are simply left out
+            inputs.pop()
         return op.op(plan.op_type, *inputs, _domain=DOMAIN, _version=DOMAIN_VERSION,
                      _name=plan.node_name or None, **plan.attributes)

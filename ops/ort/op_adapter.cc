@@ -4,39 +4,59 @@
 
 namespace ortsparse::ort {
 
+namespace {
+
+bool succeeded(OrtStatus* status) {
+  if (status == nullptr) return true;
+  Ort::GetApi().ReleaseStatus(status);
+  return false;
+}
+
+// ORT reports "missing" and "present with another type" alike; an attribute of the wrong type must
+// not silently turn into the default, so look for it under the other scalar types.
+const char* other_type_of(const OrtKernelInfo* info, const char* name, const char* wanted) {
+  const OrtApi& api = Ort::GetApi();
+  float f = 0.0f;
+  int64_t i = 0;
+  size_t size = 0;
+  if (std::string(wanted) != "float" && succeeded(api.KernelInfoGetAttribute_float(info, name, &f))) return "float";
+  if (std::string(wanted) != "int" && succeeded(api.KernelInfoGetAttribute_int64(info, name, &i))) return "int";
+  if (std::string(wanted) != "string" && succeeded(api.KernelInfoGetAttribute_string(info, name, nullptr, &size)))
+    return "string";
+  return nullptr;
+}
+
+void check_missing(const OrtKernelInfo* info, const char* name, const char* wanted) {
+  if (const char* other = other_type_of(info, name, wanted))
+    fail("attribute ", name, " must be of type ", wanted, ", not ", other);
+}
+
+}  // namespace
+
 float Attributes::get_float(const char* name, float fallback) const {
   float value = 0.0f;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info_, name, &value);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  if (succeeded(Ort::GetApi().KernelInfoGetAttribute_float(info_, name, &value))) return value;
+  int64_t integer = 0;  // k_frac=1 written as an int attribute means 1.0: accept it
+  if (succeeded(Ort::GetApi().KernelInfoGetAttribute_int64(info_, name, &integer))) return static_cast<float>(integer);
+  check_missing(info_, name, "float");
+  return fallback;
 }
 
 int64_t Attributes::get_int(const char* name, int64_t fallback) const {
   int64_t value = 0;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info_, name, &value);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  if (succeeded(Ort::GetApi().KernelInfoGetAttribute_int64(info_, name, &value))) return value;
+  check_missing(info_, name, "int");
+  return fallback;
 }
 
 std::string Attributes::get_string(const char* name, const std::string& fallback) const {
   size_t size = 0;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_string(info_, name, nullptr, &size);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
+  if (!succeeded(Ort::GetApi().KernelInfoGetAttribute_string(info_, name, nullptr, &size))) {
+    check_missing(info_, name, "string");
     return fallback;
   }
   std::string value(size, '\0');
-  status = Ort::GetApi().KernelInfoGetAttribute_string(info_, name, value.data(), &size);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
+  if (!succeeded(Ort::GetApi().KernelInfoGetAttribute_string(info_, name, value.data(), &size))) return fallback;
   if (!value.empty() && value.back() == '\0') value.pop_back();
   return value;
 }

@@ -34,40 +34,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_kwta_arguments(parser: argparse.ArgumentParser) -> None:
-    """--config and the --kwta-* flags: every command that rewrites a model takes these."""
-    from .graph_rewrite.config import KWTA_DUTY_MODES, KWTA_SCORES, TARGETS, KwtaSettings
+def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config and every technique's flags (--kwta-*, ...): every command that rewrites a model
+    takes these."""
+    from .graph_rewrite.techniques import TECHNIQUES
 
-    default = KwtaSettings()
     parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
+    for technique in TECHNIQUES.values():
+        technique.add_arguments(parser)
 
-    kwta = parser.add_argument_group("KWTA (KwtaBlockMatMul) global settings; --config entries override per layer")
-    kwta.add_argument("--kwta", choices=("on", "off"), default="on", help="rewrite with KWTA gating (default on)")
-    kwta.add_argument("--kwta-target", choices=TARGETS, default="mlp",
-                      help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down "
-                           "projections), all (also head and other) (default mlp)")
-    kwta.add_argument("--kwta-k", type=float, default=default.k_frac, metavar="FRAC",
-                      help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {default.k_frac})")
-    kwta.add_argument("--kwta-k-abs", type=_positive_int, default=default.k_abs, metavar="N",
-                      help="k_abs: input columns kept per row (overrides --kwta-k when > 0)")
-    kwta.add_argument("--kwta-score", choices=KWTA_SCORES, default=default.score, help="block score (default l2)")
-    kwta.add_argument("--kwta-threshold", type=float, default=default.threshold, metavar="T",
-                      help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)")
-    kwta.add_argument("--kwta-temp", type=float, default=default.temp, metavar="T", help="softmax temperature")
-    kwta.add_argument("--kwta-duty", type=int, default=default.duty, metavar="N", help="gate every N-th call")
-    kwta.add_argument("--kwta-duty-mode", choices=KWTA_DUTY_MODES, default=default.duty_mode,
-                      help="dense: run dense between gated calls; hold: reuse the last mask")
-    kwta.add_argument("--kwta-renorm", type=int, choices=(0, 1), default=default.renorm,
-                      help="scale the gated product by blocks_total/blocks_kept (default 0: off)")
-    kwta.add_argument("--kwta-max-gated-rows", type=_positive_int, default=default.max_gated_rows, metavar="M",
-                      help="calls with more than M rows of X (prefill) run dense; 0 = gate every call (default)")
-    kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
-                      help=f"rows of W per block (default {default.block}: single rows)")
+
+add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
+
 
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
     parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
-    add_kwta_arguments(parser)
+    add_technique_arguments(parser)
 
     check = parser.add_argument_group("checking")
     check.add_argument("--verify", type=_positive_int, default=0, metavar="N",
@@ -91,16 +74,21 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The RewriteConfig of the flags added by add_kwta_arguments."""
-    from .graph_rewrite.config import KwtaSettings, RewriteConfig, load_overrides
+    """The RewriteConfig of the flags added by add_technique_arguments.
 
-    kwta = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
-                        threshold=args.kwta_threshold, temp=args.kwta_temp, duty=args.kwta_duty,
-                        duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block,
-                        max_gated_rows=args.kwta_max_gated_rows)
+    ``--kwta`` defaults to ``auto``: on (the tool's default technique) unless another technique
+    is switched on, so ``--tt=on`` alone does not also gate the same layers with KWTA."""
+    from .graph_rewrite.config import RewriteConfig, load_overrides
+    from .graph_rewrite.techniques import TECHNIQUES
+
+    choices = {name: technique.choice_from_args(args) for name, technique in TECHNIQUES.items()}
+    kwta = choices.pop("kwta")
+    kwta_enabled = kwta.enabled
+    if getattr(args, "kwta", "on") == "auto":
+        kwta_enabled = not any(choice.enabled for choice in choices.values())
     overrides = load_overrides(args.config) if args.config else ()
-    return RewriteConfig(kwta=kwta, kwta_enabled=args.kwta == "on", kwta_target=args.kwta_target,
-                         overrides=overrides)
+    return RewriteConfig(kwta=kwta.settings, kwta_enabled=kwta_enabled, kwta_target=kwta.target,
+                         overrides=overrides, techniques=choices)
 
 
 _config_from_args = config_from_args

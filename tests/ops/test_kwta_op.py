@@ -331,3 +331,22 @@ def test_session_options_knobs():
     with pytest.raises(TypeError):
         ortsparse.session_options(not_an_option=1)
     assert isinstance(options, ort.SessionOptions)
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"block": 1.5}, "attribute block must be of type int, not float"),
+    ({"score": 3}, "attribute score must be of type string, not int"),
+    ({"duty": "2"}, "attribute duty must be of type int, not string"),
+])
+def test_attribute_of_the_wrong_type_is_refused_not_defaulted(attrs, message):
+    w = np.ones((8, 4), np.float32)
+    with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'kwta_node': {message}"):
+        ort.InferenceSession(kwta_model(w, **attrs).SerializeToString(), ortsparse.session_options())
+
+
+def test_integer_attribute_where_a_float_is_expected_is_accepted():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    session = ort.InferenceSession(kwta_model(w, k_frac=1).SerializeToString(), ortsparse.session_options())
+    np.testing.assert_allclose(session.run(None, {"X": x})[0], x @ w, rtol=1e-5, atol=1e-5)

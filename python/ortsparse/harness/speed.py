@@ -252,7 +252,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     kv_dense = onnx.load(str(kv_path))
     kv_models: dict[str, Any] = {"dense": kv_dense}
     full_models: dict[str, Any] | None = {"dense": onnx.load(str(full_path))} if full_path else None
-    if args.kwta == "on" or args.config:
+    from ..graph_rewrite.techniques import TECHNIQUES
+
+    if args.config or any(config.choice(name).enabled for name in TECHNIQUES):
         kv_models["ortsparse"], report = rewrite_model(kv_dense, config)
         print(report.summary())
         if full_models is not None:
@@ -269,7 +271,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
     payload["config"] = {"kwta": dataclasses.asdict(config.kwta), "kwta_enabled": config.kwta_enabled,
-                         "target": config.kwta_target, "override_file": args.config}
+                         "target": config.kwta_target, "override_file": args.config,
+                         "techniques": {name: dataclasses.asdict(choice) for name, choice in config.techniques.items()}}
     paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"))
     print("wrote", *paths)
     return 0

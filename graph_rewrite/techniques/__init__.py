@@ -1,0 +1,29 @@
+"""The registry of techniques, in the order the CLI lists them. Adding a technique = one module
+with its settings, flags and build (see base.py) + one line here + its composition rules in
+``graph_rewrite/compose.py``."""
+from __future__ import annotations
+
+from .base import (
+    BIAS,
+    GATE,
+    WEIGHT,
+    WEIGHTS,
+    LayerWeights,
+    OpBuild,
+    Technique,
+    TechniqueChoice,
+    TechniqueSettings,
+)
+from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
+
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA,)}
+
+
+def technique(name: str) -> Technique:
+    return TECHNIQUES[name]
+
+
+__all__ = [
+    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
+    "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+]

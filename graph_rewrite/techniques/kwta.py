@@ -1,0 +1,160 @@
+"""KWTA (seed 000): per token, keep the top-K input blocks by score -> ``KwtaBlockMatMul``.
+
+As a partner of another technique on the same layer, KWTA is that op's gate (``kwta_*``
+attributes of ProcSparseMatMul; the candidate prior ``kwta_k`` of EventDrivenMatMul).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+from ..targets import TARGETS
+from .base import (
+    BIAS,
+    GATE,
+    WEIGHT,
+    LayerWeights,
+    OpBuild,
+    Technique,
+    TechniqueChoice,
+    TechniqueSettings,
+)
+
+KWTA_SCORES = ("l2", "mean_abs", "l2_weighted")
+KWTA_DUTY_MODES = ("dense", "hold")
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class KwtaSettings(TechniqueSettings):
+    """Attributes of ``KwtaBlockMatMul`` (see design/ops.md). ``block`` defaults to 1 (single rows:
+    measured best for quality), not to a vectorisation-friendly 16/32."""
+
+    label: ClassVar[str] = "KWTA"
+    float_fields: ClassVar[tuple[str, ...]] = ("k_frac", "threshold", "temp")
+    always_shown: ClassVar[tuple[str, ...]] = ("block",)
+
+    k_frac: float = 0.5
+    k_abs: int = 0
+    score: str = "l2"
+    threshold: float = 0.0
+    temp: float = 1.0
+    duty: int = 1
+    duty_mode: str = "dense"
+    renorm: int = 0
+    block: int = 1
+    max_gated_rows: int = 0  # > 0: calls with more rows (prefill) run dense; 0: always gate
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (isinstance(self.k_frac, (int, float)) and 0.0 < self.k_frac <= 1.0):
+            problems.append(f"k_frac={self.k_frac!r} must be in (0, 1]")
+        if not (isinstance(self.k_abs, int) and self.k_abs >= 0):
+            problems.append(f"k_abs={self.k_abs!r} must be an integer >= 0")
+        if self.score not in KWTA_SCORES:
+            problems.append(f"score={self.score!r} must be one of {', '.join(KWTA_SCORES)}")
+        if not (isinstance(self.threshold, (int, float)) and self.threshold >= 0.0):
+            problems.append(f"threshold={self.threshold!r} must be >= 0")
+        if not (isinstance(self.temp, (int, float)) and self.temp > 0.0 and math.isfinite(self.temp)):
+            problems.append(f"temp={self.temp!r} must be a finite number > 0")
+        if not (isinstance(self.duty, int) and self.duty >= 1):
+            problems.append(f"duty={self.duty!r} must be an integer >= 1")
+        if self.duty_mode not in KWTA_DUTY_MODES:
+            problems.append(f"duty_mode={self.duty_mode!r} must be one of {', '.join(KWTA_DUTY_MODES)}")
+        if self.renorm not in (0, 1) or isinstance(self.renorm, float):
+            problems.append(f"renorm={self.renorm!r} must be 0 or 1")
+        if not (isinstance(self.block, int) and self.block >= 1):
+            problems.append(f"block={self.block!r} must be an integer >= 1")
+        if not (isinstance(self.max_gated_rows, int) and self.max_gated_rows >= 0):
+            problems.append(f"max_gated_rows={self.max_gated_rows!r} must be an integer >= 0")
+        if problems:
+            raise ConfigError("invalid KWTA settings: " + "; ".join(problems))
+
+    def for_layer(self, k: int | None) -> KwtaSettings:
+        """Settings as emitted for a layer with K inputs: the op rejects block > K."""
+        return dataclasses.replace(self, block=min(self.block, k)) if k else self
+
+    def is_exact(self, k: int) -> bool:
+        """True when the op keeps every input block for a layer with K inputs (same result as a
+        dense MatMul, up to float rounding)."""
+        if self.threshold > 0.0:
+            return False
+        if self.k_abs > 0:
+            return self.k_abs >= k
+        return self.k_frac >= 1.0
+
+    def attributes(self) -> dict[str, Any]:
+        # Every attribute is written, defaults included: the op's defaults may move (block is to be
+        # chosen from benchmarks) and a rewritten file should mean the same thing forever.
+        return {
+            "k_frac": float(self.k_frac), "k_abs": int(self.k_abs), "score": self.score,
+            "threshold": float(self.threshold), "temp": float(self.temp), "duty": int(self.duty),
+            "duty_mode": self.duty_mode, "renorm": int(self.renorm), "block": int(self.block),
+            "max_gated_rows": int(self.max_gated_rows),
+        }
+
+
+class Kwta(Technique):
+    name = "kwta"
+    kind = GATE
+    op_type = "KwtaBlockMatMul"
+    settings_type = KwtaSettings
+    title = "KWTA (KwtaBlockMatMul) global settings; --config entries override per layer"
+
+    def default_choice(self) -> TechniqueChoice:
+        # KWTA is the tool's default technique: on for MLP layers unless --kwta=off.
+        return TechniqueChoice(settings=KwtaSettings(), enabled=True, target="mlp")
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        default = KwtaSettings()
+        kwta = parser.add_argument_group(self.title)
+        kwta.add_argument("--kwta", choices=("on", "off", "auto"), default="auto",
+                          help="rewrite with KWTA gating (default auto: on unless another technique is on)")
+        kwta.add_argument("--kwta-target", choices=TARGETS, default="mlp",
+                          help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down "
+                               "projections), all (also head and other) (default mlp)")
+        kwta.add_argument("--kwta-k", type=float, default=default.k_frac, metavar="FRAC",
+                          help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {default.k_frac})")
+        kwta.add_argument("--kwta-k-abs", type=non_negative_int, default=default.k_abs, metavar="N",
+                          help="k_abs: input columns kept per row (overrides --kwta-k when > 0)")
+        kwta.add_argument("--kwta-score", choices=KWTA_SCORES, default=default.score, help="block score (default l2)")
+        kwta.add_argument("--kwta-threshold", type=float, default=default.threshold, metavar="T",
+                          help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)")
+        kwta.add_argument("--kwta-temp", type=float, default=default.temp, metavar="T", help="softmax temperature")
+        kwta.add_argument("--kwta-duty", type=int, default=default.duty, metavar="N", help="gate every N-th call")
+        kwta.add_argument("--kwta-duty-mode", choices=KWTA_DUTY_MODES, default=default.duty_mode,
+                          help="dense: run dense between gated calls; hold: reuse the last mask")
+        kwta.add_argument("--kwta-renorm", type=int, choices=(0, 1), default=default.renorm,
+                          help="scale the gated product by blocks_total/blocks_kept (default 0: off)")
+        kwta.add_argument("--kwta-max-gated-rows", type=non_negative_int, default=default.max_gated_rows,
+                          metavar="M", help="calls with more than M rows of X (prefill) run dense; 0 = gate "
+                                            "every call (default)")
+        kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
+                          help=f"rows of W per block (default {default.block}: single rows)")
+
+    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
+        settings = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
+                                threshold=args.kwta_threshold, temp=args.kwta_temp, duty=args.kwta_duty,
+                                duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block,
+                                max_gated_rows=args.kwta_max_gated_rows)
+        # "auto" is resolved by the CLI once every technique's flags are known.
+        return TechniqueChoice(settings=settings, enabled=args.kwta != "off", target=args.kwta_target)
+
+    def build(self, layer: LayerWeights, settings: KwtaSettings, partners: Mapping[str, Any]) -> OpBuild:
+        emitted = settings.for_layer(layer.k)
+        notes = [f"block {settings.block} > K={layer.k}: block set to K"] if emitted.block != settings.block else []
+        return OpBuild(self.op_type, [WEIGHT, BIAS], emitted.attributes(), notes=notes,
+                       exact=emitted.is_exact(layer.k))
+
+
+KWTA = Kwta()

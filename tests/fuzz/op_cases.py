@@ -1,0 +1,142 @@
+"""Random one-node models for each ortsparse op: mostly plausible, often invalid (attributes out of
+range or of the wrong type, weights of the wrong rank/dtype/shape or not constant, inputs of the
+wrong shape, empty tensors, NaN/Inf). Each generator takes a numpy Generator and returns
+(op_type, node name, ModelProto, feeds)."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+DOMAIN = "ai.ortsparse"
+FLOAT_DTYPES = [np.float32] * 12 + [np.float64, np.float16, np.int32, np.int64]
+ONNX_TYPES = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE, np.float16: TensorProto.FLOAT16,
+              np.int32: TensorProto.INT32, np.int64: TensorProto.INT64, np.bool_: TensorProto.BOOL}
+
+
+def pick(rng: np.random.Generator, options):
+    return options[int(rng.integers(len(options)))]
+
+
+def small_dim(rng, typical: int) -> int:
+    """Mostly in [1, typical], sometimes 0, sometimes a bit larger."""
+    roll = rng.random()
+    if roll < 0.05:
+        return 0
+    if roll < 0.15:
+        return int(rng.integers(typical, 3 * typical + 2))
+    return int(rng.integers(1, typical + 1))
+
+
+def values(rng, shape, dtype=np.float32, special: float = 0.05) -> np.ndarray:
+    """Normal values, some exact zeros / repeated values, and a few NaN/Inf when special > 0."""
+    shape = tuple(int(s) for s in shape)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-5, 6, size=shape).astype(dtype)
+    if np.dtype(dtype).kind == "b":
+        return rng.random(size=shape) < 0.5
+    array = rng.standard_normal(shape).astype(np.float64)
+    if array.size and rng.random() < 0.3:
+        array[rng.random(shape) < rng.random()] = 0.0
+    if array.size and rng.random() < 0.1:
+        array[...] = pick(rng, [0.0, 1.0, -2.5])
+    if array.size and rng.random() < special:
+        flat = array.reshape(-1)
+        for _ in range(int(rng.integers(1, 4))):
+            flat[int(rng.integers(flat.size))] = pick(rng, [np.nan, np.inf, -np.inf])
+    return array.astype(dtype)
+
+
+# Probability that one field of the current case is made invalid: half of the cases are fully
+# valid (so the run paths get exercised too), the rest carry a few invalid fields.
+_invalid_rate = 0.0
+
+
+def start_case(rng) -> None:
+    global _invalid_rate
+    _invalid_rate = 0.0 if rng.random() < 0.5 else 0.15
+
+
+def broken(rng) -> bool:
+    return rng.random() < _invalid_rate
+
+
+def attr_value(rng, valid, invalid):
+    """A valid value, or in a broken case sometimes an invalid one (out of range or another type)."""
+    return pick(rng, invalid) if broken(rng) else valid
+
+
+def make_model(op_type: str, node_name: str, node_inputs, graph_inputs, initializers, attrs, n_outputs=1):
+    node = helper.make_node(op_type, node_inputs, [f"Y{i}" for i in range(n_outputs)], domain=DOMAIN,
+                            name=node_name, **{k: v for k, v in attrs.items() if v is not None})
+    outputs = [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(n_outputs)]
+    graph = helper.make_graph([node], "fuzz", graph_inputs, outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)],
+                             ir_version=9)
+
+
+def weight_input(rng, name: str, array: np.ndarray, graph_inputs, initializers, feeds, node_inputs):
+    """Usually a constant initializer; sometimes a graph input (not constant: must be refused)."""
+    if broken(rng) and rng.random() < 0.3:
+        graph_inputs.append(helper.make_tensor_value_info(name, ONNX_TYPES[array.dtype.type], list(array.shape)))
+        feeds[name] = array
+    else:
+        initializers.append(numpy_helper.from_array(array, name))
+    node_inputs.append(name)
+
+
+def matmul_operands(rng, k: int, n: int, graph_inputs, initializers, feeds, node_inputs,
+                    weight_shape=None, with_bias=True):
+    """X [..., K] (sometimes a wrong K or dtype), W [K, N] (sometimes another rank/dtype), B? [N]."""
+    rank = int(rng.integers(1, 5))
+    lead = [small_dim(rng, 3) for _ in range(rank - 1)]
+    x_k = int(rng.integers(0, k + 3)) if broken(rng) else k
+    x = values(rng, lead + [x_k], np.float64 if broken(rng) and rng.random() < 0.2 else np.float32)
+    graph_inputs.append(helper.make_tensor_value_info("X", ONNX_TYPES[x.dtype.type], ["d%d" % i for i in range(rank)]))
+    feeds["X"] = x
+    node_inputs.append("X")
+    if weight_shape is not None:
+        shape = weight_shape
+        if broken(rng):
+            shape = pick(rng, [[k], [k, n, 1], [n, k], [k + 1, n]])
+        dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+        weight_input(rng, "W", values(rng, shape, dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    if with_bias and rng.random() < 0.5:
+        b_shape = pick(rng, [[n + 1], [1, n], [], [max(n - 1, 0)]]) if broken(rng) else [n]
+        dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+        weight_input(rng, "B", values(rng, b_shape, dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    return x
+
+
+def kwta_gate_attributes(rng, k: int, prefix: str = "") -> dict:
+    return {
+        f"{prefix}k_frac": attr_value(rng, float(rng.uniform(0.01, 1.0)), [0.0, -0.5, 1.5, float("nan"), 1]),
+        f"{prefix}k_abs": attr_value(rng, int(rng.integers(0, k + 2)) if rng.random() < 0.2 else None, [-3, 2**40]),
+        f"{prefix}score": attr_value(rng, pick(rng, ["l2", "mean_abs", "l2_weighted"]), ["L2", "", "max"]),
+        f"{prefix}threshold": attr_value(rng, float(rng.uniform(0, 2)) if rng.random() < 0.2 else None,
+                                         [-1.0, float("nan"), float("inf")]),
+        f"{prefix}temp": attr_value(rng, float(rng.uniform(0.1, 3)) if rng.random() < 0.2 else None,
+                                    [0.0, -1.0, float("nan")]),
+        f"{prefix}duty": attr_value(rng, int(rng.integers(1, 4)) if rng.random() < 0.3 else None, [0, -2]),
+        f"{prefix}duty_mode": attr_value(rng, pick(rng, ["dense", "hold"]) if rng.random() < 0.4 else None,
+                                         ["Hold", "sometimes"]),
+        f"{prefix}renorm": attr_value(rng, int(rng.integers(0, 2)) if rng.random() < 0.3 else None, [2, -1]),
+        f"{prefix}max_gated_rows": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.2 else None, [-1]),
+    }
+
+
+def kwta_block_matmul(rng):
+    start_case(rng)
+    k, n = small_dim(rng, 96), small_dim(rng, 80)
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, weight_shape=[k, n])
+    attrs = kwta_gate_attributes(rng, k)
+    attrs["block"] = attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.7 else None,
+                                [0, -1, k + 1, 2**40, 1.5])
+    name = f"kwta_{int(rng.integers(1000))}"
+    return "KwtaBlockMatMul", name, make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+
+
+# op type -> generator; ops not in the loaded library are skipped by the fuzzer.
+GENERATORS = {
+    "KwtaBlockMatMul": kwta_block_matmul,
+}
