@@ -14,9 +14,10 @@ from .base import (
     TechniqueChoice,
     TechniqueSettings,
 )
+from .event import EVENT, EVENT_AXES, EventSettings
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA,)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT)}
 
 
 def technique(name: str) -> Technique:
@@ -24,6 +25,6 @@ def technique(name: str) -> Technique:
 
 
 __all__ = [
-    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
+    "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
     "LayerWeights", "OpBuild", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
 ]
