@@ -112,7 +112,13 @@ void EventMatMul::plan_row(const float* xr, RowPlan& plan, const KernelTable& ke
     }
   }
   const size_t keep = std::min(refresh_count_, eligible);
-  const size_t selected = keep > 0 ? select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_) : 0;
+  size_t selected = 0;
+  if (keep == eligible) {  // every eligible block fits: no ranking needed
+    for (size_t b = 0; b < nb; ++b)
+      if (!(masked_[b] < 0.0f)) kept_[selected++] = static_cast<int32_t>(b);
+  } else {
+    selected = select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_);
+  }
   stats.blocks_forced += forced;
   if (forced + selected == nb) {  // every block: a plain dense row (also resyncs the stream)
     stats.blocks_refreshed += nb;
