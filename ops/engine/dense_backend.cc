@@ -145,14 +145,12 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
                       chunks == 1 && bias != nullptr);
   });
   if (chunks == 1) return;
-  for (size_t t = 0; t < m; ++t) {
+  for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
     float* yt = y + t * n;
     const float* p = partial + t * chunks * n;
-    for (size_t j = 0; j < n; ++j) {
-      float s = bias ? bias[j] : 0.0f;
-      for (size_t c = 0; c < chunks; ++c) s += p[c * n + j];
-      yt[j] = s;
-    }
+    for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + p[j];
+    for (size_t c = 1; c < chunks; ++c)
+      for (size_t j = 0; j < n; ++j) yt[j] += p[c * n + j];
   }
 }
 

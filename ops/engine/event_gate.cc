@@ -76,6 +76,7 @@ void EventMatMul::plan_row(const float* xr, RowPlan& plan, const KernelTable& ke
   plan.gap_check = false;
   plan.order_begin = order_.size();
   plan.order_count = 0;
+  plan.forced_count = 0;
   plan.quorum_count = 0;
   if (!enabled_ || !s.live) return;
   const size_t k = partition_.k, nb = partition_.num_blocks;
@@ -89,36 +90,50 @@ void EventMatMul::plan_row(const float* xr, RowPlan& plan, const KernelTable& ke
 
   // KWTA prior: the candidates are the top kwta_k blocks by energy; the event ordering below runs
   // inside them (non-candidates are reused, as any block the ordering does not pick).
-  std::fill(candidate_.begin(), candidate_.end(), static_cast<uint8_t>(kwta_count_ == 0 || kwta_count_ >= nb));
-  if (kwta_count_ > 0 && kwta_count_ < nb) {
+  const bool use_prior = kwta_count_ > 0 && kwta_count_ < nb;
+  if (use_prior) {
+    std::fill(candidate_.begin(), candidate_.end(), uint8_t{0});
     const size_t count = select_top_k(kernels, energy_.data(), nb, kwta_count_, kept_.data(), select_scratch_);
     for (size_t i = 0; i < count; ++i) candidate_[kept_[i]] = 1;
   }
+  const bool use_age = config_.age_max > 0;
+  const uint32_t age_limit = static_cast<uint32_t>(std::min<int64_t>(config_.age_max, UINT32_MAX));
   size_t forced = 0;
-  if (config_.age_max > 0) {
-    const uint32_t limit = static_cast<uint32_t>(std::min<int64_t>(config_.age_max, UINT32_MAX));
-    for (size_t b = 0; b < nb; ++b)
-      if (s.age[b] >= limit) forced_[forced++] = static_cast<int32_t>(b);
-  }
-  const float theta_sq = config_.delta_theta * config_.delta_theta;
-  size_t eligible = 0;
-  for (size_t b = 0; b < nb; ++b) masked_[b] = -1.0f;
-  for (size_t b = 0; b < nb; ++b) {
-    if (!candidate_[b] || (config_.age_max > 0 && s.age[b] >= static_cast<uint64_t>(config_.age_max))) continue;
-    const float limit = need_energy ? theta_sq * energy_[b] : 0.0f;
-    if (!(sq_delta_[b] <= limit)) {  // NaN deltas are refreshed
-      masked_[b] = sq_delta_[b];
-      ++eligible;
+  if (use_age) {
+    for (size_t b = 0; b < nb; ++b) {
+      forced_[forced] = static_cast<int32_t>(b);
+      forced += s.age[b] >= age_limit;
     }
   }
-  const size_t keep = std::min(refresh_count_, eligible);
-  size_t selected = 0;
-  if (keep == eligible) {  // every eligible block fits: no ranking needed
-    for (size_t b = 0; b < nb; ++b)
-      if (!(masked_[b] < 0.0f)) kept_[selected++] = static_cast<int32_t>(b);
-  } else {
-    selected = select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_);
+  // Eligible blocks, branch-free (eligibility is close to random per block): their delta in
+  // masked_ (others -1, below every delta) and their indices, ascending, in kept_.
+  const float theta_sq = config_.delta_theta * config_.delta_theta;
+  const uint32_t* age = s.age.data();
+  const float* sq_delta = sq_delta_.data();
+  const float* energy = energy_.data();
+  const uint8_t* candidate = candidate_.data();
+  float* masked = masked_.data();
+  int32_t* kept = kept_.data();
+  size_t eligible = 0;
+  constexpr uint32_t kMinusOneBits = 0xBF800000u;  // -1.0f
+  for (size_t b = 0; b < nb; ++b) {
+    const float d2 = sq_delta[b];
+    const float limit = need_energy ? theta_sq * energy[b] : 0.0f;
+    uint32_t ok = static_cast<uint32_t>(d2 > limit) | static_cast<uint32_t>(d2 != d2);  // NaN deltas are refreshed
+    if (use_prior) ok &= candidate[b];
+    if (use_age) ok &= static_cast<uint32_t>(age[b] < age_limit);
+    // Integer selects: a float select here compiles to a branch that mispredicts.
+    uint32_t bits;
+    std::memcpy(&bits, &d2, sizeof(bits));
+    const uint32_t keep_mask = 0u - ok;
+    bits = (bits & keep_mask) | (kMinusOneBits & ~keep_mask);
+    std::memcpy(masked + b, &bits, sizeof(bits));
+    kept[eligible] = static_cast<int32_t>(b);
+    eligible += ok;
   }
+  const size_t keep = std::min(refresh_count_, eligible);
+  size_t selected = eligible;  // every eligible block fits: no ranking needed
+  if (keep < eligible) selected = select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_);
   stats.blocks_forced += forced;
   if (forced + selected == nb) {  // every block: a plain dense row (also resyncs the stream)
     stats.blocks_refreshed += nb;
@@ -138,6 +153,7 @@ void EventMatMul::plan_row(const float* xr, RowPlan& plan, const KernelTable& ke
     });
   }
   plan.order_count = forced + selected;
+  plan.forced_count = forced;
   plan.quorum_count = std::min(plan.order_count, forced + fraction_count(config_.quorum, selected));
 }
 
@@ -197,7 +213,8 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
         gated_.add_dense_token();
       } else {
         int32_t* blocks = order_.data() + plan.order_begin;
-        std::sort(blocks, blocks + plan.order_count);
+        // Forced and by-delta blocks are each ascending already: W rows in memory order.
+        if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
         write_delta(xr, *plan.stream, blocks, plan.order_count, in);
         gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
       }

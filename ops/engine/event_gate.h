@@ -84,6 +84,7 @@ class EventMatMul {
     bool gap_check;
     size_t order_begin;     // refreshed blocks: order_[order_begin .. +order_count), forced first, then by delta
     size_t order_count;
+    size_t forced_count;    // the forced (age_max) blocks lead the order
     size_t quorum_count;    // the first quorum_count blocks are computed whatever the deadline
   };
 

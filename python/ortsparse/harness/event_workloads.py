@@ -282,9 +282,39 @@ def evaluate(workload: str, count: int = 16, threads: int = 1, target: str = "al
     return result
 
 
+def smollm2_sequence(windows: int = 2, window_len: int = 256, threads: int = 1, target: str = "both",
+                     **settings) -> dict[str, Any]:
+    """SmolLM2 (full-sequence export) with axis sequence: each window's tokens run as one stream, so
+    every row after the first is gated against the previous token (decode order). Returns
+    compare_lm's dppl / agreement and the refresh rate. Text changes ~110% per block between
+    tokens (design/measure.md): expect a refresh rate near 1 at useful quality."""
+    import ortsparse
+
+    from .quality import compare_lm, default_corpus, load_corpus_tokens, real_model_path, rewrite_in_memory
+
+    settings.setdefault("axis", "sequence")
+    dense = real_model_path("smollm2", "full.torchscript.onnx")
+    from ..graph_rewrite import RewriteConfig
+    from ..graph_rewrite.techniques import EventSettings, TechniqueChoice
+
+    config = RewriteConfig(kwta_enabled=False,
+                           techniques={"event": TechniqueChoice(EventSettings(**settings), enabled=True, target=target)})
+    rewritten, report = rewrite_in_memory(dense, config)
+    ortsparse.reset_metrics()
+    result = compare_lm(dense, rewritten, load_corpus_tokens(default_corpus()), windows, window_len,
+                        session_options={"intra_op_num_threads": threads})
+    return {"workload": "smollm2", "settings": dict(settings, target=target), "rewritten_layers": len(report.rewritten),
+            "ppl_dense": result["ppl_dense"], "ppl_rewritten": result["ppl_rewritten"], "dppl": result["dppl"],
+            "top1_agreement": result["top1_agreement"], "metrics": event_metrics_summary(),
+            "windows": windows, "window_len": window_len}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="(repeatable; default all)")
+    parser.add_argument("--workload", choices=WORKLOADS + ("smollm2",), action="append",
+                        help="(repeatable; default search, edits, mlp; smollm2 = axis sequence on text)")
+    parser.add_argument("--windows", type=int, default=2, help="smollm2: windows (default 2)")
+    parser.add_argument("--window-len", type=int, default=256, help="smollm2: tokens per window (default 256)")
     parser.add_argument("--count", type=int, default=16, help="streams per workload (default 16)")
     parser.add_argument("--topk", type=float, nargs="+", default=[0.25], help="event topk values to sweep")
     parser.add_argument("--delta-theta", type=float, nargs="+", default=[0.02])
@@ -297,9 +327,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--output", help="write the results as JSON")
     args = parser.parse_args(argv)
     results = []
-    for workload in args.workload or WORKLOADS:
+    for workload in args.workload or WORKLOADS:  # noqa: PLR1702
         for topk in args.topk:
             for theta in args.delta_theta:
+                if workload == "smollm2":
+                    r = smollm2_sequence(args.windows, args.window_len, args.threads,
+                                         "both" if args.target == "all" else args.target, topk=topk,
+                                         delta_theta=theta, gap_tol=args.gap_tol, gap_every=args.gap_every,
+                                         age_max=args.age_max, block=args.block)
+                    results.append(r)
+                    m = r["metrics"]
+                    print(f"smollm2 topk {topk:<5g} theta {theta:<6g} refreshed {m.get('event.topk_kept', 1):.3f} "
+                          f"ppl {r['ppl_dense']:.3f} -> {r['ppl_rewritten']:.3f} dppl {100 * r['dppl']:+.2f}% "
+                          f"top1 {r['top1_agreement']:.3f} disables {m.get('disables', 0):g}", flush=True)
+                    continue
                 r = evaluate(workload, args.count, args.threads, args.target, topk=topk, delta_theta=theta,
                              gap_tol=args.gap_tol, gap_every=args.gap_every, age_max=args.age_max, block=args.block)
                 results.append(r)
