@@ -109,7 +109,7 @@ def run_workloads(args):
     results = []
     for workload in args.workloads:
         dense_model = ew.dense_model_for(workload)
-        streams = ew.workload_streams(workload, args.count)
+        streams = ew.workload_streams(workload, args.count, mlp_rows=args.mlp_rows)
         baselines = {"dense": open_session(dense_model, options)}
         if workload != "mlp":
             opt = real_model_path("minilm", "torchscript.ortopt.onnx")
@@ -128,7 +128,7 @@ def run_workloads(args):
             times = alternate(candidates, repeats=args.workload_repeats, warmup=1)
             calls = sum(len(st) for st in streams)
             per_call = {name: median(t) / calls * 1e3 for name, t in times.items()}
-            record = {"workload": workload, "topk": topk, "delta_theta": theta, "target": args.target,
+            record = {"workload": workload, "mlp_rows": args.mlp_rows if workload == "mlp" else None, "topk": topk, "delta_theta": theta, "target": args.target,
                       "rewritten_layers": len(report.rewritten), "ms_per_call": per_call,
                       "speedup_vs_dense": per_call["dense"] / per_call["event"], "quality": quality,
                       "refreshed": metrics.get("event.topk_kept"), "disables": metrics.get("disables", 0)}
@@ -176,6 +176,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=200, help="kernel: alternations")
     parser.add_argument("--workload-repeats", type=int, default=5)
     parser.add_argument("--target", default="all", help="event target layers (default all)")
+    parser.add_argument("--mlp-rows", type=int, default=1, help="mlp workload: rows of X per call (default 1)")
     parser.add_argument("--gap-every", type=int, default=0, help="gap check period (default 0: off while timing)")
     parser.add_argument("--gap-tol", type=float, default=0.03)
     parser.add_argument("-o", "--output", default="reports/event")

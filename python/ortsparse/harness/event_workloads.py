@@ -183,7 +183,7 @@ def text_streams(workload: str, count: int, encoder: MiniLMEncoder, seed: int = 
     return [[encoder(t) for t in stream] for stream in streams]
 
 
-def workload_streams(workload: str, count: int, seed: int = 0, mlp_d: int = 384, mlp_rows: int = 8,
+def workload_streams(workload: str, count: int, seed: int = 0, mlp_d: int = 384, mlp_rows: int = 1,
                      calls: int = 32) -> list[list[dict]]:
     if workload == "mlp":
         return [smooth_stream(mlp_d, mlp_rows, calls, seed=seed + i) for i in range(count)]
@@ -263,7 +263,7 @@ def event_metrics_summary() -> dict[str, float]:
 
 
 def evaluate(workload: str, count: int = 16, threads: int = 1, target: str = "all", seed: int = 0,
-             **settings) -> dict[str, Any]:
+             mlp_rows: int = 1, **settings) -> dict[str, Any]:
     """Quality of one workload at one event setting (also rows refreshed, from the op metrics)."""
     import ortsparse
 
@@ -271,13 +271,13 @@ def evaluate(workload: str, count: int = 16, threads: int = 1, target: str = "al
 
     dense_model = dense_model_for(workload)
     model, report = event_model(dense_model, target=target, **settings)
-    streams = workload_streams(workload, count, seed)
+    streams = workload_streams(workload, count, seed, mlp_rows=mlp_rows)
     options = {"intra_op_num_threads": threads}
     dense_session = open_session(dense_model, options)
     event_session = open_session(model, options)
     ortsparse.reset_metrics()
     result = compare_streams(dense_session, event_session, streams, embedding=workload != "mlp")
-    result.update(workload=workload, settings=dict(settings, target=target), rewritten_layers=len(report.rewritten),
+    result.update(workload=workload, settings=dict(settings, target=target, mlp_rows=mlp_rows), rewritten_layers=len(report.rewritten),
                   metrics=event_metrics_summary())
     return result
 
@@ -323,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--age-max", type=int, default=0)
     parser.add_argument("--block", type=int, default=1)
     parser.add_argument("--target", default="all")
+    parser.add_argument("--mlp-rows", type=int, default=1, help="mlp: rows of X per call (default 1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("-o", "--output", help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -341,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"ppl {r['ppl_dense']:.3f} -> {r['ppl_rewritten']:.3f} dppl {100 * r['dppl']:+.2f}% "
                           f"top1 {r['top1_agreement']:.3f} disables {m.get('disables', 0):g}", flush=True)
                     continue
-                r = evaluate(workload, args.count, args.threads, args.target, topk=topk, delta_theta=theta,
+                r = evaluate(workload, args.count, args.threads, args.target, mlp_rows=args.mlp_rows, topk=topk, delta_theta=theta,
                              gap_tol=args.gap_tol, gap_every=args.gap_every, age_max=args.age_max, block=args.block)
                 results.append(r)
                 m = r["metrics"]
