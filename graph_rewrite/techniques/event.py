@@ -46,6 +46,7 @@ class EventSettings(TechniqueSettings):
     gap_tol: float = 0.03
     kwta_k: float = 0.0
     block: int = 1
+    max_gated_rows: int = 0  # > 0: calls with more rows (prefill) run dense and resync the streams
 
     def __post_init__(self) -> None:
         problems = []
@@ -60,7 +61,7 @@ class EventSettings(TechniqueSettings):
             value = getattr(self, name)
             if not (_number(value) and value >= 0.0):
                 problems.append(f"{name}={value!r} must be a finite number >= 0")
-        for name, least in (("age_max", 0), ("gap_every", 0), ("block", 1)):
+        for name, least in (("age_max", 0), ("gap_every", 0), ("block", 1), ("max_gated_rows", 0)):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 problems.append(f"{name}={value!r} must be an integer >= {least}")
@@ -82,7 +83,7 @@ class EventSettings(TechniqueSettings):
             "stale_beta": float(self.stale_beta), "stale_lambda": float(self.stale_lambda),
             "age_max": int(self.age_max), "budget_ms": float(self.budget_ms), "quorum": float(self.quorum),
             "gap_every": int(self.gap_every), "gap_tol": float(self.gap_tol), "kwta_k": float(self.kwta_k),
-            "block": int(self.block),
+            "block": int(self.block), "max_gated_rows": int(self.max_gated_rows),
         }
 
 
@@ -133,13 +134,17 @@ class Event(Technique):
                        help="a block reused this many rows is refreshed regardless (0 = no limit, default)")
         g.add_argument("--event-block", type=int, default=d.block, metavar="ROWS",
                        help=f"rows of W per block (default {d.block})")
+        g.add_argument("--event-max-gated-rows", type=non_negative_int, default=d.max_gated_rows, metavar="M",
+                       help="calls with more than M rows of X (prefill) run dense and resync the streams; 0 = gate "
+                            "every call (default)")
 
     def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
         settings = EventSettings(axis=args.event_axis, topk=args.event_topk, delta_theta=args.event_delta_theta,
                                  stale_beta=args.event_stale_beta, stale_lambda=args.event_stale_lambda,
                                  age_max=args.event_age_max, budget_ms=args.event_budget_ms,
                                  quorum=args.event_quorum, gap_every=args.event_gap_every,
-                                 gap_tol=args.event_gap_tol, block=args.event_block)
+                                 gap_tol=args.event_gap_tol, block=args.event_block,
+                                 max_gated_rows=args.event_max_gated_rows)
         return TechniqueChoice(settings=settings, enabled=args.event_driven == "on", target=args.event_target)
 
     def build(self, layer: LayerWeights, settings: EventSettings, partners: Mapping[str, Any]) -> OpBuild:

@@ -323,6 +323,31 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
   }
 }
 
+// A call with more rows than max_gated_rows (a prefill): one dense product over all rows (the
+// backend's tiled path), then every stream resyncs on its last row (axis sequence) or its row
+// (axis call), so the next gated row continues from exact state.
+void EventMatMul::run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
+                                 const KernelTable& kernels, const TaskRunner& runner) {
+  const size_t k = partition_.k, n = backend_->n(), m = batch * seq;
+  gated_.clear();
+  for (size_t i = 0; i < m; ++i) gated_.add_dense_token();
+  out_.resize(std::max(out_.size(), m * n));
+  backend_->run(x, m, gated_, nullptr, out_.data(), kernels, runner);
+  for (size_t i = 0; i < m; ++i)
+    for (size_t j = 0; j < n; ++j) y[i * n + j] = out_[i * n + j] + (bias ? bias[j] : 0.0f);
+  const bool by_call = config_.axis == EventAxis::kCall;
+  for (size_t b = 0; b < batch; ++b) {
+    for (size_t s = by_call ? 0 : seq - 1; s < seq; ++s) {
+      const size_t row = b * seq + s;
+      set_dense_state(x + row * k, stream_at(b, by_call ? s : 0), out_.data() + row * n);
+    }
+  }
+  if (by_call) {
+    prev_batch_ = batch;
+    prev_seq_ = seq;
+  }
+}
+
 EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const float* bias, float* y, bool reset,
                             const KernelTable& kernels, const TaskRunner& runner) {
   EventStats stats;
@@ -347,6 +372,11 @@ EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const floa
   const bool by_call = config_.axis == EventAxis::kCall;
   // Sized before any pointer into streams_ is taken.
   for (size_t b = 0; b < batch; ++b) stream_at(b, by_call ? seq - 1 : 0);
+  if (config_.max_gated_rows > 0 && stats.rows > static_cast<uint64_t>(config_.max_gated_rows)) {
+    run_dense_call(x, batch, seq, bias, y, kernels, runner);
+    stats.gate_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    return stats;
+  }
   std::vector<RowPlan> wave;
   const size_t waves = by_call ? 1 : seq;
   for (size_t t = 0; t < waves; ++t) {

@@ -35,6 +35,7 @@ struct EventConfig {
   int64_t gap_every = 64;      // every gap_every-th event row also computes the dense row; 0 = never
   float gap_tol = 0.03f;       // gap above this switches the kernel to dense until a reset
   double kwta_k = 0.0;         // > 0: KWTA prior, candidates = top ceil(kwta_k * blocks) by ||x_b||
+  int64_t max_gated_rows = 0;  // > 0: a call with more rows runs dense (prefill) and resyncs the streams
 };
 
 // One call's counts (summed by the op into its metrics).
@@ -90,6 +91,8 @@ class EventMatMul {
 
   Stream& stream_at(size_t b, size_t s);
   void plan_row(const float* xr, RowPlan& plan, const KernelTable& kernels, EventStats& stats);
+  void run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
+                      const KernelTable& kernels, const TaskRunner& runner);
   void run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y, const KernelTable& kernels,
                 const TaskRunner& runner, EventStats& stats);
   // The stream update after its refreshed blocks order_[begin, begin + done) were computed.

@@ -56,6 +56,8 @@ engine::EventConfig read_config(const Attributes& attrs) {
   c.gap_every = attrs.get_int("gap_every", 64);
   c.gap_tol = attrs.get_float("gap_tol", 0.03f);
   c.kwta_k = attrs.get_float("kwta_k", 0.0f);
+  c.max_gated_rows = attrs.get_int("max_gated_rows", 0);
+  if (c.max_gated_rows < 0) fail("attribute max_gated_rows=", c.max_gated_rows, " must be >= 0 (0: gate every call)");
   if (!(c.topk > 0.0 && c.topk <= 1.0)) fail("attribute topk=", c.topk, " must be in (0, 1]");
   if (!(c.delta_theta >= 0.0f && std::isfinite(c.delta_theta)))
     fail("attribute delta_theta=", c.delta_theta, " must be a finite number >= 0");

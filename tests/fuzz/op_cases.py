@@ -163,6 +163,7 @@ def event_driven_matmul(rng):
         "gap_every": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.5 else None, [-1]),
         "gap_tol": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [-1.0, float("nan")]),
         "kwta_k": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [2.0, -0.5]),
+        "max_gated_rows": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1]),
         "block": attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.5 else None, [0, k + 1]),
     }
     name = f"event_{int(rng.integers(1000))}"

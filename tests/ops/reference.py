@@ -79,7 +79,8 @@ class EventReference:
     the quorum of each row's selected blocks is computed)."""
 
     def __init__(self, w, bias=None, *, block=1, axis="sequence", topk=0.4, delta_theta=0.01, stale_beta=1.0,
-                 stale_lambda=0.0, age_max=0, quorum=0.6, gap_every=64, gap_tol=0.03, kwta_k=0.0, expired=False):
+                 stale_lambda=0.0, age_max=0, quorum=0.6, gap_every=64, gap_tol=0.03, kwta_k=0.0, expired=False,
+                 max_gated_rows=0):
         self.w = w.astype(np.float64)
         self.bias = None if bias is None else bias.astype(np.float64)
         self.k, self.n = w.shape
@@ -91,6 +92,7 @@ class EventReference:
         self.theta, self.beta, self.lam = np.float32(delta_theta), float(np.float32(stale_beta)), float(np.float32(stale_lambda))
         self.age_max, self.quorum = age_max, float(np.float32(quorum))
         self.gap_every, self.gap_tol, self.expired = gap_every, float(np.float32(gap_tol)), expired
+        self.max_gated_rows = max_gated_rows
         self.reset()
         self.refreshed = self.total = self.gap_checks = self.disables = self.deadline_stops = 0
         self.last_gap = None
@@ -149,6 +151,14 @@ class EventReference:
         seq = shape[-2] if x.ndim >= 2 else 1
         batch = x2.shape[0] // seq if seq else 0
         y = np.zeros((x2.shape[0], self.n))
+        if 0 < self.max_gated_rows < x2.shape[0]:  # a prefill: dense, streams resync on their last row
+            for b in range(batch):
+                for s in (range(seq) if self.axis == "call" else [seq - 1]):
+                    self._dense(self.streams.setdefault((b, s if self.axis == "call" else 0), {}), x2[b * seq + s])
+            if self.axis == "call":
+                self.prev = (batch, seq)
+            y = x2.astype(np.float64) @ self.w + (self.bias if self.bias is not None else 0)
+            return y.reshape(*shape[:-1], self.n)
         if self.axis == "call":
             waves = [[(b * seq + s, (b, s)) for b in range(batch) for s in range(seq)]]
             for b in range(batch):

@@ -113,6 +113,25 @@ def test_sequence_axis_rows_of_one_call_chain_like_separate_calls(rng):
     close(one_call, EventReference(w, b, **attrs)(xs), k)
 
 
+@pytest.mark.parametrize("axis", ["sequence", "call"])
+def test_max_gated_rows_runs_prefill_dense_and_continues_from_it(axis, rng):
+    k, n = 36, 14
+    w, b = weights(rng, k, n)
+    attrs = dict(topk=0.3, delta_theta=0.0, gap_every=0, axis=axis, max_gated_rows=2)
+    session = ortsparse.inference_session(event_model(w, b, x_shape=("b", "s", None), node_name="mgr", **attrs))
+    ref = EventReference(w, b, **attrs)
+    ortsparse.reset_metrics()
+    stream = list(smooth_stream(rng, 6, 4, k, 1))
+    prefill = stream[0].reshape(1, 4, k)
+    close(session.run(None, {"X": prefill})[0], dense(prefill, w, b), k)
+    ref(prefill)
+    for x in stream[1:]:
+        xs = x[:1].reshape(1, 1, k) if axis == "sequence" else x[:2].reshape(1, 2, k)
+        close(session.run(None, {"X": xs})[0], ref(xs), k)
+    m = ortsparse.metrics()["mgr"]
+    assert m["event_rows"] == (5 if axis == "sequence" else 10) and m["event.topk_kept"] < 0.5
+
+
 def test_call_axis_growing_input_starts_new_rows_fresh(rng):
     k, n = 24, 10
     w, b = weights(rng, k, n)
@@ -257,7 +276,7 @@ class TestBadInput:
         ({"stale_lambda": -0.1}, "stale_lambda=-0.1"), ({"age_max": -1}, "age_max=-1"),
         ({"budget_ms": -2.0}, "budget_ms=-2"), ({"quorum": 1.2}, "quorum=1.2"), ({"gap_every": -1}, "gap_every=-1"),
         ({"gap_tol": -0.5}, "gap_tol=-0.5"), ({"kwta_k": 2.0}, "kwta_k=2"), ({"block": 0}, "block=0"),
-        ({"block": 9}, "block=9"),
+        ({"block": 9}, "block=9"), ({"max_gated_rows": -1}, "max_gated_rows=-1"),
     ])
     def test_bad_attributes(self, attrs, text, rng):
         w, b = weights(rng, 8, 4)
