@@ -21,6 +21,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+bool all_finite(const float* v, size_t n) {
+  uint32_t bad = 0;  // integer test of the exponent bits: vectorises (a float reduction would not)
+  for (size_t j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, v + j, sizeof(bits));
+    bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad == 0;
+}
+
 // A fraction of `total` as a count: ceil with the same float32 slack as KWTA's k_frac.
 size_t fraction_count(double fraction, size_t total) {
   return static_cast<size_t>(std::ceil(fraction * static_cast<double>(total) * (1.0 - 1e-6)));
@@ -59,6 +69,7 @@ void EventMatMul::set_dense_state(const float* xr, Stream& s, const float* produ
   if (config_.stale_beta != 1.0f) s.fresh.assign(product, product + n);
   s.age.assign(partition_.num_blocks, 0);
   s.live = true;
+  s.finite = all_finite(s.y.data(), n);
 }
 
 void EventMatMul::write_delta(const float* xr, const Stream& s, const int32_t* blocks, size_t count, float* d) const {
@@ -78,7 +89,7 @@ void EventMatMul::plan_row(const float* xr, RowPlan& plan, const KernelTable& ke
   plan.order_count = 0;
   plan.forced_count = 0;
   plan.quorum_count = 0;
-  if (!enabled_ || !s.live) return;
+  if (!enabled_ || !s.live || !s.finite) return;
   const size_t k = partition_.k, nb = partition_.num_blocks;
   ++stats.event_rows;
   stats.blocks_total += nb;
@@ -180,6 +191,7 @@ void EventMatMul::commit_row(const float* xr, const RowPlan& plan, size_t done, 
       }
     }
   }
+  s.finite = all_finite(s.y.data(), n);
   for (uint32_t& a : s.age) a = a == UINT32_MAX ? a : a + 1;
   const int32_t* blocks = order_.data() + plan.order_begin;
   for (size_t i = 0; i < done; ++i) {

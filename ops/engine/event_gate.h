@@ -76,6 +76,7 @@ class EventMatMul {
     std::vector<float> fresh;   // [N] product of the blocks refreshed on the last row (stale_beta < 1 only)
     std::vector<uint32_t> age;  // [blocks] rows since the block was last refreshed
     bool live = false;
+    bool finite = true;         // y has no NaN/Inf (else the next row is dense: delta coding would keep it)
   };
   // One row of a wave (rows of a wave are independent, so they share one backend run).
   struct RowPlan {

@@ -264,6 +264,26 @@ def test_leading_dims_empty_and_rank1(rng):
     close(s1.run(None, {"X": v})[0], dense(v, w, b), k)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_row_does_not_poison_later_rows(bad, rng):
+    # Delta coding adds onto the previous output: a non-finite output must force a dense row next.
+    k, n = 20, 7
+    w, b = weights(rng, k, n)
+    session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=0, **EXACT))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    for call in range(6):
+        x = x.copy()
+        x[:, call % k] += 0.5
+        xin = x.copy()
+        if call == 2:
+            xin[0, 3] = bad
+        y = session.run(None, {"X": xin})[0]
+        if call == 2:
+            assert not np.isfinite(y[0]).all() and np.isfinite(y[1]).all()
+        else:
+            close(y, dense(xin, w, b), k)
+
+
 class TestBadInput:
     def create(self, model):
         with pytest.raises(Exception) as info:
