@@ -77,3 +77,13 @@ def test_override_entries_and_bad_settings():
     with pytest.raises(ConfigError, match="axis='time'"):
         parse_overrides([{"match": "*", "event": {"axis": "time"}}])
     assert EventSettings(topk=1.0, delta_theta=0.0).is_exact(8) and not EventSettings().is_exact(8)
+
+
+def test_every_event_flag_reaches_the_op():
+    out, _ = rewrite_model(tg.llama_like(), config("--event-driven=on", "--event-stale-beta=0.9",
+                                                   "--event-stale-lambda=0.2", "--event-age-max=5",
+                                                   "--event-gap-every=8", "--event-block=4",
+                                                   "--event-max-gated-rows=1"))
+    a = attrs(next(n for n in out.graph.node if n.op_type == "EventDrivenMatMul"))
+    assert a["stale_beta"] == pytest.approx(0.9) and a["stale_lambda"] == pytest.approx(0.2)
+    assert (a["age_max"], a["gap_every"], a["block"], a["max_gated_rows"]) == (5, 8, 4, 1)
