@@ -213,30 +213,39 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
   };
 
   if (config_.budget_ms <= 0.0) {
-    // No deadline: every row's refreshed blocks in one backend run over the wave.
-    gated_.clear();
+    // No deadline. Dense rows (fresh streams, full refreshes) share one backend run: at M > 2 the
+    // engine's token tiles reuse each W row across them. Gated rows each have their own row list,
+    // whose union over a tile is most of W, so they run one by one on the decode path (whole W rows
+    // streamed, y in L1), which measured faster than tiling them.
+    out_.resize(m * n);
+    if (need_fresh) fresh_out_.resize(m * n);
     inputs_.resize(std::max(inputs_.size(), m * k));
+    gated_.clear();
+    dense_rows_.clear();
+    for (size_t i = 0; i < m; ++i) {
+      if (!wave[i].dense) continue;
+      std::memcpy(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k * sizeof(float));
+      dense_rows_.push_back(i);
+      gated_.add_dense_token();
+    }
+    if (!dense_rows_.empty()) {
+      dense_out_.resize(dense_rows_.size() * n);
+      backend_->run(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
+      for (size_t d = 0; d < dense_rows_.size(); ++d)
+        std::memcpy(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n * sizeof(float));
+    }
     for (size_t i = 0; i < m; ++i) {
       RowPlan& plan = wave[i];
+      if (plan.dense) continue;
       const float* xr = x + plan.row * k;
-      float* in = inputs_.data() + i * k;
-      if (plan.dense) {
-        std::memcpy(in, xr, k * sizeof(float));
-        gated_.add_dense_token();
-      } else {
-        int32_t* blocks = order_.data() + plan.order_begin;
-        // Forced and by-delta blocks are each ascending already: W rows in memory order.
-        if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
-        write_delta(xr, *plan.stream, blocks, plan.order_count, in);
-        gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
-      }
-    }
-    out_.resize(m * n);
-    backend_->run(inputs_.data(), m, gated_, nullptr, out_.data(), kernels, runner);
-    if (need_fresh) {
-      for (size_t i = 0; i < m; ++i) std::memcpy(inputs_.data() + i * k, x + wave[i].row * k, k * sizeof(float));
-      fresh_out_.resize(m * n);
-      backend_->run(inputs_.data(), m, gated_, nullptr, fresh_out_.data(), kernels, runner);
+      int32_t* blocks = order_.data() + plan.order_begin;
+      // Forced and by-delta blocks are each ascending already: W rows in memory order.
+      if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
+      write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
+      gated_.clear();
+      gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
+      backend_->run(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n, kernels, runner);
+      if (need_fresh) backend_->run(xr, 1, gated_, nullptr, fresh_out_.data() + i * n, kernels, runner);
     }
     for (size_t i = 0; i < m; ++i) {
       RowPlan& plan = wave[i];

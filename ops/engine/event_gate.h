@@ -125,7 +125,7 @@ class EventMatMul {
   std::vector<uint32_t> select_scratch_;
   std::vector<int32_t> order_;
   std::vector<float> inputs_, out_, fresh_out_, dense_out_;
-  std::vector<int32_t> chunk_rows_;
+  std::vector<size_t> dense_rows_;
   GatedRows gated_;
 };
 
