@@ -91,7 +91,7 @@ class EventMatMul {
   };
 
   Stream& stream_at(size_t b, size_t s);
-  void plan_row(const float* xr, RowPlan& plan, const KernelTable& kernels, EventStats& stats);
+  void plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const KernelTable& kernels, EventStats& stats);
   void run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
                       const KernelTable& kernels, const TaskRunner& runner);
   void run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y, const KernelTable& kernels,

@@ -80,7 +80,7 @@ class EventReference:
 
     def __init__(self, w, bias=None, *, block=1, axis="sequence", topk=0.4, delta_theta=0.01, stale_beta=1.0,
                  stale_lambda=0.0, age_max=0, quorum=0.6, gap_every=64, gap_tol=0.03, kwta_k=0.0, expired=False,
-                 max_gated_rows=0):
+                 max_gated_rows=0, deadline=False):
         self.w = w.astype(np.float64)
         self.bias = None if bias is None else bias.astype(np.float64)
         self.k, self.n = w.shape
@@ -93,6 +93,7 @@ class EventReference:
         self.age_max, self.quorum = age_max, float(np.float32(quorum))
         self.gap_every, self.gap_tol, self.expired = gap_every, float(np.float32(gap_tol)), expired
         self.max_gated_rows = max_gated_rows
+        self.deadline = deadline or expired  # budget_ms > 0: rows run alone, no dense-row cost rule
         self.reset()
         self.refreshed = self.total = self.gap_checks = self.disables = self.deadline_stops = 0
         self.last_gap = None
@@ -115,8 +116,10 @@ class EventReference:
     def _dense(self, st, xr):
         st.update(x_ref=xr.copy(), age=np.zeros(self.nb, dtype=np.int64), live=True)
 
-    def _plan(self, st, xr):
-        """None for a dense row, else the refreshed blocks (forced first, then by delta)."""
+    def _plan(self, st, xr, wave_rows=1):
+        """None for a dense row, else the refreshed blocks (forced first, then by delta). In a wave
+        of more than 2 rows without a deadline, a row refreshing more than 40% of its blocks is a
+        dense row (the engine's cost rule)."""
         if not self.enabled or not st.get("live"):
             return None
         self.total += self.nb
@@ -132,7 +135,7 @@ class EventReference:
         keep = min(self.refresh, len(idx))
         by_delta = idx[np.lexsort((idx, -d2[idx]))][:keep]
         order = list(np.flatnonzero(forced)) + list(by_delta)
-        if len(order) == self.nb:
+        if len(order) == self.nb or (wave_rows > 2 and not self.deadline and len(order) > 0.4 * self.nb):
             self.refreshed += self.nb
             return None
         if self.expired:
@@ -172,7 +175,7 @@ class EventReference:
             plans = []
             for row, key in wave:
                 st = self.streams.setdefault(key, {})
-                order = self._plan(st, x2[row])
+                order = self._plan(st, x2[row], len(wave))
                 check = False
                 if order is not None and self.gap_every > 0:
                     self.gap_counter += 1

@@ -101,6 +101,21 @@ def test_approximate_modes_match_the_reference(axis, block, settings, rng):
         close(got, ref(x3), k)
 
 
+def test_wide_waves_run_rows_with_large_refresh_sets_dense(rng):
+    # 6 rows per call, topk 0.7: rows whose refresh set exceeds 40% of the blocks run dense (exact).
+    k, n = 50, 9
+    w, b = weights(rng, k, n)
+    attrs = dict(topk=0.7, delta_theta=0.0, gap_every=0, axis="call")
+    session = ortsparse.inference_session(event_model(w, b, node_name="wide", **attrs))
+    ref = EventReference(w, b, **attrs)
+    ortsparse.reset_metrics()
+    for x in smooth_stream(rng, 5, 6, k, 1):
+        y = session.run(None, {"X": x})[0]
+        close(y, ref(x), k)
+        close(y, dense(x, w, b), k)
+    assert ortsparse.metrics()["wide"]["event.topk_kept"] == 1.0
+
+
 def test_sequence_axis_rows_of_one_call_chain_like_separate_calls(rng):
     k, n = 30, 11
     w, b = weights(rng, k, n)
@@ -188,7 +203,7 @@ def test_budget_deadline_keeps_the_quorum(rng):
     for budget, expired in [(1e6, False), (1e-9, True)]:
         attrs = dict(topk=0.5, delta_theta=0.0, quorum=0.25, gap_every=0, axis="call", block=2)
         session = ortsparse.inference_session(event_model(w, b, budget_ms=budget, node_name="bud", **attrs))
-        ref = EventReference(w, b, expired=expired, **attrs)
+        ref = EventReference(w, b, expired=expired, deadline=True, **attrs)
         ortsparse.reset_metrics()
         for x in smooth_stream(rng, 6, 2, k, 2):
             close(session.run(None, {"X": x})[0], ref(x), k)
