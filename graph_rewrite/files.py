@@ -38,6 +38,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"input model {path} does not exist or is not a file")
+    if path.stat().st_size == 0:
+        raise ModelFileError(f"input model {path} is empty (0 bytes)")
     try:
         model = ir.load(path)
     except Exception as error:  # protobuf and onnx raise many types for a broken file

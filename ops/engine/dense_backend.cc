@@ -38,7 +38,7 @@ struct ColumnSpans {
 };
 
 void fill_bias(float* y, const float* bias, size_t width) {
-  if (bias) std::memcpy(y, bias, width * sizeof(float));
+  if (bias && width > 0) std::memcpy(y, bias, width * sizeof(float));
 }
 
 // The inputs token t uses, in row-list order, times its scale (dense: all K).
@@ -57,6 +57,7 @@ void gather_token(const float* xt, const GatedRows& gated, size_t t, size_t k, f
 
 DenseWeights::DenseWeights(const float* w, size_t k, size_t n) : k_(k), n_(n), ldw_(round_up(n, 16)) {
   data_.resize(k_ * ldw_);
+  if (n_ == 0) return;  // N = 0: nothing to pack (and memcpy must not see the null data pointer)
   for (size_t r = 0; r < k_; ++r) {
     float* dst = data_.data() + r * ldw_;
     std::memcpy(dst, w + r * n_, n_ * sizeof(float));

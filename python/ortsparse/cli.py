@@ -111,15 +111,14 @@ def _write_report(report, path: str) -> None:
         raise ModelFileError(f"cannot write report {path}: {error.strerror or error}") from None
 
 
-def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool) -> int:
-    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, parse_shape_overrides, verify_models
+def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes) -> int:
+    from .verify import DEFAULT_BUDGET, EXACT_BUDGET, verify_models
 
     if report.exact:
         budget, reason = EXACT_BUDGET, "tight: every rewritten layer keeps all inputs (k=1, threshold=0)"
     else:
         budget = DEFAULT_BUDGET if args.verify_budget is None else args.verify_budget
         reason = "approximate layers present; set with --verify-budget"
-    shapes = parse_shape_overrides(args.verify_shape)
     try:
         result = verify_models(args.input, args.output, runs=args.verify, budget=budget, budget_reason=reason,
                                shapes=shapes, seed=args.verify_seed, progress=progress)
@@ -157,13 +156,18 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if not args.output:
         parser.error("-o/--output OUT.onnx is required (the input file is never modified)")
     progress = not args.quiet and sys.stderr.isatty()
+    shapes = None
+    if args.verify:
+        from .verify import parse_shape_overrides
+
+        shapes = parse_shape_overrides(args.verify_shape)  # a bad spec is a usage error before anything is written
     report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check)
     say(f"wrote {args.output}")
     say(report.summary())
     if args.report:
         _write_report(report, args.report)
     if args.verify:
-        return _verify(args, report, say, progress)
+        return _verify(args, report, say, progress, shapes)
     return EXIT_OK
 
 

@@ -102,12 +102,21 @@ def test_report_json(model_file, tmp_path):
     assert len(data["layers"]) == 9 and data["counts"]["mlp"]["rewritten"] == 4
 
 
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 @pytest.mark.parametrize("make_args, message", [
     (lambda src, tmp: [], "IN.onnx is required"),
     (lambda src, tmp: [str(src)], "-o/--output"),
     (lambda src, tmp: [str(src), "-o", str(src)], "is the input file"),
     (lambda src, tmp: [str(tmp / "missing.onnx"), "-o", str(tmp / "o.onnx")], "does not exist"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "nodir" / "o.onnx")], "output directory"),
+    (lambda src, tmp: [str(_write(tmp / "t.onnx", src.read_bytes()[:len(src.read_bytes()) // 2])), "-o",
+                       str(tmp / "o.onnx")], "cannot read"),
+    (lambda src, tmp: [str(_write(tmp / "g.onnx", b"\x00\xff" * 999)), "-o", str(tmp / "o.onnx")], "cannot read"),
+    (lambda src, tmp: [str(_write(tmp / "e.onnx", b"")), "-o", str(tmp / "o.onnx")], "is empty"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--kwta-k", "1.5"], "k_frac=1.5"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--kwta-target", "ffn"], "invalid choice"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--config", str(tmp / "none.json")], "cannot read"),
@@ -120,6 +129,7 @@ def test_usage_and_input_errors_exit_2(model_file, tmp_path, capsys, make_args, 
     assert rewrite_onnx_main(make_args(source, tmp_path)) == EXIT_USAGE
     assert message in capsys.readouterr().err
     assert source.read_bytes() == before
+    assert not (tmp_path / "o.onnx").exists()  # nothing half-written
 
 
 def test_verify_passes_tight_budget_at_k1(model_file, tmp_path, capsys):

@@ -1,0 +1,33 @@
+"""Deterministic ops give bit-identical outputs across runs, sessions and intra-op thread counts
+(work is split into a fixed number of chunks, never by thread count). docs/ops.md states this per op."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ortsparse
+
+from .onnx_builders import kwta_model
+
+
+def kwta_case(rng, m):
+    k, n = 1536, 200
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return kwta_model(w, b, k_frac=0.37), {"X": x}
+
+
+CASES = {"kwta": kwta_case}
+
+
+@pytest.mark.parametrize("m", [1, 2, 9])
+@pytest.mark.parametrize("case", CASES)
+def test_bit_identical_across_runs_and_thread_counts(case, m):
+    model, feeds = CASES[case](np.random.default_rng(11), m)
+    outputs = []
+    for threads in (1, 2, 3, 4):
+        session = ortsparse.inference_session(model, intra_op_num_threads=threads)
+        outputs += [session.run(None, feeds)[0] for _ in range(2)]
+    for other in outputs[1:]:
+        assert np.array_equal(outputs[0].view(np.uint32), other.view(np.uint32))
