@@ -232,6 +232,7 @@ def test_metrics_count_refreshed_blocks(rng):
     assert ortsparse.metrics()["total/EventDrivenMatMul"]["calls"] >= 9
 
 
+@pytest.mark.concurrency
 def test_concurrent_runs_share_streams_without_crashing(rng):
     # Calls on one session are serialised per kernel: in exact mode every result equals dense
     # whatever the interleaving; in approximate mode each call sees some other call's state.
