@@ -118,7 +118,7 @@ class EventReference:
 
     def _plan(self, st, xr, wave_rows=1):
         """None for a dense row, else the refreshed blocks (forced first, then by delta). In a wave
-        of more than 2 rows without a deadline, a row refreshing more than 40% of its blocks is a
+        of more than 2 rows without a deadline, a row refreshing more than 50% of its blocks is a
         dense row (the engine's cost rule)."""
         if not self.enabled or not st.get("live"):
             return None
@@ -135,7 +135,7 @@ class EventReference:
         keep = min(self.refresh, len(idx))
         by_delta = idx[np.lexsort((idx, -d2[idx]))][:keep]
         order = list(np.flatnonzero(forced)) + list(by_delta)
-        if len(order) == self.nb or (wave_rows > 2 and not self.deadline and len(order) > 0.4 * self.nb):
+        if len(order) == self.nb or (wave_rows > 2 and not self.deadline and len(order) > 0.5 * self.nb):
             self.refreshed += self.nb
             return None
         if self.expired:

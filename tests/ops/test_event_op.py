@@ -102,7 +102,7 @@ def test_approximate_modes_match_the_reference(axis, block, settings, rng):
 
 
 def test_wide_waves_run_rows_with_large_refresh_sets_dense(rng):
-    # 6 rows per call, topk 0.7: rows whose refresh set exceeds 40% of the blocks run dense (exact).
+    # 6 rows per call, topk 0.7: rows whose refresh set exceeds 50% of the blocks run dense (exact).
     k, n = 50, 9
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.7, delta_theta=0.0, gap_every=0, axis="call")
