@@ -233,13 +233,15 @@ def test_metrics_count_refreshed_blocks(rng):
 
 
 @pytest.mark.concurrency
-def test_concurrent_runs_share_streams_without_crashing(rng):
+@pytest.mark.parametrize("intra_op_threads", [1, 2], ids=["caller", "pool"])
+def test_concurrent_runs_share_streams_without_crashing(intra_op_threads, rng):
     # Calls on one session are serialised per kernel: in exact mode every result equals dense
     # whatever the interleaving; in approximate mode each call sees some other call's state.
     k, n = 96, 48
     w, b = weights(rng, k, n)
     for attrs, exact in [(EXACT, True), (dict(topk=0.2, delta_theta=0.0), False)]:
-        session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=5, node_name="conc", **attrs))
+        session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=5, node_name="conc", **attrs),
+                                              intra_op_num_threads=intra_op_threads)
         ortsparse.reset_metrics()
         inputs = [rng.standard_normal((3, k)).astype(np.float32) for _ in range(4)]
         errors, bad = [], []
