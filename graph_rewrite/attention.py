@@ -23,6 +23,7 @@ FUSED_ATTENTION = {
     f"{MS_DOMAIN}.PackedMultiHeadAttention": {0: "q", 1: "k", 2: "v"},
     f"{MS_DOMAIN}.DecoderMaskedMultiHeadAttention": {0: "q", 1: "k", 2: "v"},
     f"{MS_DOMAIN}.SparseAttention": {0: "q", 1: "k", 2: "v"},
+    "ai.ortsparse.PopcountAttention": {0: "q", 1: "k", 2: "v"},  # a model rewritten before
     f"{MS_DOMAIN}.Attention": {},
     f"{MS_DOMAIN}.PackedAttention": {},
     f"{MS_DOMAIN}.DecoderMaskedSelfAttention": {},

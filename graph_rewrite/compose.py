@@ -21,6 +21,7 @@ GATE_LEAD_ORDER: tuple[str, ...] = ("event", "pack", "kwta")
 PARTNERS: dict[str, frozenset[str]] = {
     "kwta": frozenset(),
     "event": frozenset({"kwta"}),
+    "pack": frozenset({"kwta"}),  # bitmap then KWTA on the survivors, one KwtaBlockMatMul
 }
 
 
@@ -43,3 +44,14 @@ def compose(layer_name: str, chosen: Mapping[str, Any]) -> tuple[str, dict[str, 
                           f"{', '.join(refused)} on the same layer; separate them with --<technique>-target or a "
                           "per-layer override")
     return lead, partners
+
+
+def check_attention(config) -> None:
+    """Seed 001: popcount-approximate attention scores (no exact refine) and event-driven on
+    attention must not share a score. ``config`` is a RewriteConfig; event-driven is the registry's
+    ``event`` technique when it exists."""
+    from .techniques.popcount import check_composition
+
+    event = config.techniques.get("event")
+    on_attention = bool(event and event.enabled and event.target in ("attn", "both", "all"))
+    check_composition(config.attention, on_attention)

@@ -17,6 +17,7 @@ from typing import Any
 import tomllib
 
 from .errors import ConfigError
+from .techniques.popcount import AttentionSettings
 from .targets import LAYER_CLASSES, LAYER_ROLES, TARGETS, target_includes
 from .techniques import (
     KWTA_DUTY_MODES,
@@ -97,8 +98,14 @@ class RewriteConfig:
     kwta_target: str = "mlp"
     overrides: tuple[LayerOverride, ...] = ()
     techniques: Mapping[str, TechniqueChoice] = dataclasses.field(default_factory=dict)
+    # Attention cores -> PopcountAttention (techniques/popcount.py); None = off. Not a per-layer
+    # technique: it replaces attention cores, not linear layers, so it is not in ``techniques``.
+    attention: AttentionSettings | None = None
+    attention_why: str = "--attn=off"
 
     def __post_init__(self) -> None:
+        if self.attention is not None and not isinstance(self.attention, AttentionSettings):
+            raise ConfigError("RewriteConfig.attention must be an AttentionSettings or None")
         if self.kwta_target not in TARGETS:
             raise ConfigError(f"kwta target {self.kwta_target!r} must be one of {', '.join(TARGETS)}")
         object.__setattr__(self, "overrides", tuple(self.overrides))

@@ -144,7 +144,7 @@ def rewrite_file(
 
     in_path, out_path = Path(in_path), Path(out_path)
     _validate_paths(in_path, out_path)
-    stages = ["load", "analyse", "build", "rewrite", "save"]
+    stages = ["load", "analyse", "build", "rewrite", "attention", "save"]
     with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
         def stage(name: str) -> None:
             bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer

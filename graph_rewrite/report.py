@@ -68,6 +68,7 @@ class RewriteReport:
     added_initializers: list[str] = dataclasses.field(default_factory=list)
     removed_initializers: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    attention: list[Any] = dataclasses.field(default_factory=list)  # AttentionRecord per attention core
     preview: bool = False  # True: a plan (``--list-layers``), nothing was changed
 
     @property
@@ -82,7 +83,7 @@ class RewriteReport:
     def exact(self) -> bool:
         """True when every rewritten layer keeps all its inputs: the rewritten model must then
         match the original up to float rounding."""
-        return all(r.exact for r in self.layers)
+        return all(r.exact for r in self.layers) and all(a.exact for a in self.attention)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """{class: {"layers": n, "rewritten": n, "skipped": n}} for the classes present."""
@@ -103,9 +104,28 @@ class RewriteReport:
                  r.detail()) for r in self.layers]
         return _table(header, rows)
 
+    def attention_table(self) -> str:
+        header = ("#", "anchor", "form", "rule", "decision", "detail")
+        rows = [(str(a.index), a.anchor or "<unnamed>", a.form, a.rule or "-",
+                 ("rewrite" if a.rewritten else "skip") if self.preview else a.decision,
+                 "; ".join(x for x in (a.detail, *a.notes) if x) if a.rewritten else a.reason)
+                for a in self.attention]
+        return _table(header, rows)
+
+    def attention_summary(self) -> list[str]:
+        if not self.attention:
+            return []
+        verb = "to rewrite" if self.preview else "rewritten"
+        done = [a for a in self.attention if a.rewritten]
+        lines = [f"{len(self.attention)} attention core(s), {len(done)} {verb} -> PopcountAttention"
+                 + (f" ({done[0].settings.short()})" if done and done[0].settings else "")]
+        reasons = Counter(_generic(a.reason) for a in self.attention if not a.rewritten)
+        lines.extend(f"  attention skipped {count:4d}  {reason}" for reason, count in reasons.most_common())
+        return lines
+
     def summary(self) -> str:
         if not self.layers:
-            return "no linear layers found (nothing to rewrite)"
+            return "\n".join(["no linear layers found (nothing to rewrite)", *self.attention_summary()])
         counts = self.counts()
         ops = Counter(r.new_op for r in self.rewritten)
         done = ", ".join(f"{n} -> {op}" for op, n in ops.items()) or "none"
@@ -118,7 +138,8 @@ class RewriteReport:
         if reasons:
             lines.append("skipped because:")
             lines.extend(f"  {count:4d}  {reason}" for reason, count in reasons.most_common())
-        if not self.rewritten and not self.preview:
+        lines.extend(self.attention_summary())
+        if not self.rewritten and not self.preview and not any(a.rewritten for a in self.attention):
             lines.append("note: no layer matched the selection; the output is the input model unchanged")
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
@@ -127,12 +148,14 @@ class RewriteReport:
         config = dataclasses.asdict(self.config)
         config["kwta"] = self.config.kwta.attributes()
         config["overrides"] = [dataclasses.asdict(o) for o in self.config.overrides]
+        config["attention"] = self.config.attention.attributes() if self.config.attention else None
         return {
             "layers": [r.to_dict() for r in self.layers],
             "counts": self.counts(),
             "exact": self.exact,
             "preview": self.preview,
             "attention_cores": self.attention_cores,
+            "attention": [a.to_dict() for a in self.attention],
             "added_initializers": self.added_initializers,
             "removed_initializers": self.removed_initializers,
             "notes": self.notes,

@@ -9,6 +9,8 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
 
+from .attention_rules import list_attention, rewrite_attention
+from .compose import check_attention
 from .config import RewriteConfig
 from .layers import LinearLayer, survey
 from .plan import WeightPreparer, decide_layer
@@ -74,6 +76,7 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
                     on_stage: Callable[[str], None] | None = None,
                     calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
     stage = on_stage or (lambda _: None)
+    check_attention(config)
     stage("analyse")
     found = survey(model)
     layers = found.layers
@@ -123,8 +126,20 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
 
     report = RewriteReport(layers=[records[layer.index] for layer in layers], config=config,
                            attention_cores=found.attention_cores, preview=not apply)
-    if not apply or not plans:
-        return report
+    if apply and plans:
+        _apply_plans(model, layers, records, plans, metadata, preparer, report, stage)
+    # Attention last: the linear rules never touch attention cores, and the cores' survey must see
+    # the q/k/v values as the linear rewrite left them.
+    if apply:
+        if config.attention is not None:
+            stage("attention")
+        report.attention = rewrite_attention(model, config.attention, config.attention_why)
+    else:
+        report.attention = list_attention(model, config.attention, config.attention_why)
+    return report
+
+
+def _apply_plans(model, layers, records, plans, metadata, preparer, report, stage) -> None:
 
     stage("rewrite")
     RewriteRuleSet([rule for _, rule in make_rules(plans)]).apply_to_model(model)
@@ -143,4 +158,3 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
         model.opset_imports[DOMAIN] = DOMAIN_VERSION
     report.added_initializers = list(preparer.added)
     report.removed_initializers = list(preparer.removed)
-    return report

@@ -2,6 +2,8 @@
 #include <memory>
 
 #include "common/metrics.h"
+#include "attention/popcount_kernels.h"
+#include "engine/bitmap_gate.h"
 #include "engine/dense_backend.h"
 #include "engine/kwta_gate.h"
 #include "ort/matmul_io.h"
@@ -10,11 +12,11 @@
 namespace ortsparse::ort {
 namespace {
 
-enum Counter { kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits };
-enum Constant { kTemp, kKeepCount, kNumBlocks };
+enum Counter { kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits, kPackCalls, kPackApplied, kPackActive, kPackBlocks };
+enum Constant { kTemp, kKeepCount, kNumBlocks, kPackEnabled, kPackMode, kPackPopcnt };
 
 std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, const double* constants) {
-  return {
+  std::vector<std::pair<std::string, double>> out = {
       {"kwta.keep_ratio", c[kBlocksTotal] ? static_cast<double>(c[kBlocksKept]) / c[kBlocksTotal] : 1.0},
       {"kwta.duty_hits", static_cast<double>(c[kDutyHits])},
       {"kwta.temp", constants[kTemp]},
@@ -23,6 +25,25 @@ std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, con
       {"blocks_total", static_cast<double>(c[kBlocksTotal])},
       {"blocks_kept", static_cast<double>(c[kBlocksKept])},
   };
+  if (constants[kPackEnabled] != 0.0) {  // the bitmap gate (pack_mode), ortsparse addition
+    out.push_back({"pack.enabled", 1.0});
+    out.push_back({"pack.mode", constants[kPackMode]});
+    out.push_back({"pack.density", c[kPackBlocks] ? static_cast<double>(c[kPackActive]) / c[kPackBlocks] : 0.0});
+    out.push_back({"pack.active", c[kPackCalls] ? static_cast<double>(c[kPackApplied]) / c[kPackCalls] : 0.0});
+    out.push_back({"pack.popcnt", constants[kPackPopcnt]});
+  }
+  return out;
+}
+
+engine::BitmapConfig read_bitmap_config(const Attributes& attrs, const engine::KwtaConfig& kwta) {
+  engine::BitmapConfig c;
+  c.mode = engine::parse_pack_gate_mode(attrs.get_string("pack_mode", "none"));
+  c.eps = attrs.get_float("pack_eps", 0.0f);
+  c.density_max = attrs.get_float("pack_density_max", 0.15f);
+  if (c.mode != engine::PackGateMode::kNone && kwta.duty != 1)
+    fail("attribute pack_mode='", c.mode == engine::PackGateMode::kBinary ? "binary" : "ternary",
+         "' composes with the kwta rule of every call; duty=", kwta.duty, " is not supported with it (use duty=1)");
+  return c;
 }
 
 engine::KwtaConfig read_config(const Attributes& attrs) {
@@ -75,6 +96,14 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     matmul_ = std::make_unique<engine::DenseBackend>(std::move(weights));
     metrics_ = metrics_slot(kOpName, node(), describe_kwta);
     metrics_->set_constant(kTemp, config.temp);
+    const engine::BitmapConfig bitmap = read_bitmap_config(attrs, config);
+    if (bitmap.mode != engine::PackGateMode::kNone) {
+      if (!attention::active_popcnt_error().empty()) fail(attention::active_popcnt_error());
+      bitmap_ = std::make_unique<engine::BitmapGate>(partition, bitmap);
+      metrics_->set_constant(kPackEnabled, 1.0);
+      metrics_->set_constant(kPackMode, static_cast<double>(static_cast<int>(bitmap.mode)));
+      metrics_->set_constant(kPackPopcnt, static_cast<double>(static_cast<int>(attention::active_popcnt_path())));
+    }
   }
 
   void Compute(OrtKernelContext* raw_context) {
@@ -84,7 +113,23 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     if (io.m == 0) return;
     const engine::KernelTable& kernels = engine::active_kernels();
     thread_local engine::GatedRows gated;  // reused: a decode step allocates nothing
-    const engine::KwtaStats stats = gate_->plan(io.x, io.m, kernels, gated);
+    const int64_t max_rows = gate_->config().max_gated_rows;
+    engine::KwtaStats stats;
+    bool planned = false;
+    if (bitmap_ && !(max_rows > 0 && io.m > static_cast<size_t>(max_rows))) {
+      const engine::BitmapStats b = bitmap_->plan(io.x, io.m, kernels, gate_.get(), gated);
+      metrics_->add(kPackCalls, 1);
+      metrics_->add(kPackActive, b.blocks_active);
+      metrics_->add(kPackBlocks, b.blocks_total);
+      if (b.applied) {
+        metrics_->add(kPackApplied, 1);
+        stats.blocks_total = b.blocks_total;
+        stats.blocks_kept = b.blocks_kept;
+        stats.gated = true;
+        planned = true;
+      }
+    }
+    if (!planned) stats = gate_->plan(io.x, io.m, kernels, gated);
     matmul_->run(io.x, io.m, gated, io.bias, io.y, kernels, OrtTaskRunner(raw_context));
     metrics_->add(kCalls, 1);
     metrics_->add(kRows, io.m);
@@ -95,6 +140,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
 
  private:
   std::unique_ptr<engine::KwtaGate> gate_;
+  std::unique_ptr<engine::BitmapGate> bitmap_;  // pack_mode != none
   std::unique_ptr<engine::DenseBackend> matmul_;
   std::shared_ptr<MetricsSlot> metrics_;
 };

@@ -7,5 +7,6 @@ namespace ortsparse::ort {
 
 const OrtCustomOp* kwta_block_matmul_op();
 const OrtCustomOp* event_driven_matmul_op();
+const OrtCustomOp* popcount_attention_op();
 
 }  // namespace ortsparse::ort

@@ -14,6 +14,7 @@
 #include "engine/kwta_gate.h"
 
 namespace py = pybind11;
+void register_attention(py::module_& m);
 using namespace ortsparse;
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -201,6 +202,7 @@ class KwtaMatMul {
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "ortsparse raw kernels (tests, benchmarks, offline builders)";
+  register_attention(m);
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   m.attr("TOKEN_TILE") = engine::kTokenTile;
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });

@@ -42,6 +42,9 @@ def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
     for technique in TECHNIQUES.values():
         technique.add_arguments(parser)
+    from .graph_rewrite.techniques import popcount
+
+    popcount.add_arguments(parser)
 
 
 add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
@@ -79,16 +82,19 @@ def config_from_args(args: argparse.Namespace):
     ``--kwta`` defaults to ``auto``: on (the tool's default technique) unless another technique
     is switched on, so ``--tt=on`` alone does not also gate the same layers with KWTA."""
     from .graph_rewrite.config import RewriteConfig, load_overrides
-    from .graph_rewrite.techniques import TECHNIQUES
+    from .graph_rewrite.techniques import TECHNIQUES, popcount
 
     choices = {name: technique.choice_from_args(args) for name, technique in TECHNIQUES.items()}
     kwta = choices.pop("kwta")
     kwta_enabled = kwta.enabled
+    attn_explicit = getattr(args, "attn", None) not in (None, "off")
     if getattr(args, "kwta", "on") == "auto":
-        kwta_enabled = not any(choice.enabled for choice in choices.values())
+        kwta_enabled = not any(choice.enabled for choice in choices.values()) and not attn_explicit
     overrides = load_overrides(args.config) if args.config else ()
+    attention, attention_why = popcount.settings_from_args(args, kwta_on=kwta_enabled, kwta_target=kwta.target)
     return RewriteConfig(kwta=kwta.settings, kwta_enabled=kwta_enabled, kwta_target=kwta.target,
-                         overrides=overrides, techniques=choices)
+                         overrides=overrides, techniques=choices, attention=attention,
+                         attention_why=attention_why)
 
 
 _config_from_args = config_from_args
@@ -96,9 +102,15 @@ _config_from_args = config_from_args
 
 def _print_rules() -> None:
     from .graph_rewrite import describe_rules
+    from .graph_rewrite.attention_rules import (
+        describe_rules as describe_attention_rules,
+    )
 
     print("Rewrite rules (a layer takes the first that matches):")
     for name, before_after, _ in describe_rules():
+        print(f"  {name:26s} {before_after}")
+    print("Attention rules (--attn; an attention core takes the first that matches):")
+    for name, before_after, _ in describe_attention_rules():
         print(f"  {name:26s} {before_after}")
 
 
@@ -149,6 +161,8 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.list_layers:
         report = list_file_layers(args.input, config)
         print(report.layer_table())
+        if report.attention:
+            print(report.attention_table())
         print(report.summary())
         if args.report:
             _write_report(report, args.report)

@@ -354,9 +354,12 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
     _, report = rewrite_model(model, config)
     result.linear_layers, result.rewritten_layers = len(report.layers), len(report.rewritten)
     result.counts = report.counts()
+    if report.config.attention is not None and report.attention:  # cores (PopcountAttention), when --attn is on
+        result.counts["cores"] = {"layers": len(report.attention), "rewritten": sum(a.rewritten for a in report.attention),
+                                  "skipped": sum(not a.rewritten for a in report.attention)}
     result.skip_reasons = dict(Counter(_generic(r.reason) for r in report.skipped).most_common())
     result.exact = report.exact
-    if not report.rewritten:
+    if not report.rewritten and not any(a.rewritten for a in report.attention):
         result.notes.append("no layer matched the selection")
 
     result.stage = "save"

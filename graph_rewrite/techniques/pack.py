@@ -1,0 +1,126 @@
+"""State-pack bitmap gate (seed 003, MLP side): per token, skip the input blocks whose activations
+are all |x| <= eps -> ``KwtaBlockMatMul`` with ``pack_*`` attributes and k_frac = 1 (exact when
+eps = 0). Default target: MLP down-projections, whose inputs are the ones that can be sparse.
+
+With KWTA on the same layer, both live in one ``KwtaBlockMatMul``: the bitmap drops the all-small
+blocks, then KWTA's top-K runs on the survivors (one ordering; see docs/ops.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+from ..targets import TARGETS
+from .base import BIAS, GATE, WEIGHT, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
+
+PACK_MODES = ("binary", "ternary")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSettings(TechniqueSettings):
+    """The ``pack_*`` attributes of ``KwtaBlockMatMul`` (ortsparse additions, docs/ops.md)."""
+
+    label: ClassVar[str] = "state-pack"
+    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max")
+    always_shown: ClassVar[tuple[str, ...]] = ("mode",)
+
+    mode: str = "binary"
+    eps: float = 1e-4
+    density_max: float = 0.15  # active-block density of a call above this: the bitmap is off for it
+    block: int = 1
+    max_gated_rows: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in PACK_MODES:
+            problems.append(f"mode={self.mode!r} must be one of {', '.join(PACK_MODES)}")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0.0):
+            problems.append(f"eps={self.eps!r} must be a finite number >= 0")
+        if not (isinstance(self.density_max, (int, float)) and 0.0 < self.density_max <= 1.0):
+            problems.append(f"density_max={self.density_max!r} must be in (0, 1]")
+        if not (isinstance(self.block, int) and self.block >= 1):
+            problems.append(f"block={self.block!r} must be an integer >= 1")
+        if not (isinstance(self.max_gated_rows, int) and self.max_gated_rows >= 0):
+            problems.append(f"max_gated_rows={self.max_gated_rows!r} must be an integer >= 0")
+        if problems:
+            raise ConfigError("invalid state-pack settings: " + "; ".join(problems))
+
+    def is_exact(self, k: int) -> bool:
+        # eps = 0 drops only blocks that are exactly zero; auto-off runs dense.
+        return self.eps == 0.0
+
+    def attributes(self) -> dict[str, Any]:
+        return {"pack_mode": self.mode, "pack_eps": float(self.eps), "pack_density_max": float(self.density_max)}
+
+
+class Pack(Technique):
+    name = "pack"
+    kind = GATE
+    op_type = "KwtaBlockMatMul"
+    settings_type = PackSettings
+    title = "State-pack bitmap gate (KwtaBlockMatMul pack_*); --config entries ('pack') override per layer"
+
+    def default_choice(self) -> TechniqueChoice:
+        return TechniqueChoice(settings=PackSettings(), enabled=False, target="down")
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        default = PackSettings()
+        group = parser.add_argument_group(self.title)
+        group.add_argument("--state-pack", choices=("none",) + PACK_MODES, default="none",
+                           help="skip input blocks whose activations are all |x| <= eps (binary and ternary "
+                                "skip the same blocks; default none)")
+        group.add_argument("--state-pack-eps", type=float, default=default.eps, metavar="EPS",
+                           help=f"activity threshold; 0 = exact (default {default.eps})")
+        group.add_argument("--state-pack-density-max", type=float, default=default.density_max, metavar="RHO",
+                           help="a call whose active-block density is above RHO runs without the bitmap "
+                                f"(default {default.density_max}; 1 = never)")
+        group.add_argument("--state-pack-popcnt", action="store_true",
+                           help="accepted for the seed's flag set: the popcount path (VPOPCNTDQ, POPCNT, "
+                                "portable) is always chosen at run time; ORTSPARSE_POPCNT forces one")
+        group.add_argument("--state-pack-block", type=int, default=default.block, metavar="ROWS",
+                           help=f"rows of W per block (default {default.block}; with KWTA on the layer, "
+                                "KWTA's block is used)")
+        group.add_argument("--state-pack-max-gated-rows", type=int, default=default.max_gated_rows, metavar="M",
+                           help="calls with more than M rows (prefill) run dense; 0 = gate every call")
+        group.add_argument("--state-pack-target", choices=TARGETS, default="down",
+                           help="layers to gate (default down: MLP down-projections)")
+
+    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
+        mode = getattr(args, "state_pack", "none")
+        settings = PackSettings(mode=mode if mode != "none" else "binary", eps=args.state_pack_eps,
+                                density_max=args.state_pack_density_max, block=args.state_pack_block,
+                                max_gated_rows=args.state_pack_max_gated_rows)
+        return TechniqueChoice(settings=settings, enabled=mode != "none", target=args.state_pack_target)
+
+    def flag_summary(self, choice: TechniqueChoice) -> str:
+        return f"--state-pack={choice.settings.mode if choice.enabled else 'none'}"
+
+    def target_flag(self) -> str:
+        return "--state-pack-target"
+
+    def build(self, layer: LayerWeights, settings: PackSettings, partners: Mapping[str, Any]) -> OpBuild:
+        kwta = partners.get("kwta")
+        notes = []
+        if kwta is not None:
+            if kwta.duty != 1:
+                raise ConfigError(f"layer '{layer.name}': state-pack composes with KWTA only at duty=1 "
+                                  f"(got duty={kwta.duty})")
+            emitted = kwta.for_layer(layer.k)
+            attributes = emitted.attributes()
+            exact = settings.is_exact(layer.k) and emitted.is_exact(layer.k)
+            notes.append("bitmap then KWTA top-K on the surviving blocks (one KwtaBlockMatMul)")
+        else:
+            block = min(settings.block, layer.k)
+            if block != settings.block:
+                notes.append(f"block {settings.block} > K={layer.k}: block set to K")
+            attributes = {"k_frac": 1.0, "block": int(block), "max_gated_rows": int(settings.max_gated_rows)}
+            exact = settings.is_exact(layer.k)
+        attributes.update(settings.attributes())
+        return OpBuild(self.op_type, [WEIGHT, BIAS], attributes, notes=notes, exact=exact)
+
+
+PACK = Pack()

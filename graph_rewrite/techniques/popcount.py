@@ -1,0 +1,171 @@
+"""Attention technique: attention cores -> ``ai.ortsparse.PopcountAttention``.
+
+Settings are the op's attributes that are the user's choice (see design/ops.md); ``scale`` and
+``is_causal`` come from the matched graph, never from the user.
+
+Seed mapping (documented in docs/rewriter.md):
+
+- ``--attn=popcount`` -> ``select="popcount"`` (seed 003: bitmap + popcount candidate keys, refined
+  exactly when ``topk > 0``);
+- ``--attn=energy`` -> ``select="energy"`` (seed 000's attention side: top keys by ||k||, the same
+  key mask for K and V);
+- ``--attn=none`` -> ``select="none"``: the op computes exact attention (used to check a rewrite);
+- ``--attn=off`` (default) -> no attention rewrite;
+- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and ``--kwta=on``, also turns
+  attention on as ``energy``: the seed's "filter low-energy keys, same mask for K/V" is exactly
+  ``select="energy"``; the q/k/v/out projections keep their KWTA meaning.
+
+Composition (seed 001): popcount-approximate scores (``select="popcount"`` with ``topk = 0``, no exact
+refine) must not be combined with event-driven on attention: event-driven would reuse stale
+approximate scores with no dense refine. :func:`check_composition` raises for that combination.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+
+OP_TYPE = "PopcountAttention"
+ATTN_CHOICES = ("popcount", "energy", "none", "off")
+MODES = ("sign", "binary", "ternary")
+SELECTS = ("popcount", "energy", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSettings:
+    """User-chosen attributes of ``PopcountAttention``; the defaults are the op's (docs/ops.md), so
+    a rewritten file written with every attribute means what the op's defaults mean today."""
+
+    mode: str = "sign"
+    select: str = "popcount"
+    topk: int = 256
+    min_keys: int = 1024
+    eps: float = 1e-4
+    density_max: float = 0.15
+    candidates: float = 1.0
+    keep_first: int = 0
+    keep_recent: int = 0
+    pack_cache: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.select not in SELECTS:
+            problems.append(f"select={self.select!r} must be one of {', '.join(SELECTS)}")
+        if not (isinstance(self.topk, int) and not isinstance(self.topk, bool) and self.topk >= 0):
+            problems.append(f"topk={self.topk!r} must be an integer >= 0")
+        if not (isinstance(self.min_keys, int) and not isinstance(self.min_keys, bool) and self.min_keys >= 0):
+            problems.append(f"min_keys={self.min_keys!r} must be an integer >= 0")
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0.0 and math.isfinite(self.eps)):
+            problems.append(f"eps={self.eps!r} must be a finite number >= 0")
+        if not (isinstance(self.density_max, (int, float)) and 0.0 <= self.density_max <= 1.0):
+            problems.append(f"density_max={self.density_max!r} must be in [0, 1]")
+        if not (isinstance(self.candidates, (int, float)) and self.candidates >= 1.0 and math.isfinite(self.candidates)):
+            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1")
+        for name in ("keep_first", "keep_recent"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                problems.append(f"{name}={value!r} must be an integer >= 0")
+        if self.pack_cache not in (0, 1) or isinstance(self.pack_cache, (bool, float)):
+            problems.append(f"pack_cache={self.pack_cache!r} must be 0 or 1")
+        if self.select == "energy" and self.topk == 0:
+            problems.append("select='energy' needs topk > 0 (the number of keys kept)")
+        if problems:
+            raise ConfigError("invalid attention settings: " + "; ".join(problems))
+
+    @property
+    def exact(self) -> bool:
+        """True when the op computes exact attention whatever the input (select none)."""
+        return self.select == "none"
+
+    def updated(self, changes: Mapping[str, Any], where: str = "") -> AttentionSettings:
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(f"{where}unknown attention setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        values = dict(changes)
+        for name in ("eps", "density_max", "candidates"):
+            if isinstance(values.get(name), int) and not isinstance(values[name], bool):
+                values[name] = float(values[name])
+        try:
+            return dataclasses.replace(self, **values)
+        except ConfigError as error:
+            raise ConfigError(f"{where}{error}") from None
+
+    def attributes(self) -> dict[str, Any]:
+        # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move.
+        return {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
+                "eps": float(self.eps), "density_max": float(self.density_max),
+                "candidates": float(self.candidates), "keep_first": int(self.keep_first),
+                "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache)}
+
+    def short(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.attributes().items())
+
+
+def resolve_attn_choice(attn: str | None, kwta_on: bool, kwta_target: str) -> tuple[str, str]:
+    """(choice, why): an explicit ``--attn`` wins; otherwise seed 000's ``--kwta-target=attn|both``
+    means ``energy``; otherwise ``off``."""
+    if attn is not None:
+        return attn, f"--attn={attn}"
+    if kwta_on and kwta_target in ("attn", "both"):
+        return "energy", f"--kwta-target={kwta_target} (seed 000: low-energy keys dropped -> select=energy)"
+    return "off", "--attn not given (default off)"
+
+
+def check_composition(settings: AttentionSettings | None, event_on_attention: bool) -> None:
+    """Seed 001: no popcount-approximate and event-driven on the same score without refine."""
+    if settings is None or not event_on_attention:
+        return
+    if settings.select == "popcount" and settings.topk == 0:
+        raise ConfigError("popcount-approximate attention scores (--attn=popcount with --attn-topk=0: no exact "
+                          "refine) cannot be combined with event-driven on attention (seed 001); set "
+                          "--attn-topk > 0 or take attention out of --event-target")
+
+
+def add_arguments(parser) -> None:
+    """The ``--attn*`` flags (see the module docstring for the mapping)."""
+    default = AttentionSettings()
+    group = parser.add_argument_group("attention (PopcountAttention); seed 000's --kwta-target=attn|both "
+                                      "means --attn=energy when --attn is not given")
+    group.add_argument("--attn", choices=ATTN_CHOICES, default=None,
+                       help="rewrite attention cores: popcount (seed 003 selector), energy (seed 000 key "
+                            "filter), none (exact attention in the op, for checking), off (default)")
+    group.add_argument("--attn-mode", choices=MODES, default=default.mode, help=f"bitmap mode (default {default.mode})")
+    group.add_argument("--attn-topk", type=int, default=default.topk, metavar="N",
+                       help=f"keys per query refined exactly; 0 = approximate scores only (default {default.topk})")
+    group.add_argument("--attn-min-keys", type=int, default=default.min_keys, metavar="N",
+                       help=f"below N keys the op computes exact attention (default {default.min_keys})")
+    group.add_argument("--attn-eps", type=float, default=default.eps, metavar="EPS",
+                       help=f"bit set when |x| > EPS (default {default.eps:g})")
+    group.add_argument("--attn-density-max", type=float, default=default.density_max, metavar="RHO",
+                       help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact "
+                            f"(default {default.density_max:g}; 1 = never)")
+    group.add_argument("--attn-candidates", type=float, default=default.candidates, metavar="C",
+                       help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)")
+    group.add_argument("--attn-keep-first", type=int, default=default.keep_first, metavar="N",
+                       help="first N keys (attention sinks) always kept (default 0)")
+    group.add_argument("--attn-keep-recent", type=int, default=default.keep_recent, metavar="N",
+                       help="last N keys of each query's prefix always kept (default 0)")
+    group.add_argument("--attn-pack-cache", type=int, choices=(0, 1), default=default.pack_cache,
+                       help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)")
+
+
+def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[AttentionSettings | None, str]:
+    """(settings or None for off, why) from the flags of :func:`add_arguments` and KWTA's resolved
+    on/off state and target."""
+    choice, why = resolve_attn_choice(getattr(args, "attn", None), kwta_on, kwta_target)
+    settings = None
+    if choice != "off":
+        settings = AttentionSettings(mode=args.attn_mode, select=choice, topk=args.attn_topk,
+                                     min_keys=args.attn_min_keys, eps=args.attn_eps,
+                                     density_max=args.attn_density_max, candidates=args.attn_candidates,
+                                     keep_first=args.attn_keep_first, keep_recent=args.attn_keep_recent,
+                                     pack_cache=args.attn_pack_cache)
+    event_attn = getattr(args, "event_driven", "off") == "on" and getattr(args, "event_target", "mlp") in ("attn", "both")
+    check_composition(settings, event_attn)
+    return settings, why

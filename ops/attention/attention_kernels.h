@@ -1,0 +1,29 @@
+// Float kernels of exact attention that the engine's KernelTable lacks: q·k over a list of keys.
+// (P·V is the engine's gemv_rows: a weighted sum of V rows.) One variant per ISA, the scalar one
+// is the reference twin (tests/ops/test_popcount_attention.py forces each with ORTSPARSE_ISA).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/cpu_features.h"
+
+namespace ortsparse::attention {
+
+struct AttentionKernels {
+  const char* isa;
+  // out[i] = sum_d q[d] * k[row(i) * ldk + d],  row(i) = rows ? rows[i] : i.
+  void (*dot_rows)(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out);
+  // Bit packing of one vector x[0:d] (mode: 1 sign, 2 binary, 3 ternary, as PackMode): word w of
+  // plane p goes to out[(p * words + w) * stride]; adds the set bits to *bits_set; returns gamma
+  // (sign: mean |x| over all d; binary/ternary: mean |x| over the active entries, eps if none),
+  // accumulated in double so every ISA rounds to the same float but in rare boundary cases.
+  float (*pack_row)(const float* x, size_t d, int mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set);
+};
+
+const AttentionKernels& attention_kernels_scalar();
+const AttentionKernels& attention_kernels_avx2();
+const AttentionKernels& attention_kernels_avx512();
+const AttentionKernels& attention_kernels_for(Isa isa);
+
+}  // namespace ortsparse::attention

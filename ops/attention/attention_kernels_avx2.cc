@@ -1,0 +1,98 @@
+// AVX2+FMA; only called when the CPU has them.
+#include <immintrin.h>
+
+#include "attention/attention_kernels.h"
+
+namespace ortsparse::attention {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void dot_rows_avx2(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    size_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(kr + j + 8), a1);
+    }
+    for (; j + 8 <= d; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
+    float s = hsum(_mm256_add_ps(a0, a1));
+    for (; j < d; ++j) s += q[j] * kr[j];
+    out[i] = s;
+  }
+}
+
+inline __m256d abs_sum_pd(__m256 a, __m256d acc) {
+  acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+  return _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+}
+
+// 8 entries per compare, movemask gives the bits; the tail goes through a zero-padded copy (0 is
+// never active in any mode, eps >= 0).
+float pack_row_avx2(const float* x, size_t d, int mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set) {
+  const size_t words = (d + 63) / 64;
+  const __m256 zero = _mm256_setzero_ps(), veps = _mm256_set1_ps(eps), vneg = _mm256_set1_ps(-eps);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256d sum = _mm256_setzero_pd();
+  uint64_t active = 0;
+  alignas(32) float tail[8];
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t pos = 0, neg = 0;
+    for (size_t c = 0; c < 8; ++c) {
+      const size_t i = w * 64 + c * 8;
+      if (i >= d) break;
+      __m256 v;
+      if (d - i >= 8) {
+        v = _mm256_loadu_ps(x + i);
+      } else {
+        for (size_t t = 0; t < 8; ++t) tail[t] = i + t < d ? x[i + t] : 0.0f;
+        v = _mm256_load_ps(tail);
+      }
+      const __m256 a = _mm256_and_ps(v, abs_mask);
+      unsigned p, n = 0;
+      if (mode == 1) {
+        p = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ)));
+        sum = abs_sum_pd(a, sum);
+      } else {
+        __m256 act;
+        if (mode == 2) {
+          act = _mm256_cmp_ps(a, veps, _CMP_GT_OQ);
+          p = static_cast<unsigned>(_mm256_movemask_ps(act));
+        } else {
+          const __m256 pm = _mm256_cmp_ps(v, veps, _CMP_GT_OQ), nm = _mm256_cmp_ps(v, vneg, _CMP_LT_OQ);
+          p = static_cast<unsigned>(_mm256_movemask_ps(pm));
+          n = static_cast<unsigned>(_mm256_movemask_ps(nm));
+          act = _mm256_or_ps(pm, nm);
+        }
+        sum = abs_sum_pd(_mm256_and_ps(a, act), sum);
+        active += static_cast<uint64_t>(__builtin_popcount(p | n));
+      }
+      pos |= static_cast<uint64_t>(p) << (8 * c);
+      neg |= static_cast<uint64_t>(n) << (8 * c);
+    }
+    out[w * stride] = pos;
+    if (mode == 3) out[(words + w) * stride] = neg;
+    *bits_set += static_cast<uint64_t>(__builtin_popcountll(pos) + __builtin_popcountll(neg));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, sum);
+  const double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  if (mode == 1) return d ? static_cast<float>(total / static_cast<double>(d)) : 0.0f;
+  return active ? static_cast<float>(total / static_cast<double>(active)) : eps;
+}
+
+}  // namespace
+
+const AttentionKernels& attention_kernels_avx2() {
+  static const AttentionKernels table{"avx2", dot_rows_avx2, pack_row_avx2};
+  return table;
+}
+
+}  // namespace ortsparse::attention

@@ -1,0 +1,81 @@
+// AVX-512F; only called when the CPU has it.
+#include <immintrin.h>
+
+#include "attention/attention_kernels.h"
+
+namespace ortsparse::attention {
+namespace {
+
+inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
+void dot_rows_avx512(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    size_t j = 0;
+    for (; j + 32 <= d; j += 32) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(kr + j), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(kr + j + 16), a1);
+    }
+    for (; j < d; j += 16) {
+      const __mmask16 m = d - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - j);
+      a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + j), _mm512_maskz_loadu_ps(m, kr + j), a0);
+    }
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
+inline __m512d abs_sum_pd(__m512 a, __m512d acc) {
+  acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+  return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+}
+
+// 16 entries per compare: the compare masks are the bits. Padding lanes load as 0, which is never
+// active in any mode (eps >= 0).
+float pack_row_avx512(const float* x, size_t d, int mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set) {
+  const size_t words = (d + 63) / 64;
+  const __m512 zero = _mm512_setzero_ps(), veps = _mm512_set1_ps(eps), vneg = _mm512_set1_ps(-eps);
+  __m512d sum = _mm512_setzero_pd();
+  uint64_t active = 0;
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t pos = 0, neg = 0;
+    for (size_t c = 0; c < 4; ++c) {
+      const size_t i = w * 64 + c * 16;
+      if (i >= d) break;
+      const __mmask16 m = d - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - i);
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+      const __m512 a = _mm512_abs_ps(v);
+      __mmask16 p, n = 0;
+      if (mode == 1) {
+        p = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
+        sum = abs_sum_pd(a, sum);
+      } else {
+        if (mode == 2) {
+          p = _mm512_cmp_ps_mask(a, veps, _CMP_GT_OQ);
+        } else {
+          p = _mm512_cmp_ps_mask(v, veps, _CMP_GT_OQ);
+          n = _mm512_cmp_ps_mask(v, vneg, _CMP_LT_OQ);
+        }
+        sum = abs_sum_pd(_mm512_maskz_mov_ps(static_cast<__mmask16>(p | n), a), sum);
+        active += static_cast<uint64_t>(__builtin_popcount(static_cast<unsigned>(p | n)));
+      }
+      pos |= static_cast<uint64_t>(p) << (16 * c);
+      neg |= static_cast<uint64_t>(n) << (16 * c);
+    }
+    out[w * stride] = pos;
+    if (mode == 3) out[(words + w) * stride] = neg;
+    *bits_set += static_cast<uint64_t>(__builtin_popcountll(pos) + __builtin_popcountll(neg));
+  }
+  const double total = _mm512_reduce_add_pd(sum);
+  if (mode == 1) return d ? static_cast<float>(total / static_cast<double>(d)) : 0.0f;
+  return active ? static_cast<float>(total / static_cast<double>(active)) : eps;
+}
+
+}  // namespace
+
+const AttentionKernels& attention_kernels_avx512() {
+  static const AttentionKernels table{"avx512", dot_rows_avx512, pack_row_avx512};
+  return table;
+}
+
+}  // namespace ortsparse::attention

@@ -1,0 +1,113 @@
+#include "engine/bitmap_gate.h"
+
+#include <cmath>
+
+#include "attention/popcount_kernels.h"
+#include "common/error.h"
+
+namespace ortsparse::engine {
+
+PackGateMode parse_pack_gate_mode(const std::string& name) {
+  if (name == "none") return PackGateMode::kNone;
+  if (name == "binary") return PackGateMode::kBinary;
+  if (name == "ternary") return PackGateMode::kTernary;
+  fail("attribute pack_mode='", name, "' is not one of none, binary, ternary");
+}
+
+BitmapGate::BitmapGate(BlockPartition partition, BitmapConfig config) : partition_(partition), config_(config) {
+  if (!(config.eps >= 0.0f) || !std::isfinite(config.eps)) fail("attribute pack_eps=", config.eps, " must be >= 0");
+  if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
+    fail("attribute pack_density_max=", config.density_max, " must be in (0, 1] (1: never auto-off)");
+}
+
+uint64_t BitmapGate::activity(const float* x, size_t m, std::vector<uint64_t>& words) const {
+  const size_t wpt = words_per_token();
+  words.assign(m * wpt, 0);
+  const float eps = config_.eps;
+  for (size_t t = 0; t < m; ++t) {
+    const float* xt = x + t * partition_.k;
+    uint64_t* bits = words.data() + t * wpt;
+    for (size_t b = 0; b < partition_.num_blocks; ++b) {
+      // Binary and ternary packings agree on which entries are zero: |x| > eps is "some bit set".
+      // NaN counts as active, so it reaches the output as a dense product would carry it.
+      bool any = false;
+      for (size_t r = partition_.begin(b); r < partition_.end(b); ++r) any |= !(std::fabs(xt[r]) <= eps);
+      if (any) bits[b / 64] |= uint64_t{1} << (b % 64);
+    }
+  }
+  // Count with the popcount path (one "key" of wpt words per token against an all-ones query).
+  const attention::PopcountTable& pop = attention::popcount_table(attention::active_popcnt_path());
+  uint64_t active = 0;
+  std::vector<uint64_t> ones(wpt, ~uint64_t{0});
+  std::vector<uint64_t> lane(wpt * attention::kLanes, 0);
+  int32_t counts[attention::kLanes];
+  for (size_t t0 = 0; t0 < m; t0 += attention::kLanes) {
+    std::fill(lane.begin(), lane.end(), 0);
+    for (size_t l = 0; l < attention::kLanes && t0 + l < m; ++l)
+      for (size_t w = 0; w < wpt; ++w) lane[w * attention::kLanes + l] = words[(t0 + l) * wpt + w];
+    pop.and_counts(ones.data(), lane.data(), wpt, 1, counts);
+    for (size_t l = 0; l < attention::kLanes; ++l) active += static_cast<uint64_t>(counts[l]);
+  }
+  return active;
+}
+
+BitmapStats BitmapGate::plan(const float* x, size_t m, const KernelTable& kernels, const KwtaGate* kwta,
+                             GatedRows& out) const {
+  BitmapStats stats;
+  const size_t nb = partition_.num_blocks, wpt = words_per_token();
+  stats.blocks_total = static_cast<uint64_t>(m) * nb;
+  std::vector<uint64_t> words;
+  stats.blocks_active = activity(x, m, words);
+  out.clear();
+  if (static_cast<double>(stats.blocks_active) > config_.density_max * static_cast<double>(stats.blocks_total))
+    return stats;
+  stats.applied = true;
+  const bool kwta_selects = kwta != nullptr && (kwta->keep_count() < nb || kwta->config().threshold > 0.0f);
+  std::vector<int32_t> active(nb + kIndexSlack), kept(nb + kIndexSlack);
+  std::vector<float> keys, survivor_keys;
+  std::vector<uint32_t> scratch;
+  if (kwta_selects) {
+    keys.resize(nb);
+    survivor_keys.resize(nb);
+  }
+  for (size_t t = 0; t < m; ++t) {
+    size_t count = 0;
+    const uint64_t* bits = words.data() + t * wpt;
+    for (size_t w = 0; w < wpt; ++w)
+      for (uint64_t v = bits[w]; v; v &= v - 1) active[count++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(v));
+    const int32_t* chosen = active.data();
+    const size_t active_count = count;
+    if (kwta_selects && count > 0) {
+      // The kwta rule (threshold, then top keep_count by score, ties to the lower block) among
+      // the active blocks only.
+      kwta->block_keys(x + t * partition_.k, kernels, keys.data());
+      size_t n = 0;
+      const float threshold = kwta->config().threshold;
+      for (size_t i = 0; i < count; ++i) {
+        const float key = keys[static_cast<size_t>(active[i])];
+        if (threshold > 0.0f && kwta->score_from_key(key) < threshold) continue;  // NaN passes, as in kwta
+        kept[n] = active[i];
+        survivor_keys[n++] = key;
+      }
+      const size_t limit = kwta->keep_count();
+      if (n > limit) {
+        std::vector<int32_t> pick(n + kIndexSlack);
+        const size_t got = select_top_k(kernels, survivor_keys.data(), n, limit, pick.data(), scratch);
+        for (size_t i = 0; i < got; ++i) pick[i] = kept[static_cast<size_t>(pick[i])];
+        std::copy(pick.begin(), pick.begin() + got, kept.begin());
+        n = got;
+      }
+      chosen = kept.data();
+      count = n;
+    }
+    // renorm compensates what the kwta rule dropped among the active blocks; the blocks the
+    // bitmap dropped are (near) zero and need no compensation.
+    const float scale = kwta_selects && kwta->config().renorm && count > 0
+                            ? static_cast<float>(active_count) / static_cast<float>(count) : 1.0f;
+    out.add_token_blocks(partition_, chosen, count, scale);
+    stats.blocks_kept += count;
+  }
+  return stats;
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,174 @@
+// PopcountAttention(Q, K, V, attn_mask?) -> Y: validates shapes and the mask's broadcast, then
+// runs the attention engine (ops/attention/popcount_attention.h).
+#include <memory>
+
+#include "attention/popcount_attention.h"
+#include "common/metrics.h"
+#include "ort/ops.h"
+
+namespace ortsparse::ort {
+namespace {
+
+enum Counter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact, kKeysPacked };
+enum Constant { kEnabled, kMode, kPopcnt };
+
+std::vector<std::pair<std::string, double>> describe_pack(const uint64_t* c, const double* constants) {
+  return {
+      {"pack.enabled", constants[kEnabled]},
+      {"pack.mode", constants[kMode]},
+      {"pack.density", c[kBitsTotal] ? static_cast<double>(c[kBitsSet]) / c[kBitsTotal] : 0.0},
+      {"pack.active", c[kCalls] ? static_cast<double>(c[kPackedCalls]) / c[kCalls] : 0.0},
+      {"pack.popcnt", constants[kPopcnt]},
+      {"pack.keys_exact_ratio", c[kKeysTotal] ? static_cast<double>(c[kKeysExact]) / c[kKeysTotal] : 1.0},
+      {"calls", static_cast<double>(c[kCalls])},
+      {"keys_total", static_cast<double>(c[kKeysTotal])},
+      {"keys_exact", static_cast<double>(c[kKeysExact])},
+      {"keys_packed", static_cast<double>(c[kKeysPacked])},
+  };
+}
+
+attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
+  attention::PopcountAttentionConfig c;
+  c.scale = attrs.get_float("scale", 0.0f);
+  const int64_t causal = attrs.get_int("is_causal", 0);
+  if (causal != 0 && causal != 1) fail("attribute is_causal=", causal, " must be 0 or 1");
+  c.causal = causal == 1;
+  c.mode = attention::parse_pack_mode(attrs.get_string("mode", "sign"));
+  c.select = attention::parse_selector(attrs.get_string("select", "popcount"));
+  c.topk = attrs.get_int("topk", 256);
+  c.min_keys = attrs.get_int("min_keys", 1024);
+  c.eps = attrs.get_float("eps", 1e-4f);
+  c.density_max = attrs.get_float("density_max", 0.15f);
+  c.candidates = attrs.get_float("candidates", 1.0f);
+  const int64_t cache = attrs.get_int("pack_cache", 1);
+  if (cache != 0 && cache != 1) fail("attribute pack_cache=", cache, " must be 0 or 1");
+  c.cache_keys = cache == 1;
+  c.keep_first = attrs.get_int("keep_first", 0);
+  c.keep_recent = attrs.get_int("keep_recent", 0);
+  return c;
+}
+
+struct Tensor4 {
+  const float* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+Tensor4 float_input4(Ort::KernelContext& context, size_t index, const char* name, const char* dims) {
+  Ort::ConstValue value = context.GetInput(index);
+  auto info = value.GetTensorTypeAndShapeInfo();
+  if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+    fail("input ", name, " must be float32, got element type ", static_cast<int>(info.GetElementType()));
+  Tensor4 t;
+  t.shape = info.GetShape();
+  if (t.shape.size() != 4) fail("input ", name, " must be 4-D ", dims, ", got shape ", shape_string(t.shape));
+  t.data = value.GetTensorData<float>();
+  return t;
+}
+
+class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
+ public:
+  static constexpr const char* kOpName = "PopcountAttention";
+  static std::vector<InputSpec> inputs() {
+    return {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, true}};  // bool or float
+  }
+  static size_t output_count() { return 1; }
+
+  PopcountAttentionKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
+    const attention::PopcountAttentionConfig config = read_config(Attributes(info));
+    if (!attention::active_popcnt_error().empty()) fail(attention::active_popcnt_error());
+    const attention::PopcntPath path = attention::active_popcnt_path();
+    attention_ = std::make_unique<attention::PopcountAttention>(config, path, active_isa());
+    metrics_ = metrics_slot(kOpName, node(), describe_pack);
+    metrics_->set_constant(kEnabled, config.select == attention::Selector::kNone ? 0.0 : 1.0);
+    metrics_->set_constant(kMode, static_cast<double>(static_cast<int>(config.mode)));
+    metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(path)));
+  }
+
+  void Compute(OrtKernelContext* raw_context) {
+    Ort::KernelContext context(raw_context);
+    const Tensor4 q = float_input4(context, 0, "Q", "[B, H, Sq, D]");
+    const Tensor4 k = float_input4(context, 1, "K", "[B, Hkv, Skv, D]");
+    const Tensor4 v = float_input4(context, 2, "V", "[B, Hkv, Skv, Dv]");
+    for (const Tensor4* t : {&q, &k, &v})
+      for (int64_t d : t->shape)
+        if (d < 0) fail("negative dimension in ", shape_string(t->shape));
+    const std::string shapes = " (Q " + shape_string(q.shape) + ", K " + shape_string(k.shape) + ", V " + shape_string(v.shape) + ")";
+    if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0]) fail("batch sizes differ", shapes);
+    if (k.shape[3] != q.shape[3]) fail("head dims of Q and K differ", shapes);
+    if (v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) fail("K and V must have the same [B, Hkv, Skv]", shapes);
+    if (k.shape[1] == 0 && q.shape[1] != 0) fail("K has 0 heads but Q has ", q.shape[1], shapes);
+    if (k.shape[1] > 0 && q.shape[1] % k.shape[1] != 0)
+      fail("Q heads H=", q.shape[1], " must be a multiple of K/V heads Hkv=", k.shape[1], " (GQA)", shapes);
+    attention::AttentionDims dims;
+    dims.b = static_cast<size_t>(q.shape[0]);
+    dims.h = static_cast<size_t>(q.shape[1]);
+    dims.hkv = static_cast<size_t>(k.shape[1]);
+    dims.sq = static_cast<size_t>(q.shape[2]);
+    dims.skv = static_cast<size_t>(k.shape[2]);
+    dims.d = static_cast<size_t>(q.shape[3]);
+    dims.dv = static_cast<size_t>(v.shape[3]);
+    const std::vector<int64_t> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
+
+    attention::MaskView mask;
+    if (context.GetInputCount() > 3) {
+      Ort::ConstValue m = context.GetInput(3);
+      if (m) {
+        auto info = m.GetTensorTypeAndShapeInfo();
+        const auto type = info.GetElementType();
+        if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL) {
+          mask.keep = reinterpret_cast<const uint8_t*>(m.GetTensorData<bool>());
+        } else if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+          mask.add = m.GetTensorData<float>();
+        } else {
+          fail("input attn_mask must be bool or float32, got element type ", static_cast<int>(type));
+        }
+        const std::vector<int64_t> ms = info.GetShape();
+        if (ms.empty() || ms.size() > 4)
+          fail("input attn_mask has shape ", shape_string(ms), ": rank must be 1..4, broadcastable to [B, H, Sq, Skv] = ",
+               shape_string(full));
+        // numpy broadcasting, dims aligned right; a dim of 1 is broadcast (stride 0).
+        size_t stride = 1;
+        for (size_t a = 0; a < ms.size(); ++a) {
+          const size_t md = ms.size() - 1 - a, fd = 3 - a;
+          if (ms[md] != 1 && ms[md] != full[fd])
+            fail("input attn_mask has shape ", shape_string(ms), ", not broadcastable to [B, H, Sq, Skv] = ",
+                 shape_string(full), " (dim ", md, ")");
+          mask.stride[fd] = ms[md] == 1 ? 0 : stride;
+          stride *= static_cast<size_t>(ms[md]);
+        }
+      }
+    }
+    Ort::UnownedValue out = context.GetOutput(0, std::vector<int64_t>{q.shape[0], q.shape[1], q.shape[2], v.shape[3]});
+    float* y = out.GetTensorMutableData<float>();
+    const size_t y_count = dims.b * dims.h * dims.sq * dims.dv;
+    if (y_count == 0) return;
+    if (dims.hkv == 0 || dims.skv == 0) {  // no key at all: every query is fully masked
+      std::fill(y, y + y_count, 0.0f);
+      return;
+    }
+    const attention::AttentionStats stats = attention_->run(q.data, k.data, v.data, mask, dims, y, OrtTaskRunner(raw_context));
+    metrics_->add(kCalls, 1);
+    if (stats.packed) metrics_->add(kPackedCalls, 1);
+    metrics_->add(kBitsSet, stats.bits_set);
+    metrics_->add(kBitsTotal, stats.bits_total);
+    metrics_->add(kKeysTotal, stats.keys_total);
+    metrics_->add(kKeysExact, stats.keys_exact);
+    metrics_->add(kKeysPacked, stats.keys_packed);
+  }
+
+ private:
+  std::unique_ptr<attention::PopcountAttention> attention_;
+  std::shared_ptr<MetricsSlot> metrics_;
+};
+
+}  // namespace
+
+const OrtCustomOp* popcount_attention_op() {
+  static const OpAdapter<PopcountAttentionKernel> op;
+  return &op;
+}
+
+}  // namespace ortsparse::ort

@@ -1,0 +1,193 @@
+// _kernels bindings of the attention engine: every ISA and popcount path callable in one process,
+// so tests compare them all against the numpy reference.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "attention/popcount_attention.h"
+#include "common/cpu_features.h"
+#include "common/error.h"
+
+namespace py = pybind11;
+using namespace ortsparse;
+
+namespace {
+
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+Isa isa_by_name(const std::string& name) {
+  if (name.empty() || name == "active") return active_isa();
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+    if (name == isa_name(isa)) {
+      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
+      return isa;
+    }
+  throw py::value_error("unknown ISA '" + name + "'");
+}
+
+attention::PopcntPath popcnt_by_name(const std::string& name) {
+  if (name.empty() || name == "active") return attention::active_popcnt_path();
+  const attention::PopcntPath p = attention::parse_popcnt_path(name);
+  if (!attention::popcnt_path_supported(p)) throw py::value_error("popcount path " + name + " is not supported by this CPU");
+  return p;
+}
+
+std::vector<size_t> shape4(const FloatArray& a, const char* name) {
+  if (a.ndim() != 4) throw py::value_error(std::string(name) + " must be 4-D");
+  return {static_cast<size_t>(a.shape(0)), static_cast<size_t>(a.shape(1)), static_cast<size_t>(a.shape(2)),
+          static_cast<size_t>(a.shape(3))};
+}
+
+py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArray k, FloatArray v, py::object mask);
+
+attention::PopcountAttentionConfig make_config(float scale, bool causal, const std::string& mode, const std::string& select,
+                                               int64_t topk, int64_t min_keys, float eps, float density_max,
+                                               float candidates, bool pack_cache, int64_t keep_first,
+                                               int64_t keep_recent) {
+  attention::PopcountAttentionConfig c;
+  c.scale = scale;
+  c.causal = causal;
+  c.mode = attention::parse_pack_mode(mode);
+  c.select = attention::parse_selector(select);
+  c.topk = topk;
+  c.min_keys = min_keys;
+  c.eps = eps;
+  c.density_max = density_max;
+  c.candidates = candidates;
+  c.cache_keys = pack_cache;
+  c.keep_first = keep_first;
+  c.keep_recent = keep_recent;
+  return c;
+}
+
+// A kernel instance that lives across calls (its packed-key cache too), as in an ORT session.
+class AttentionOp {
+ public:
+  AttentionOp(float scale, bool causal, const std::string& mode, const std::string& select, int64_t topk,
+              int64_t min_keys, float eps, float density_max, float candidates, bool pack_cache, int64_t keep_first,
+              int64_t keep_recent, const std::string& isa, const std::string& popcnt)
+      : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache,
+                        keep_first, keep_recent),
+            popcnt_by_name(popcnt), isa_by_name(isa)) {}
+  py::tuple call(FloatArray q, FloatArray k, FloatArray v, py::object mask) { return run_op(op_, q, k, v, mask); }
+
+ private:
+  attention::PopcountAttention op_;
+};
+
+// mask: None, or a 4-D bool/float array whose dims are 1 or equal to [B, H, Sq, Skv].
+py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object mask, float scale, bool causal,
+                         const std::string& mode, const std::string& select, int64_t topk, int64_t min_keys, float eps,
+                         float density_max, float candidates, const std::string& isa, const std::string& popcnt,
+                         bool pack_cache, int64_t keep_first, int64_t keep_recent) {
+  const attention::PopcountAttention op(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max,
+                                                    candidates, pack_cache, keep_first, keep_recent),
+                                        popcnt_by_name(popcnt), isa_by_name(isa));
+  return run_op(op, q, k, v, mask);
+}
+
+py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArray k, FloatArray v, py::object mask) {
+  const auto qs = shape4(q, "q"), ks = shape4(k, "k"), vs = shape4(v, "v");
+  attention::AttentionDims dims{qs[0], qs[1], ks[1], qs[2], ks[2], qs[3], vs[3]};
+  if (ks[0] != qs[0] || vs[0] != qs[0] || ks[3] != qs[3] || vs[1] != ks[1] || vs[2] != ks[2] || ks[1] == 0 ||
+      qs[1] % ks[1] != 0)
+    throw py::value_error("inconsistent q/k/v shapes");
+  attention::MaskView view;
+  py::array_t<uint8_t, py::array::c_style | py::array::forcecast> keep;
+  FloatArray add;
+  if (!mask.is_none()) {
+    py::array m = mask.cast<py::array>();
+    if (m.ndim() != 4) throw py::value_error("mask must be 4-D");
+    const size_t full[4] = {qs[0], qs[1], qs[2], ks[2]};
+    size_t stride = 1;
+    for (int a = 3; a >= 0; --a) {
+      const size_t md = static_cast<size_t>(m.shape(a));
+      if (md != 1 && md != full[a]) throw py::value_error("mask not broadcastable");
+      view.stride[a] = md == 1 ? 0 : stride;
+      stride *= md;
+    }
+    if (m.dtype().kind() == 'b') {
+      keep = m.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
+      view.keep = keep.data();
+    } else {
+      add = m.cast<FloatArray>();
+      view.add = add.data();
+    }
+  }
+  FloatArray y({qs[0], qs[1], qs[2], vs[3]});
+  attention::AttentionStats st;
+  {
+    py::gil_scoped_release release;
+    st = op.run(q.data(), k.data(), v.data(), view, dims, y.mutable_data(), SerialTaskRunner());
+  }
+  py::dict stats;
+  stats["packed"] = st.packed;
+  stats["bits_set"] = st.bits_set;
+  stats["bits_total"] = st.bits_total;
+  stats["keys_total"] = st.keys_total;
+  stats["keys_exact"] = st.keys_exact;
+  stats["keys_packed"] = st.keys_packed;
+  return py::make_tuple(y, stats);
+}
+
+// Approximate counts of one packed query against keys [N, D] on one popcount path: the integer
+// before gamma (sign: D - 2·hamming; binary: |q∧k|; ternary: agree - disagree), plus gammas.
+py::tuple popcount_counts(const std::string& path, const std::string& mode_name, FloatArray q, FloatArray keys, float eps,
+                          const std::string& isa) {
+  const attention::AttentionKernels& attn = attention::attention_kernels_for(isa_by_name(isa));
+  const attention::PackMode mode = attention::parse_pack_mode(mode_name);
+  const attention::PopcountTable& table = attention::popcount_table(popcnt_by_name(path));
+  if (q.ndim() != 1 || keys.ndim() != 2 || keys.shape(1) != q.shape(0)) throw py::value_error("q [D], keys [N, D]");
+  const size_t d = q.shape(0), n = keys.shape(0), words = (d + 63) / 64, planes = attention::pack_planes(mode);
+  const size_t nb = (n + attention::kLanes - 1) / attention::kLanes;
+  std::vector<uint64_t> packed(nb * planes * words * attention::kLanes, 0), qbits(planes * words, 0);
+  py::array_t<float> gk(n);
+  uint64_t bits = 0;
+  for (size_t j = 0; j < n; ++j)
+    gk.mutable_data()[j] = attn.pack_row(keys.data() + j * d, d, static_cast<int>(mode), eps,
+                                                  packed.data() + (j / attention::kLanes) * planes * words * attention::kLanes +
+                                                      j % attention::kLanes,
+                                                  attention::kLanes, &bits);
+  const float gq = attn.pack_row(q.data(), d, static_cast<int>(mode), eps, qbits.data(), 1, &bits);
+  std::vector<int32_t> counts(nb * attention::kLanes);
+  switch (mode) {
+    case attention::PackMode::kSign: table.xor_counts(qbits.data(), packed.data(), words, nb, counts.data()); break;
+    case attention::PackMode::kBinary: table.and_counts(qbits.data(), packed.data(), words, nb, counts.data()); break;
+    case attention::PackMode::kTernary:
+      table.ternary_counts(qbits.data(), qbits.data() + words, packed.data(), words, nb, counts.data());
+      break;
+  }
+  py::array_t<int32_t> out(n);
+  for (size_t j = 0; j < n; ++j)
+    out.mutable_data()[j] = mode == attention::PackMode::kSign ? static_cast<int32_t>(d) - 2 * counts[j] : counts[j];
+  return py::make_tuple(out, gq, gk);
+}
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+  m.def("popcount_attention", &attention_call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(),
+        py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
+        py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
+        py::arg("candidates") = 1.0f, py::arg("isa") = "active", py::arg("popcnt") = "active", py::arg("pack_cache") = true,
+        py::arg("keep_first") = 0, py::arg("keep_recent") = 0);
+  py::class_<AttentionOp>(m, "PopcountAttention")
+      .def(py::init<float, bool, const std::string&, const std::string&, int64_t, int64_t, float, float, float, bool,
+                    int64_t, int64_t, const std::string&, const std::string&>(),
+           py::arg("scale") = 0.0f, py::arg("is_causal") = false, py::arg("mode") = "sign", py::arg("select") = "popcount",
+           py::arg("topk") = 256, py::arg("min_keys") = 1024, py::arg("eps") = 1e-4f, py::arg("density_max") = 0.15f,
+           py::arg("candidates") = 1.0f, py::arg("pack_cache") = true, py::arg("keep_first") = 0,
+           py::arg("keep_recent") = 0, py::arg("isa") = "active", py::arg("popcnt") = "active")
+      .def("__call__", &AttentionOp::call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none());
+  m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
+        py::arg("eps") = 1e-4f, py::arg("isa") = "active");
+  m.def("popcnt_paths", [] {
+    std::vector<std::string> out;
+    for (auto p : {attention::PopcntPath::kPortable, attention::PopcntPath::kPopcnt, attention::PopcntPath::kVpopcntdq})
+      if (attention::popcnt_path_supported(p)) out.push_back(attention::popcnt_path_name(p));
+    return out;
+  });
+  m.def("active_popcnt", [] { return std::string(attention::popcnt_path_name(attention::active_popcnt_path())); });
+}
