@@ -65,7 +65,7 @@ def test_exact_mode_long_stream_of_small_changes_stays_exact(rng):
     # Many delta updates accumulate onto y: float drift must stay within float tolerance.
     k, n = 200, 64
     w, b = weights(rng, k, n)
-    session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=0, **EXACT, node_name="long"))
+    session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=0, **EXACT, node_name="ev_long"))
     ortsparse.reset_metrics()
     x = rng.standard_normal((3, k)).astype(np.float32)
     for _ in range(400):
@@ -74,7 +74,7 @@ def test_exact_mode_long_stream_of_small_changes_stays_exact(rng):
         for t in range(3):
             x[t, idx[t]] += rng.standard_normal(10).astype(np.float32)
         close(session.run(None, {"X": x})[0], dense(x, w, b), k)
-    stats = ortsparse.metrics()["long"]
+    stats = ortsparse.metrics()["ev_long"]
     assert stats["event.topk_kept"] < 0.06  # ~10 of 200 rows refreshed per call: the delta path ran
     assert stats["event.stale_pct"] > 94
 
@@ -106,14 +106,14 @@ def test_wide_waves_run_rows_with_large_refresh_sets_dense(rng):
     k, n = 50, 9
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.7, delta_theta=0.0, gap_every=0, axis="call")
-    session = ortsparse.inference_session(event_model(w, b, node_name="wide", **attrs))
+    session = ortsparse.inference_session(event_model(w, b, node_name="ev_wide", **attrs))
     ref = EventReference(w, b, **attrs)
     ortsparse.reset_metrics()
     for x in smooth_stream(rng, 5, 6, k, 1):
         y = session.run(None, {"X": x})[0]
         close(y, ref(x), k)
         close(y, dense(x, w, b), k)
-    assert ortsparse.metrics()["wide"]["event.topk_kept"] == 1.0
+    assert ortsparse.metrics()["ev_wide"]["event.topk_kept"] == 1.0
 
 
 def test_sequence_axis_rows_of_one_call_chain_like_separate_calls(rng):
@@ -133,7 +133,7 @@ def test_max_gated_rows_runs_prefill_dense_and_continues_from_it(axis, rng):
     k, n = 36, 14
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.3, delta_theta=0.0, gap_every=0, axis=axis, max_gated_rows=2)
-    session = ortsparse.inference_session(event_model(w, b, x_shape=("b", "s", None), node_name="mgr", **attrs))
+    session = ortsparse.inference_session(event_model(w, b, x_shape=("b", "s", None), node_name="ev_mgr", **attrs))
     ref = EventReference(w, b, **attrs)
     ortsparse.reset_metrics()
     stream = list(smooth_stream(rng, 6, 4, k, 1))
@@ -143,7 +143,7 @@ def test_max_gated_rows_runs_prefill_dense_and_continues_from_it(axis, rng):
     for x in stream[1:]:
         xs = x[:1].reshape(1, 1, k) if axis == "sequence" else x[:2].reshape(1, 2, k)
         close(session.run(None, {"X": xs})[0], ref(xs), k)
-    m = ortsparse.metrics()["mgr"]
+    m = ortsparse.metrics()["ev_mgr"]
     assert m["event_rows"] == (5 if axis == "sequence" else 10) and m["event.topk_kept"] < 0.5
 
 
@@ -165,20 +165,20 @@ def test_reset_input_clears_state_and_rearms(rng):
     k, n = 32, 12
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.1, delta_theta=0.0, gap_every=1, gap_tol=1e-3, axis="call")
-    session = ortsparse.inference_session(event_model(w, b, reset_input=True, node_name="rst", **attrs))
+    session = ortsparse.inference_session(event_model(w, b, reset_input=True, node_name="ev_rst", **attrs))
     ref = EventReference(w, b, **attrs)
     ortsparse.reset_metrics()
     no, yes = np.array(False), np.array(True)
     stream = list(smooth_stream(rng, 8, 2, k, 1, step=0.5))
     for i, x in enumerate(stream[:4]):
         close(session.run(None, {"X": x, "reset": no})[0], ref(x), k)
-    m = ortsparse.metrics()["rst"]
+    m = ortsparse.metrics()["ev_rst"]
     assert m["event.enabled"] == 0.0 and m["disables"] == 1  # big changes, topk 0.1: gap far above 1e-3
     assert m["event.quality_gap"] > 1e-3
     x = stream[4]
     close(session.run(None, {"X": x, "reset": yes})[0], dense(x, w, b), k)  # fresh after reset: dense
     ref(x, reset=True)
-    assert ortsparse.metrics()["rst"]["event.enabled"] == 1.0
+    assert ortsparse.metrics()["ev_rst"]["event.enabled"] == 1.0
     for x in stream[5:]:
         close(session.run(None, {"X": x, "reset": no})[0], ref(x), k)
 
@@ -187,12 +187,12 @@ def test_gap_check_row_outputs_dense_and_small_gap_keeps_enabled(rng):
     k, n = 40, 16
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.5, delta_theta=0.0, gap_every=3, gap_tol=0.5, axis="call")
-    session = ortsparse.inference_session(event_model(w, b, node_name="gap", **attrs))
+    session = ortsparse.inference_session(event_model(w, b, node_name="ev_gap", **attrs))
     ref = EventReference(w, b, **attrs)
     ortsparse.reset_metrics()
     for x in smooth_stream(rng, 13, 1, k, 1, step=0.01):
         close(session.run(None, {"X": x})[0], ref(x), k)
-    m = ortsparse.metrics()["gap"]
+    m = ortsparse.metrics()["ev_gap"]
     assert m["gap_checks"] == ref.gap_checks == 4 and m["event.enabled"] == 1.0
     assert m["event.quality_gap"] == pytest.approx(ref.last_gap, rel=1e-3, abs=1e-6)
 
@@ -202,12 +202,12 @@ def test_budget_deadline_keeps_the_quorum(rng):
     w, b = weights(rng, k, n)
     for budget, expired in [(1e6, False), (1e-9, True)]:
         attrs = dict(topk=0.5, delta_theta=0.0, quorum=0.25, gap_every=0, axis="call", block=2)
-        session = ortsparse.inference_session(event_model(w, b, budget_ms=budget, node_name="bud", **attrs))
+        session = ortsparse.inference_session(event_model(w, b, budget_ms=budget, node_name="ev_bud", **attrs))
         ref = EventReference(w, b, expired=expired, deadline=True, **attrs)
         ortsparse.reset_metrics()
         for x in smooth_stream(rng, 6, 2, k, 2):
             close(session.run(None, {"X": x})[0], ref(x), k)
-        m = ortsparse.metrics()["bud"]
+        m = ortsparse.metrics()["ev_bud"]
         assert m["event.quorum_hits"] == ref.deadline_stops == (10 if expired else 0)
         assert m["event.topk_kept"] == pytest.approx(ref.refreshed / ref.total)
         assert m["event.budget_ms_used"] > 0
@@ -217,13 +217,13 @@ def test_metrics_count_refreshed_blocks(rng):
     k, n = 50, 8
     w, b = weights(rng, k, n)
     attrs = dict(topk=0.2, delta_theta=0.0, age_max=3, gap_every=0, axis="sequence")
-    session = ortsparse.inference_session(event_model(w, b, x_shape=("b", "s", None), node_name="met", **attrs))
+    session = ortsparse.inference_session(event_model(w, b, x_shape=("b", "s", None), node_name="ev_met", **attrs))
     ref = EventReference(w, b, **attrs)
     ortsparse.reset_metrics()
     for x in smooth_stream(rng, 9, 1, k, 1):
         session.run(None, {"X": x[None]})
         ref(x[None])
-    m = ortsparse.metrics()["met"]
+    m = ortsparse.metrics()["ev_met"]
     assert m["event_rows"] == 8 and m["rows"] == 9 and m["calls"] == 9
     assert m["blocks_refreshed"] == ref.refreshed and m["blocks_total"] == ref.total
     assert m["blocks_forced"] > 0
@@ -240,7 +240,7 @@ def test_concurrent_runs_share_streams_without_crashing(intra_op_threads, rng):
     k, n = 96, 48
     w, b = weights(rng, k, n)
     for attrs, exact in [(EXACT, True), (dict(topk=0.2, delta_theta=0.0), False)]:
-        session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=5, node_name="conc", **attrs),
+        session = ortsparse.inference_session(event_model(w, b, axis="call", gap_every=5, node_name="ev_conc", **attrs),
                                               intra_op_num_threads=intra_op_threads)
         ortsparse.reset_metrics()
         inputs = [rng.standard_normal((3, k)).astype(np.float32) for _ in range(4)]
@@ -265,7 +265,7 @@ def test_concurrent_runs_share_streams_without_crashing(intra_op_threads, rng):
         for t in threads:
             t.join()
         assert not errors and not bad
-        m = ortsparse.metrics()["conc"]
+        m = ortsparse.metrics()["ev_conc"]
         assert m["calls"] == 160 and m["rows"] == 480
 
 
