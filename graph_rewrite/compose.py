@@ -21,6 +21,7 @@ GATE_LEAD_ORDER: tuple[str, ...] = ("event", "pack", "kwta")
 PARTNERS: dict[str, frozenset[str]] = {
     "kwta": frozenset(),
     "event": frozenset({"kwta"}),
+    "proc": frozenset({"kwta"}),
     "pack": frozenset({"kwta"}),  # bitmap then KWTA on the survivors, one KwtaBlockMatMul
 }
 

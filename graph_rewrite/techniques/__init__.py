@@ -17,8 +17,9 @@ from .base import (
 from .event import EVENT, EVENT_AXES, EventSettings
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 from .pack import PACK, PACK_MODES, PackSettings
+from .proc import PROC, ProcSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK, PROC)}
 
 
 def technique(name: str) -> Technique:
@@ -26,7 +27,7 @@ def technique(name: str) -> Technique:
 
 
 __all__ = [
-    "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES",
-    "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PACK", "PACK_MODES", "PackSettings", "Technique",
-    "TechniqueChoice", "TechniqueSettings", "technique",
+    "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK",
+    "PACK_MODES", "PROC", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings",
+    "ProcSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
 ]

@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 DOMAIN = "ai.ortsparse"
 FLOAT_DTYPES = [np.float32] * 12 + [np.float64, np.float16, np.int32, np.int64]
 ONNX_TYPES = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE, np.float16: TensorProto.FLOAT16,
-              np.int32: TensorProto.INT32, np.int64: TensorProto.INT64, np.bool_: TensorProto.BOOL}
+              np.int32: TensorProto.INT32, np.int64: TensorProto.INT64, np.bool_: TensorProto.BOOL,
+              np.uint16: TensorProto.UINT16}
 
 
 def pick(rng: np.random.Generator, options):
@@ -136,6 +137,52 @@ def kwta_block_matmul(rng):
     return "KwtaBlockMatMul", name, make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
 
 
+def proc_sparse_matmul(rng):
+    """Packed layers as the builder writes them (ascending block indices, [N, F, block] deltas), or
+    with out-of-range / unsorted indices, wrong dtypes and shapes, attributes that disagree."""
+    start_case(rng)
+    k, n = max(1, small_dim(rng, 96)), max(1, small_dim(rng, 80))
+    block = int(rng.integers(1, min(k, 40) + 1)) if rng.random() < 0.8 else pick(rng, [1, 16, 32, 64])
+    nb = -(-k // block)
+    fanout = int(rng.integers(1, nb + 1))
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, with_bias=False)
+    indices = np.stack([np.sort(rng.choice(nb, size=fanout, replace=False)) for _ in range(n)]).astype(np.uint16)
+    if broken(rng):
+        kind = int(rng.integers(4))
+        if kind == 0:
+            indices[int(rng.integers(n)), int(rng.integers(fanout))] = nb + int(rng.integers(0, 3))
+        elif kind == 1 and fanout > 1:
+            indices[int(rng.integers(n))] = indices[0][::-1]
+        elif kind == 2:
+            indices = indices.astype(pick(rng, [np.int32, np.int64, np.float32]))
+        else:
+            indices = indices[:, :max(fanout - 1, 0)] if rng.random() < 0.5 else indices[: max(n - 1, 0)]
+    weight_input(rng, "indices", indices, graph_inputs, initializers, feeds, node_inputs)
+    d_shape = [n, fanout, block]
+    if broken(rng):
+        d_shape = pick(rng, [[n, fanout], [n, fanout, block + 1], [n + 1, fanout, block], [fanout, n, block]])
+    d_dtype = pick(rng, [np.float32, np.float16]) if not broken(rng) else pick(rng, FLOAT_DTYPES)
+    weight_input(rng, "deltas", values(rng, d_shape, d_dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    if rng.random() < 0.5:
+        b_shape = pick(rng, [[n + 1], [1, n], []]) if broken(rng) else [n]
+        weight_input(rng, "B", values(rng, b_shape, np.float32, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    attrs = {f"kwta_{name}": value for name, value in kwta_gate_attributes(rng, k).items()} if rng.random() < 0.5 else {}
+    if attrs:
+        attrs["kwta_block"] = attr_value(rng, int(rng.integers(1, k + 1)) if rng.random() < 0.5 else None, [0, k + 1])
+    attrs.update({
+        "K": attr_value(rng, k, [0, -1, k + 1, 1.5]),
+        "N": attr_value(rng, n, [0, n + 1]),
+        "block": attr_value(rng, block, [0, k + 1, block + 1, -4]),
+        "fanout": attr_value(rng, fanout if rng.random() < 0.5 else None, [0, fanout + 1]),
+        "seed": int(rng.integers(0, 2**62)) if rng.random() < 0.5 else None,
+        "base_scale": attr_value(rng, pick(rng, [0.0, 0.05, float(rng.uniform(-1, 1))]), [float("nan"), float("inf"), "x"]),
+    })
+    name = f"proc_{int(rng.integers(1000))}"
+    return "ProcSparseMatMul", name, make_model("ProcSparseMatMul", name, node_inputs, graph_inputs, initializers,
+                                                attrs), feeds
+
+
 def event_driven_matmul(rng):
     """One run per case: with axis sequence and rows of X beyond the first per stream, the event
     path (gate, delta products, gap check) runs within the call."""
@@ -174,5 +221,6 @@ def event_driven_matmul(rng):
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
+    "ProcSparseMatMul": proc_sparse_matmul,
     "EventDrivenMatMul": event_driven_matmul,
 }
