@@ -222,9 +222,45 @@ def proc_sparse_matmul(rng):
                                                 attrs), feeds
 
 
+def event_driven_matmul(rng):
+    """One run per case: with axis sequence and rows of X beyond the first per stream, the event
+    path (gate, delta products, gap check) runs within the call."""
+    start_case(rng)
+    k, n = small_dim(rng, 96), small_dim(rng, 80)
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, weight_shape=[k, n])
+    if rng.random() < 0.4:
+        if len(node_inputs) == 2:
+            node_inputs.append("")
+        shape = pick(rng, [[2], [1, 2]]) if broken(rng) else pick(rng, [[], [1]])
+        graph_inputs.append(helper.make_tensor_value_info("reset", TensorProto.BOOL, shape))
+        feeds["reset"] = np.asarray(rng.random(size=shape) < 0.5, dtype=bool)
+        node_inputs.append("reset")
+    attrs = {
+        "axis": attr_value(rng, pick(rng, ["sequence", "call"]), ["Sequence", "", 3]),
+        "topk": attr_value(rng, float(rng.uniform(0.01, 1.0)), [0.0, 1.5, float("nan")]),
+        "delta_theta": attr_value(rng, float(rng.uniform(0, 0.2)), [-1.0, float("inf"), float("nan")]),
+        "stale_beta": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [1.5, -0.1]),
+        "stale_lambda": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [-1.0]),
+        "age_max": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1, 0.5]),
+        "budget_ms": attr_value(rng, pick(rng, [0.0, 1e-9, 0.01, 5.0]) if rng.random() < 0.4 else None,
+                                [-1.0, float("inf")]),
+        "quorum": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [1.5, float("nan")]),
+        "gap_every": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.5 else None, [-1]),
+        "gap_tol": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [-1.0, float("nan")]),
+        "kwta_k": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [2.0, -0.5]),
+        "max_gated_rows": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1]),
+        "block": attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.5 else None, [0, k + 1]),
+    }
+    name = f"event_{int(rng.integers(1000))}"
+    model = make_model("EventDrivenMatMul", name, node_inputs, graph_inputs, initializers, attrs)
+    return "EventDrivenMatMul", name, model, feeds
+
+
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
     "ProcSparseMatMul": proc_sparse_matmul,
+    "EventDrivenMatMul": event_driven_matmul,
     "TTMatMul": tt_matmul,
 }
