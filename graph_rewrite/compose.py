@@ -20,7 +20,10 @@ GATE_LEAD_ORDER: tuple[str, ...] = ("event", "pack", "kwta")
 # lead technique -> techniques its op can take as partners (e.g. KWTA as the gate of a weight op).
 PARTNERS: dict[str, frozenset[str]] = {
     "kwta": frozenset(),
+    "event": frozenset({"kwta"}),
+    "proc": frozenset({"kwta"}),
     "pack": frozenset({"kwta"}),  # bitmap then KWTA on the survivors, one KwtaBlockMatMul
+    "tt": frozenset(),  # TTMatMul runs the dense gate only (a core mixes every row: gating saves nothing)
 }
 
 

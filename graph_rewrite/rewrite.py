@@ -105,8 +105,13 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
         operands = layer.operands
         built = technique.build(_layer_weights(layer, operands, calibration), decision.settings,
                                 decision.partners)
-        record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
         record.notes.extend(built.notes)
+        if built.op_type is None:  # the technique kept the layer dense (e.g. TT's gap check)
+            record.decision, record.new_op, record.settings, record.partners = SKIPPED, None, None, {}
+            record.is_exact = True
+            record.reason = f"{decision.lead}: " + ("; ".join(built.notes) or "kept dense")
+            continue
+        record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
         inputs = []
         for position, entry in enumerate(built.inputs):
             if isinstance(entry, str) and entry == WEIGHT:

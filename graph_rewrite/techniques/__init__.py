@@ -14,10 +14,13 @@ from .base import (
     TechniqueChoice,
     TechniqueSettings,
 )
+from .event import EVENT, EVENT_AXES, EventSettings
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 from .pack import PACK, PACK_MODES, PackSettings
+from .proc import PROC, ProcSettings
+from .tt import TT_TECHNIQUE, TTSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, PACK)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK, PROC, TT_TECHNIQUE)}
 
 
 def technique(name: str) -> Technique:
@@ -25,6 +28,7 @@ def technique(name: str) -> Technique:
 
 
 __all__ = [
-    "BIAS", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
-    "LayerWeights", "OpBuild", "PACK", "PACK_MODES", "PackSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "technique",
+    "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK",
+    "PACK_MODES", "PROC", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings",
+    "ProcSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "technique",
 ]

@@ -97,9 +97,10 @@ class OpBuild:
     An entry of ``inputs`` is ``WEIGHT`` (the layer's [K, N] weight initializer, shared with other
     layers that use the same one), ``BIAS`` (its [N] bias, or an omitted input when it has none),
     ``None`` (an omitted optional input) or a new array stored as an initializer named after the
-    layer. ``metadata`` goes to the node's metadata_props; ``notes`` to the report."""
+    layer. ``metadata`` goes to the node's metadata_props; ``notes`` to the report. ``op_type``
+    None: the technique keeps the layer dense after all (``notes`` say why)."""
 
-    op_type: str
+    op_type: str | None
     inputs: list[Any]
     attributes: dict[str, Any]
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -130,7 +130,11 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
       inputs[t] = xv + t * k;
     }
   }
-  const size_t chunks = std::max<size_t>(1, std::min(tuning_.gemv_row_chunks, k / tuning_.gemv_min_chunk_rows));
+  // Chunks from the rows actually kept (not K): a short list in several chunks would pay the
+  // partial outputs' zeroing and reduction (O(N) each) for little work.
+  size_t max_rows = 0;
+  for (size_t t = 0; t < m; ++t) max_rows = std::max(max_rows, gated.row_count(t, k));
+  const size_t chunks = std::max<size_t>(1, std::min(tuning_.gemv_row_chunks, max_rows / tuning_.gemv_min_chunk_rows));
   if (chunks > 1) partial_buffer.resize(m * chunks * n);
   float* const partial = partial_buffer.data();
   runner.run(m * chunks, [&](size_t task) {
@@ -146,14 +150,12 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
                       chunks == 1 && bias != nullptr);
   });
   if (chunks == 1) return;
-  for (size_t t = 0; t < m; ++t) {
+  for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
     float* yt = y + t * n;
     const float* p = partial + t * chunks * n;
-    for (size_t j = 0; j < n; ++j) {
-      float s = bias ? bias[j] : 0.0f;
-      for (size_t c = 0; c < chunks; ++c) s += p[c * n + j];
-      yt[j] = s;
-    }
+    for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + p[j];
+    for (size_t c = 1; c < chunks; ++c)
+      for (size_t j = 0; j < n; ++j) yt[j] += p[c * n + j];
   }
 }
 

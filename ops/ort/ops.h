@@ -6,6 +6,9 @@
 namespace ortsparse::ort {
 
 const OrtCustomOp* kwta_block_matmul_op();
+const OrtCustomOp* event_driven_matmul_op();
+const OrtCustomOp* proc_sparse_matmul_op();
 const OrtCustomOp* popcount_attention_op();
+const OrtCustomOp* tt_matmul_op();
 
 }  // namespace ortsparse::ort

@@ -14,7 +14,9 @@
 #include "engine/kwta_gate.h"
 
 namespace py = pybind11;
+void register_proc(py::module_& m);  // ops/pybind/proc_module.cc
 void register_attention(py::module_& m);
+void register_tt(py::module_& m);  // tt_module.cc
 using namespace ortsparse;
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -205,6 +207,8 @@ PYBIND11_MODULE(_kernels, m) {
   register_attention(m);
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   m.attr("TOKEN_TILE") = engine::kTokenTile;
+  register_proc(m);
+  register_tt(m);
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("isa_supported", [](const std::string& name) {
     for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})

@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 DOMAIN = "ai.ortsparse"
 FLOAT_DTYPES = [np.float32] * 12 + [np.float64, np.float16, np.int32, np.int64]
 ONNX_TYPES = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE, np.float16: TensorProto.FLOAT16,
-              np.int32: TensorProto.INT32, np.int64: TensorProto.INT64, np.bool_: TensorProto.BOOL}
+              np.int32: TensorProto.INT32, np.int64: TensorProto.INT64, np.bool_: TensorProto.BOOL,
+              np.uint16: TensorProto.UINT16}
 
 
 def pick(rng: np.random.Generator, options):
@@ -186,8 +187,131 @@ def popcount_attention(rng):
     return "PopcountAttention", name, make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs), feeds
 
 
+def tt_matmul(rng):
+    """TTMatMul(X, cores, B?, W_dense?): small TT-matrices; broken cases get wrong mode/rank lists,
+    a cores tensor of the wrong length/rank/dtype or not constant, bad nan_guard/order values."""
+    start_case(rng)
+    d = int(rng.integers(1, 4))
+    in_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
+    out_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
+    ranks = [1] + [int(rng.integers(1, 5)) for _ in range(d - 1)] + [1]
+    size = sum(ranks[t] * in_modes[t] * out_modes[t] * ranks[t + 1] for t in range(d))
+    k, n = int(np.prod(in_modes)), int(np.prod(out_modes))
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, with_bias=False)
+    cores_shape = pick(rng, [[size + 1], [max(size - 1, 0)], [1, size], []]) if broken(rng) else [size]
+    dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+    weight_input(rng, "cores", values(rng, cores_shape, dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    if rng.random() < 0.3:
+        b_shape = pick(rng, [[n + 1], [1, n], []]) if broken(rng) else [n]
+        weight_input(rng, "B", values(rng, b_shape, np.float32, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    elif rng.random() < 0.3:
+        node_inputs.append("")
+    if rng.random() < 0.2:
+        if len(node_inputs) == 2:
+            node_inputs.append("")
+        w_shape = pick(rng, [[k, n + 1], [n, k], [k]]) if broken(rng) else [k, n]
+        weight_input(rng, "W_dense", values(rng, w_shape, np.float32, 0.0), graph_inputs, initializers, feeds,
+                     node_inputs)
+    attrs = {
+        "in_modes": attr_value(rng, in_modes, [in_modes[:-1] or [0], [0] * d, [-1] * d, [2**40] * d]),
+        "out_modes": attr_value(rng, out_modes, [out_modes + [2], [0] * d, [2**31] * d]),
+        "ranks": attr_value(rng, ranks, [ranks[1:], [2] + ranks[1:], ranks[:-1] + [3], [1] + [0] * (d - 1) + [1],
+                                         [1] + [2**20] * (d - 1) + [1]]),
+        "nan_guard": attr_value(rng, int(rng.integers(0, 2)) if rng.random() < 0.3 else None, [2, -1, 0.5]),
+        "order": attr_value(rng, int(rng.integers(-1, 2)) if rng.random() < 0.3 else None, [2, -2]),
+        "gap": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [float("nan"), 1]),
+    }
+    name = f"tt_{int(rng.integers(1000))}"
+    return "TTMatMul", name, make_model("TTMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+
+
+def proc_sparse_matmul(rng):
+    """Packed layers as the builder writes them (ascending block indices, [N, F, block] deltas), or
+    with out-of-range / unsorted indices, wrong dtypes and shapes, attributes that disagree."""
+    start_case(rng)
+    k, n = max(1, small_dim(rng, 96)), max(1, small_dim(rng, 80))
+    block = int(rng.integers(1, min(k, 40) + 1)) if rng.random() < 0.8 else pick(rng, [1, 16, 32, 64])
+    nb = -(-k // block)
+    fanout = int(rng.integers(1, nb + 1))
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, with_bias=False)
+    indices = np.stack([np.sort(rng.choice(nb, size=fanout, replace=False)) for _ in range(n)]).astype(np.uint16)
+    if broken(rng):
+        kind = int(rng.integers(4))
+        if kind == 0:
+            indices[int(rng.integers(n)), int(rng.integers(fanout))] = nb + int(rng.integers(0, 3))
+        elif kind == 1 and fanout > 1:
+            indices[int(rng.integers(n))] = indices[0][::-1]
+        elif kind == 2:
+            indices = indices.astype(pick(rng, [np.int32, np.int64, np.float32]))
+        else:
+            indices = indices[:, :max(fanout - 1, 0)] if rng.random() < 0.5 else indices[: max(n - 1, 0)]
+    weight_input(rng, "indices", indices, graph_inputs, initializers, feeds, node_inputs)
+    d_shape = [n, fanout, block]
+    if broken(rng):
+        d_shape = pick(rng, [[n, fanout], [n, fanout, block + 1], [n + 1, fanout, block], [fanout, n, block]])
+    d_dtype = pick(rng, [np.float32, np.float16]) if not broken(rng) else pick(rng, FLOAT_DTYPES)
+    weight_input(rng, "deltas", values(rng, d_shape, d_dtype, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    if rng.random() < 0.5:
+        b_shape = pick(rng, [[n + 1], [1, n], []]) if broken(rng) else [n]
+        weight_input(rng, "B", values(rng, b_shape, np.float32, 0.02), graph_inputs, initializers, feeds, node_inputs)
+    attrs = {f"kwta_{name}": value for name, value in kwta_gate_attributes(rng, k).items()} if rng.random() < 0.5 else {}
+    if attrs:
+        attrs["kwta_block"] = attr_value(rng, int(rng.integers(1, k + 1)) if rng.random() < 0.5 else None, [0, k + 1])
+    attrs.update({
+        "K": attr_value(rng, k, [0, -1, k + 1, 1.5]),
+        "N": attr_value(rng, n, [0, n + 1]),
+        "block": attr_value(rng, block, [0, k + 1, block + 1, -4]),
+        "fanout": attr_value(rng, fanout if rng.random() < 0.5 else None, [0, fanout + 1]),
+        "seed": int(rng.integers(0, 2**62)) if rng.random() < 0.5 else None,
+        "base_scale": attr_value(rng, pick(rng, [0.0, 0.05, float(rng.uniform(-1, 1))]), [float("nan"), float("inf"), "x"]),
+    })
+    name = f"proc_{int(rng.integers(1000))}"
+    return "ProcSparseMatMul", name, make_model("ProcSparseMatMul", name, node_inputs, graph_inputs, initializers,
+                                                attrs), feeds
+
+
+def event_driven_matmul(rng):
+    """One run per case: with axis sequence and rows of X beyond the first per stream, the event
+    path (gate, delta products, gap check) runs within the call."""
+    start_case(rng)
+    k, n = small_dim(rng, 96), small_dim(rng, 80)
+    graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
+    matmul_operands(rng, k, n, graph_inputs, initializers, feeds, node_inputs, weight_shape=[k, n])
+    if rng.random() < 0.4:
+        if len(node_inputs) == 2:
+            node_inputs.append("")
+        shape = pick(rng, [[2], [1, 2]]) if broken(rng) else pick(rng, [[], [1]])
+        graph_inputs.append(helper.make_tensor_value_info("reset", TensorProto.BOOL, shape))
+        feeds["reset"] = np.asarray(rng.random(size=shape) < 0.5, dtype=bool)
+        node_inputs.append("reset")
+    attrs = {
+        "axis": attr_value(rng, pick(rng, ["sequence", "call"]), ["Sequence", "", 3]),
+        "topk": attr_value(rng, float(rng.uniform(0.01, 1.0)), [0.0, 1.5, float("nan")]),
+        "delta_theta": attr_value(rng, float(rng.uniform(0, 0.2)), [-1.0, float("inf"), float("nan")]),
+        "stale_beta": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [1.5, -0.1]),
+        "stale_lambda": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [-1.0]),
+        "age_max": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1, 0.5]),
+        "budget_ms": attr_value(rng, pick(rng, [0.0, 1e-9, 0.01, 5.0]) if rng.random() < 0.4 else None,
+                                [-1.0, float("inf")]),
+        "quorum": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [1.5, float("nan")]),
+        "gap_every": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.5 else None, [-1]),
+        "gap_tol": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [-1.0, float("nan")]),
+        "kwta_k": attr_value(rng, float(rng.uniform(0, 1)) if rng.random() < 0.3 else None, [2.0, -0.5]),
+        "max_gated_rows": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1]),
+        "block": attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.5 else None, [0, k + 1]),
+    }
+    name = f"event_{int(rng.integers(1000))}"
+    model = make_model("EventDrivenMatMul", name, node_inputs, graph_inputs, initializers, attrs)
+    return "EventDrivenMatMul", name, model, feeds
+
+
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
     "PopcountAttention": popcount_attention,
+    "ProcSparseMatMul": proc_sparse_matmul,
+    "EventDrivenMatMul": event_driven_matmul,
+    "TTMatMul": tt_matmul,
 }

@@ -56,7 +56,8 @@ def test_override_matching():
     ({"match": "*", "kwta": {"k": 0.5}}, "unknown KWTA setting"),
     ({"match": "*", "kwta": {"k_frac": 3}}, "k_frac"),
     ({"match": "*", "kwta": "maybe"}, "must be \"off\""),
-    ({"match": "*", "tt": {}}, "unknown key"),
+    ({"match": "*", "zz": {}}, "unknown key"),
+        ({"match": "*", "tt": {"nope": 1}}, "unknown TT setting"),
     ({"match": "*", "off": "yes"}, "'off' must be true or false"),
 ])
 def test_bad_entries_are_explained(entry, message):

@@ -7,7 +7,7 @@ import pytest
 
 import ortsparse
 
-from .onnx_builders import kwta_model
+from .onnx_builders import kwta_model, proc_model
 
 
 def kwta_case(rng, m):
@@ -18,7 +18,17 @@ def kwta_case(rng, m):
     return kwta_model(w, b, k_frac=0.37), {"X": x}
 
 
-CASES = {"kwta": kwta_case}
+def proc_case(rng, m):
+    from ortsparse.proc_sparse import build_proc_sparse
+
+    k, n = 1536, 700
+    p = build_proc_sparse(rng.standard_normal((k, n)).astype(np.float32), block=32, fanout=0.5, base_scale=0.05)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return proc_model(p.indices, p.deltas, None, k=k, block=32, seed=p.seed, base_scale=p.base_scale,
+                      kwta_k_frac=0.6), {"X": x}
+
+
+CASES = {"kwta": kwta_case, "proc": proc_case}
 
 
 @pytest.mark.parametrize("m", [1, 2, 9])

@@ -1,0 +1,439 @@
+#include "engine/event_gate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/error.h"
+#include "engine/kwta_gate.h"
+
+namespace ortsparse::engine {
+
+EventAxis parse_event_axis(const std::string& name) {
+  if (name == "sequence") return EventAxis::kSequence;
+  if (name == "call") return EventAxis::kCall;
+  fail("attribute axis='", name, "' is not one of sequence, call");
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool all_finite(const float* v, size_t n) {
+  uint32_t bad = 0;  // integer test of the exponent bits: vectorises (a float reduction would not)
+  for (size_t j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, v + j, sizeof(bits));
+    bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad == 0;
+}
+
+// A fraction of `total` as a count: ceil with the same float32 slack as KWTA's k_frac.
+size_t fraction_count(double fraction, size_t total) {
+  return static_cast<size_t>(std::ceil(fraction * static_cast<double>(total) * (1.0 - 1e-6)));
+}
+
+// Deadline checks happen between chunks of about this many W rows, never inside a kernel.
+constexpr size_t kDeadlineChunkRows = 256;
+
+// In waves of more than 2 rows (no deadline), a row refreshing more than this fraction of its
+// blocks runs as a dense row (see plan_row).
+constexpr double kDenseAbove = 0.5;
+
+}  // namespace
+
+EventMatMul::EventMatMul(BlockPartition partition, EventConfig config, std::shared_ptr<const WeightBackend> backend)
+    : partition_(partition), config_(config), backend_(std::move(backend)) {
+  const size_t nb = partition_.num_blocks;
+  refresh_count_ = std::max<size_t>(1, std::min(fraction_count(config_.topk, nb), nb));
+  if (config_.kwta_k > 0.0) kwta_count_ = std::max<size_t>(1, std::min(fraction_count(config_.kwta_k, nb), nb));
+  exact_weights_ = config_.stale_beta == 1.0f && config_.stale_lambda == 0.0f;
+  decay_ = std::exp(-config_.stale_lambda);
+}
+
+bool EventMatMul::enabled() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return enabled_;
+}
+
+EventMatMul::Stream& EventMatMul::stream_at(size_t b, size_t s) {
+  if (streams_.size() <= b) streams_.resize(b + 1);
+  std::vector<Stream>& row = streams_[b];
+  if (row.size() <= s) row.resize(s + 1);
+  return row[s];
+}
+
+void EventMatMul::set_dense_state(const float* xr, Stream& s, const float* product) {
+  const size_t k = partition_.k, n = backend_->n();
+  s.x_ref.assign(xr, xr + k);
+  s.y.assign(product, product + n);
+  if (config_.stale_beta != 1.0f) s.fresh.assign(product, product + n);
+  s.age.assign(partition_.num_blocks, 0);
+  s.live = true;
+  s.finite = all_finite(s.y.data(), n);
+}
+
+void EventMatMul::write_delta(const float* xr, const Stream& s, const int32_t* blocks, size_t count, float* d) const {
+  for (size_t i = 0; i < count; ++i) {
+    const size_t b = static_cast<size_t>(blocks[i]);
+    const float c = exact_weights_ ? 1.0f
+                                   : config_.stale_beta * std::exp(-config_.stale_lambda * (static_cast<float>(s.age[b]) + 1.0f));
+    for (size_t r = partition_.begin(b); r < partition_.end(b); ++r) d[r] = xr[r] - c * s.x_ref[r];
+  }
+}
+
+void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const KernelTable& kernels,
+                           EventStats& stats) {
+  Stream& s = *plan.stream;
+  plan.dense = true;
+  plan.gap_check = false;
+  plan.order_begin = order_.size();
+  plan.order_count = 0;
+  plan.forced_count = 0;
+  plan.quorum_count = 0;
+  if (!enabled_ || !s.live || !s.finite) return;
+  const size_t k = partition_.k, nb = partition_.num_blocks;
+  ++stats.event_rows;
+  stats.blocks_total += nb;
+  float* diff = inputs_.data();  // free until the wave's inputs are written
+  for (size_t r = 0; r < k; ++r) diff[r] = xr[r] - s.x_ref[r];
+  kernels.block_sumsq(diff, k, partition_.block, sq_delta_.data());
+  const bool need_energy = config_.delta_theta > 0.0f || kwta_count_ > 0;
+  if (need_energy) kernels.block_sumsq(xr, k, partition_.block, energy_.data());
+
+  // KWTA prior: the candidates are the top kwta_k blocks by energy; the event ordering below runs
+  // inside them (non-candidates are reused, as any block the ordering does not pick).
+  const bool use_prior = kwta_count_ > 0 && kwta_count_ < nb;
+  if (use_prior) {
+    std::fill(candidate_.begin(), candidate_.end(), uint8_t{0});
+    const size_t count = select_top_k(kernels, energy_.data(), nb, kwta_count_, kept_.data(), select_scratch_);
+    for (size_t i = 0; i < count; ++i) candidate_[kept_[i]] = 1;
+  }
+  const bool use_age = config_.age_max > 0;
+  const uint32_t age_limit = static_cast<uint32_t>(std::min<int64_t>(config_.age_max, UINT32_MAX));
+  size_t forced = 0;
+  if (use_age) {
+    for (size_t b = 0; b < nb; ++b) {
+      forced_[forced] = static_cast<int32_t>(b);
+      forced += s.age[b] >= age_limit;
+    }
+  }
+  // Eligible blocks, branch-free (eligibility is close to random per block): their delta in
+  // masked_ (others -1, below every delta) and their indices, ascending, in kept_.
+  const float theta_sq = config_.delta_theta * config_.delta_theta;
+  const uint32_t* age = s.age.data();
+  const float* sq_delta = sq_delta_.data();
+  const float* energy = energy_.data();
+  const uint8_t* candidate = candidate_.data();
+  float* masked = masked_.data();
+  int32_t* kept = kept_.data();
+  size_t eligible = 0;
+  constexpr uint32_t kMinusOneBits = 0xBF800000u;  // -1.0f
+  for (size_t b = 0; b < nb; ++b) {
+    const float d2 = sq_delta[b];
+    const float limit = need_energy ? theta_sq * energy[b] : 0.0f;
+    uint32_t ok = static_cast<uint32_t>(d2 > limit) | static_cast<uint32_t>(d2 != d2);  // NaN deltas are refreshed
+    if (use_prior) ok &= candidate[b];
+    if (use_age) ok &= static_cast<uint32_t>(age[b] < age_limit);
+    // Integer selects: a float select here compiles to a branch that mispredicts.
+    uint32_t bits;
+    std::memcpy(&bits, &d2, sizeof(bits));
+    const uint32_t keep_mask = 0u - ok;
+    bits = (bits & keep_mask) | (kMinusOneBits & ~keep_mask);
+    std::memcpy(masked + b, &bits, sizeof(bits));
+    kept[eligible] = static_cast<int32_t>(b);
+    eligible += ok;
+  }
+  const size_t keep = std::min(refresh_count_, eligible);
+  size_t selected = eligible;  // every eligible block fits: no ranking needed
+  if (keep < eligible) selected = select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_);
+  stats.blocks_forced += forced;
+  // Every block: a plain dense row (also resyncs the stream). In a wave of more than 2 rows
+  // without a deadline, dense rows share token tiles and cost ~0.4-0.5 of a single-row pass over
+  // W (measured at M = 12), so a row refreshing more than kDenseAbove of its blocks is cheaper,
+  // and exact, as a dense row (0.5, not the ~0.4 break-even, so topk <= 0.5 keeps its meaning).
+  const bool cheaper_dense = wave_rows > 2 && config_.budget_ms <= 0.0 &&
+                             static_cast<double>(forced + selected) > kDenseAbove * static_cast<double>(nb);
+  if (forced + selected == nb || cheaper_dense) {
+    stats.blocks_refreshed += nb;
+    return;
+  }
+  plan.dense = false;
+  if (config_.gap_every > 0 && ++gap_counter_ % static_cast<uint64_t>(config_.gap_every) == 0) plan.gap_check = true;
+  order_.insert(order_.end(), forced_.begin(), forced_.begin() + forced);
+  const size_t by_delta = order_.size();
+  order_.insert(order_.end(), kept_.begin(), kept_.begin() + selected);
+  if (config_.budget_ms > 0.0) {
+    // Largest change first (ties: lower block), so a deadline cuts the least informative blocks.
+    const float* key = masked_.data();
+    std::stable_sort(order_.begin() + by_delta, order_.end(), [key](int32_t a, int32_t b) {
+      const float ka = key[a], kb = key[b];
+      return std::isnan(ka) ? !std::isnan(kb) : ka > kb;
+    });
+  }
+  plan.order_count = forced + selected;
+  plan.forced_count = forced;
+  plan.quorum_count = std::min(plan.order_count, forced + fraction_count(config_.quorum, selected));
+}
+
+void EventMatMul::commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
+                             const float* fresh_product) {
+  Stream& s = *plan.stream;
+  const size_t n = backend_->n();
+  if (exact_weights_) {
+    for (size_t j = 0; j < n; ++j) s.y[j] += delta_product[j];
+  } else {
+    // Every reused block's weight moves from w(a) to w(a + 1): a factor exp(-lambda) for blocks
+    // already stale, stale_beta * exp(-lambda) for those fresh on the last row (kept in s.fresh).
+    const float drop = config_.stale_beta != 1.0f ? decay_ * (1.0f - config_.stale_beta) : 0.0f;
+    for (size_t j = 0; j < n; ++j) {
+      float v = decay_ * s.y[j] + delta_product[j];
+      if (drop != 0.0f) v -= drop * s.fresh[j];
+      s.y[j] = v;
+    }
+    if (config_.stale_beta != 1.0f) {
+      if (done > 0) {
+        s.fresh.assign(fresh_product, fresh_product + n);
+      } else {
+        std::fill(s.fresh.begin(), s.fresh.end(), 0.0f);
+      }
+    }
+  }
+  s.finite = all_finite(s.y.data(), n);
+  for (uint32_t& a : s.age) a = a == UINT32_MAX ? a : a + 1;
+  const int32_t* blocks = order_.data() + plan.order_begin;
+  for (size_t i = 0; i < done; ++i) {
+    const size_t b = static_cast<size_t>(blocks[i]);
+    s.age[b] = 0;
+    for (size_t r = partition_.begin(b); r < partition_.end(b); ++r) s.x_ref[r] = xr[r];
+  }
+}
+
+void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                           const KernelTable& kernels, const TaskRunner& runner, EventStats& stats) {
+  const size_t k = partition_.k, n = backend_->n();
+  const size_t m = wave.size();
+  const bool need_fresh = config_.stale_beta != 1.0f;
+  auto finish_row = [&](const RowPlan& plan) {
+    float* yr = y + plan.row * n;
+    const float* sy = plan.stream->y.data();
+    for (size_t j = 0; j < n; ++j) yr[j] = sy[j] + (bias ? bias[j] : 0.0f);
+  };
+
+  if (config_.budget_ms <= 0.0) {
+    // No deadline. Dense rows (fresh streams, full refreshes) share one backend run: at M > 2 the
+    // engine's token tiles reuse each W row across them. Gated rows each have their own row list,
+    // whose union over a tile is most of W, so they run one by one on the decode path (whole W rows
+    // streamed, y in L1), which measured faster than tiling them.
+    out_.resize(m * n);
+    if (need_fresh) fresh_out_.resize(m * n);
+    inputs_.resize(std::max(inputs_.size(), m * k));
+    gated_.clear();
+    dense_rows_.clear();
+    for (size_t i = 0; i < m; ++i) {
+      if (!wave[i].dense) continue;
+      std::memcpy(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k * sizeof(float));
+      dense_rows_.push_back(i);
+      gated_.add_dense_token();
+    }
+    if (!dense_rows_.empty()) {
+      dense_out_.resize(dense_rows_.size() * n);
+      backend_->run(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
+      for (size_t d = 0; d < dense_rows_.size(); ++d)
+        std::memcpy(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n * sizeof(float));
+    }
+    for (size_t i = 0; i < m; ++i) {
+      RowPlan& plan = wave[i];
+      if (plan.dense) continue;
+      const float* xr = x + plan.row * k;
+      int32_t* blocks = order_.data() + plan.order_begin;
+      // Forced and by-delta blocks are each ascending already: W rows in memory order.
+      if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
+      write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
+      gated_.clear();
+      gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
+      backend_->run(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n, kernels, runner);
+      if (need_fresh) backend_->run(xr, 1, gated_, nullptr, fresh_out_.data() + i * n, kernels, runner);
+    }
+    for (size_t i = 0; i < m; ++i) {
+      RowPlan& plan = wave[i];
+      const float* xr = x + plan.row * k;
+      if (plan.dense) {
+        set_dense_state(xr, *plan.stream, out_.data() + i * n);
+      } else {
+        commit_row(xr, plan, plan.order_count, out_.data() + i * n, need_fresh ? fresh_out_.data() + i * n : nullptr);
+        stats.blocks_refreshed += plan.order_count;
+      }
+      finish_row(plan);
+    }
+  } else {
+    // Deadline: row by row, the refreshed blocks in delta order in chunks; the clock is read
+    // between chunks only, and the first quorum_count blocks run whatever it says.
+    const size_t chunk_blocks = std::max<size_t>(1, kDeadlineChunkRows / partition_.block);
+    const double budget_ns = config_.budget_ms * 1e6;
+    inputs_.resize(std::max(inputs_.size(), k));
+    out_.resize(2 * n);
+    fresh_out_.resize(2 * n);
+    for (RowPlan& plan : wave) {
+      const auto start = Clock::now();
+      const float* xr = x + plan.row * k;
+      gated_.clear();
+      if (plan.dense) {
+        gated_.add_dense_token();
+        backend_->run(xr, 1, gated_, nullptr, out_.data(), kernels, runner);
+        set_dense_state(xr, *plan.stream, out_.data());
+        finish_row(plan);
+        continue;
+      }
+      int32_t* blocks = order_.data() + plan.order_begin;
+      float* acc = out_.data() + n;
+      float* fresh_acc = fresh_out_.data() + n;
+      std::fill(acc, acc + n, 0.0f);
+      if (need_fresh) std::fill(fresh_acc, fresh_acc + n, 0.0f);
+      write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
+      size_t done = 0;
+      while (done < plan.order_count) {
+        if (done >= plan.quorum_count &&
+            static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()) >
+                budget_ns) {
+          ++stats.deadline_stops;
+          break;
+        }
+        const size_t end = done < plan.quorum_count ? plan.quorum_count : std::min(plan.order_count, done + chunk_blocks);
+        std::sort(blocks + done, blocks + end);  // same set, W rows in memory order
+        gated_.clear();
+        gated_.add_token_blocks(partition_, blocks + done, end - done, 1.0f);
+        backend_->run(inputs_.data(), 1, gated_, nullptr, out_.data(), kernels, runner);
+        for (size_t j = 0; j < n; ++j) acc[j] += out_[j];
+        if (need_fresh) {
+          backend_->run(xr, 1, gated_, nullptr, fresh_out_.data(), kernels, runner);
+          for (size_t j = 0; j < n; ++j) fresh_acc[j] += fresh_out_[j];
+        }
+        done = end;
+      }
+      commit_row(xr, plan, done, acc, fresh_acc);
+      stats.blocks_refreshed += done;
+      finish_row(plan);
+    }
+  }
+
+  // Gap check: the dense row too; the output takes the dense value and the stream resyncs on it.
+  gated_.clear();
+  inputs_.resize(std::max(inputs_.size(), m * k));
+  std::vector<const RowPlan*> checks;
+  for (const RowPlan& plan : wave) {
+    if (!plan.gap_check) continue;
+    std::memcpy(inputs_.data() + checks.size() * k, x + plan.row * k, k * sizeof(float));
+    gated_.add_dense_token();
+    checks.push_back(&plan);
+  }
+  if (checks.empty()) return;
+  dense_out_.resize(checks.size() * n);
+  backend_->run(inputs_.data(), checks.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
+  for (size_t i = 0; i < checks.size(); ++i) {
+    const RowPlan& plan = *checks[i];
+    const float* dense = dense_out_.data() + i * n;
+    float* yr = y + plan.row * n;
+    double diff = 0.0, ref = 0.0;
+    for (size_t j = 0; j < n; ++j) {
+      const double dv = dense[j] + (bias ? bias[j] : 0.0f);
+      diff += (yr[j] - dv) * (yr[j] - dv);
+      ref += dv * dv;
+    }
+    const double gap = ref > 0.0 ? std::sqrt(diff / ref) : (diff > 0.0 ? std::numeric_limits<double>::infinity() : 0.0);
+    ++stats.gap_checks;
+    stats.last_gap = gap;
+    if (gap > config_.gap_tol && enabled_) {
+      enabled_ = false;
+      ++stats.disables;
+    }
+    set_dense_state(x + plan.row * k, *plan.stream, dense);
+    finish_row(plan);
+  }
+}
+
+// A call with more rows than max_gated_rows (a prefill): one dense product over all rows (the
+// backend's tiled path), then every stream resyncs on its last row (axis sequence) or its row
+// (axis call), so the next gated row continues from exact state.
+void EventMatMul::run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
+                                 const KernelTable& kernels, const TaskRunner& runner) {
+  const size_t k = partition_.k, n = backend_->n(), m = batch * seq;
+  gated_.clear();
+  for (size_t i = 0; i < m; ++i) gated_.add_dense_token();
+  out_.resize(std::max(out_.size(), m * n));
+  backend_->run(x, m, gated_, nullptr, out_.data(), kernels, runner);
+  for (size_t i = 0; i < m; ++i)
+    for (size_t j = 0; j < n; ++j) y[i * n + j] = out_[i * n + j] + (bias ? bias[j] : 0.0f);
+  const bool by_call = config_.axis == EventAxis::kCall;
+  for (size_t b = 0; b < batch; ++b) {
+    for (size_t s = by_call ? 0 : seq - 1; s < seq; ++s) {
+      const size_t row = b * seq + s;
+      set_dense_state(x + row * k, stream_at(b, by_call ? s : 0), out_.data() + row * n);
+    }
+  }
+  if (by_call) {
+    prev_batch_ = batch;
+    prev_seq_ = seq;
+  }
+}
+
+EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const float* bias, float* y, bool reset,
+                            const KernelTable& kernels, const TaskRunner& runner) {
+  EventStats stats;
+  stats.rows = batch * seq;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (reset) {
+    streams_.clear();
+    enabled_ = true;
+    gap_counter_ = 0;
+    prev_batch_ = prev_seq_ = 0;
+  }
+  if (stats.rows == 0) return stats;
+  const auto start = Clock::now();
+  const size_t k = partition_.k, nb = partition_.num_blocks;
+  inputs_.resize(std::max(inputs_.size(), k));
+  sq_delta_.resize(nb);
+  energy_.resize(nb);
+  masked_.resize(nb);
+  candidate_.resize(nb);
+  kept_.resize(nb + kIndexSlack);
+  forced_.resize(nb);
+  const bool by_call = config_.axis == EventAxis::kCall;
+  // Sized before any pointer into streams_ is taken.
+  for (size_t b = 0; b < batch; ++b) stream_at(b, by_call ? seq - 1 : 0);
+  if (config_.max_gated_rows > 0 && stats.rows > static_cast<uint64_t>(config_.max_gated_rows)) {
+    run_dense_call(x, batch, seq, bias, y, kernels, runner);
+    stats.gate_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    return stats;
+  }
+  std::vector<RowPlan> wave;
+  const size_t waves = by_call ? 1 : seq;
+  for (size_t t = 0; t < waves; ++t) {
+    wave.clear();
+    order_.clear();
+    for (size_t b = 0; b < batch; ++b) {
+      const size_t first = by_call ? 0 : t, last = by_call ? seq : t + 1;
+      for (size_t s = first; s < last; ++s) {
+        RowPlan plan{};
+        plan.row = b * seq + s;
+        plan.stream = &stream_at(b, by_call ? s : 0);
+        if (by_call && (b >= prev_batch_ || s >= prev_seq_)) plan.stream->live = false;
+        wave.push_back(plan);
+      }
+    }
+    // Pointers into streams_ are stable from here: stream_at is not called again in this wave.
+    for (RowPlan& plan : wave) plan_row(x + plan.row * k, wave.size(), plan, kernels, stats);
+    run_wave(x, wave, bias, y, kernels, runner, stats);
+  }
+  if (by_call) {
+    prev_batch_ = batch;
+    prev_seq_ = seq;
+  }
+  stats.gate_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  return stats;
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,187 @@
+// ProcSparseMatMul(X, indices, deltas, B?) = the engine with the `proc` weight backend and either
+// the dense gate (default) or the `kwta` gate (kwta_* attributes: the composed mode).
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "common/metrics.h"
+#include "engine/kwta_gate.h"
+#include "engine/proc_backend.h"
+#include "ort/matmul_io.h"
+#include "ort/ops.h"
+
+namespace ortsparse::ort {
+namespace {
+
+enum Counter { kCalls, kRows, kBlocks, kUnitPasses, kGateTotal, kGateKept };
+enum Constant { kTrims, kMemRatio, kFanout };
+
+std::vector<std::pair<std::string, double>> describe_proc(const uint64_t* c, const double* constants) {
+  return {
+      {"proc.fanout_effective", c[kUnitPasses] ? static_cast<double>(c[kBlocks]) / c[kUnitPasses] : constants[kFanout]},
+      {"proc.trims", constants[kTrims]},
+      {"proc.mem_ratio", constants[kMemRatio]},
+      {"proc.fanout", constants[kFanout]},
+      {"kwta.keep_ratio", c[kGateTotal] ? static_cast<double>(c[kGateKept]) / c[kGateTotal] : 1.0},
+      {"calls", static_cast<double>(c[kCalls])},
+      {"rows", static_cast<double>(c[kRows])},
+      {"blocks_computed", static_cast<double>(c[kBlocks])},
+  };
+}
+
+// The gate attributes of KwtaBlockMatMul, prefixed `kwta_`. Without any of k_frac < 1, k_abs or
+// threshold the gate keeps every row: no gate is built (the dense gate).
+struct GateSpec {
+  bool enabled = false;
+  engine::KwtaConfig config;
+  int64_t block = 0;
+};
+
+GateSpec read_gate(const Attributes& attrs, int64_t proc_block) {
+  GateSpec g;
+  engine::KwtaConfig& c = g.config;
+  c.k_frac = attrs.get_float("kwta_k_frac", 1.0f);
+  c.k_abs = attrs.get_int("kwta_k_abs", 0);
+  c.score = engine::parse_kwta_score(attrs.get_string("kwta_score", "l2"));
+  c.threshold = attrs.get_float("kwta_threshold", 0.0f);
+  c.temp = attrs.get_float("kwta_temp", 1.0f);
+  c.duty = attrs.get_int("kwta_duty", 1);
+  c.duty_mode = engine::parse_duty_mode(attrs.get_string("kwta_duty_mode", "dense"));
+  const int64_t renorm = attrs.get_int("kwta_renorm", 0);
+  c.max_gated_rows = attrs.get_int("kwta_max_gated_rows", 0);
+  g.block = attrs.get_int("kwta_block", proc_block);
+  if (!(c.k_frac > 0.0 && c.k_frac <= 1.0)) fail("attribute kwta_k_frac=", c.k_frac, " must be in (0, 1]");
+  if (c.k_abs < 0) fail("attribute kwta_k_abs=", c.k_abs, " must be >= 0");
+  if (!(c.threshold >= 0.0f)) fail("attribute kwta_threshold=", c.threshold, " must be >= 0");
+  if (!(c.temp > 0.0f)) fail("attribute kwta_temp=", c.temp, " must be > 0");
+  if (c.duty < 1) fail("attribute kwta_duty=", c.duty, " must be >= 1");
+  if (renorm != 0 && renorm != 1) fail("attribute kwta_renorm=", renorm, " must be 0 or 1");
+  if (c.max_gated_rows < 0) fail("attribute kwta_max_gated_rows=", c.max_gated_rows, " must be >= 0");
+  c.renorm = renorm == 1;
+  g.enabled = c.k_frac < 1.0 || c.k_abs > 0 || c.threshold > 0.0f;
+  return g;
+}
+
+// A constant initializer of any element type (the packed tensors are uint16 and float/float16).
+struct ConstantAny {
+  const void* data = nullptr;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+};
+
+ConstantAny constant_input(const OrtKernelInfo* info, size_t index, const char* name) {
+  Ort::ConstKernelInfo kinfo(info);
+  if (index >= kinfo.GetInputCount()) fail("input ", name, " (#", index, ") is missing");
+  int is_constant = 0;
+  Ort::ConstValue value = kinfo.GetTensorConstantInput(index, &is_constant);
+  if (!is_constant)
+    fail("input ", name, " (#", index, ", '", kinfo.GetInputName(index),
+         "') must be a constant initializer (the builder's packed weights, read once at session creation)");
+  auto ti = value.GetTensorTypeAndShapeInfo();
+  ConstantAny out;
+  out.type = ti.GetElementType();
+  out.shape = ti.GetShape();
+  out.data = value.GetTensorRawData();
+  return out;
+}
+
+class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
+ public:
+  static constexpr const char* kOpName = "ProcSparseMatMul";
+  static std::vector<InputSpec> inputs() {
+    return {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16, false},
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, false},  // float or float16, checked at creation
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true}};
+  }
+  static size_t output_count() { return 1; }
+
+  ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
+    const Attributes attrs(info);
+    const int64_t k = attrs.get_int("K", 0), n = attrs.get_int("N", 0);
+    const int64_t block = attrs.get_int("block", 32);
+    const int64_t seed = attrs.get_int("seed", 0);
+    const float base_scale = attrs.get_float("base_scale", 0.0f);
+    if (k < 1) fail("attribute K=", k, " must be >= 1 (the rows of the dense W this layer replaces)");
+    if (n < 1) fail("attribute N=", n, " must be >= 1");
+    if (block < 1 || block > k) fail("attribute block=", block, " must be in [1, K=", k, "]");
+    if (!std::isfinite(base_scale)) fail("attribute base_scale=", base_scale, " must be finite");
+    const int64_t nb = (k + block - 1) / block;
+    const int64_t fanout = attrs.get_int("fanout", -1);
+    const ConstantAny index = constant_input(info, 1, "indices");
+    const ConstantAny deltas = constant_input(info, 2, "deltas");
+    if (index.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16)
+      fail("input indices must be uint16, got element type ", static_cast<int>(index.type));
+    if (index.shape.size() != 2 || index.shape[0] != n)
+      fail("input indices has shape ", shape_string(index.shape), ", expected [N=", n, ", fanout]");
+    const int64_t f = index.shape[1];
+    if (fanout >= 0 && fanout != f) fail("attribute fanout=", fanout, " but input indices has shape ", shape_string(index.shape));
+    if (f < 1 || f > nb) fail("input indices has shape ", shape_string(index.shape), ": fanout must be in [1, ", nb, "] (K=", k, ", block=", block, ")");
+    engine::DeltaType type;
+    if (deltas.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+      type = engine::DeltaType::kF32;
+    } else if (deltas.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+      type = engine::DeltaType::kF16;
+    } else {
+      fail("input deltas must be float32 or float16, got element type ", static_cast<int>(deltas.type));
+    }
+    const std::vector<int64_t> want{n, f, block};
+    if (deltas.shape != want)
+      fail("input deltas has shape ", shape_string(deltas.shape), ", expected ", shape_string(want), " [N, fanout, block]");
+    auto weights = std::make_shared<const engine::ProcWeights>(
+        static_cast<size_t>(k), static_cast<size_t>(n), static_cast<size_t>(block), static_cast<size_t>(f),
+        static_cast<uint64_t>(seed), base_scale, static_cast<const uint16_t*>(index.data), deltas.data, type);
+    const GateSpec gate = read_gate(attrs, block);
+    if (gate.enabled) {
+      if (gate.block < 1 || gate.block > k) fail("attribute kwta_block=", gate.block, " must be in [1, K=", k, "]");
+      const engine::BlockPartition partition(static_cast<size_t>(k), static_cast<size_t>(gate.block));
+      std::vector<float> norms;
+      if (gate.config.score == engine::KwtaScore::kL2Weighted) norms = weights->block_norms(partition);
+      gate_ = std::make_unique<engine::KwtaGate>(partition, gate.config, std::move(norms));
+    }
+    const double mem_ratio = static_cast<double>(weights->bytes()) / (static_cast<double>(k) * n * sizeof(float));
+    const double trims = static_cast<double>(weights->zero_deltas());
+    backend_ = std::make_unique<engine::ProcBackend>(std::move(weights));
+    metrics_ = metrics_slot(kOpName, node(), describe_proc);
+    metrics_->set_constant(kTrims, trims);
+    metrics_->set_constant(kMemRatio, mem_ratio);
+    metrics_->set_constant(kFanout, static_cast<double>(f));
+  }
+
+  void Compute(OrtKernelContext* raw_context) {
+    Ort::KernelContext context(raw_context);
+    const MatMulIo io = bind_matmul_io(context, backend_->k(), backend_->n(), 3);
+    if (io.m == 0) return;
+    const engine::KernelTable& kernels = engine::active_kernels();
+    thread_local engine::GatedRows gated;  // reused: a decode step allocates nothing
+    engine::KwtaStats stats;
+    if (gate_) {
+      stats = gate_->plan(io.x, io.m, kernels, gated);
+    } else {
+      gated.clear();
+      for (size_t t = 0; t < io.m; ++t) gated.add_dense_token();
+    }
+    const engine::ProcBackend::Stats run = backend_->run_counted(io.x, io.m, gated, io.bias, io.y, kernels,
+                                                                 OrtTaskRunner(raw_context));
+    metrics_->add(kCalls, 1);
+    metrics_->add(kRows, io.m);
+    metrics_->add(kBlocks, run.blocks);
+    metrics_->add(kUnitPasses, run.unit_passes);
+    metrics_->add(kGateTotal, stats.blocks_total);
+    metrics_->add(kGateKept, stats.blocks_kept);
+  }
+
+ private:
+  std::unique_ptr<engine::KwtaGate> gate_;
+  std::unique_ptr<engine::ProcBackend> backend_;
+  std::shared_ptr<MetricsSlot> metrics_;
+};
+
+}  // namespace
+
+const OrtCustomOp* proc_sparse_matmul_op() {
+  static const OpAdapter<ProcSparseMatMulKernel> op;
+  return &op;
+}
+
+}  // namespace ortsparse::ort
