@@ -268,40 +268,25 @@ void softmax_pv(const Call& c, const engine::KernelTable& kernels, float* s, con
 
 }  // namespace
 
-std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_keys(const float* k, const AttentionDims& dims,
+std::shared_ptr<PopcountAttention::KeyCache> PopcountAttention::prepare_keys(const float* k, const AttentionDims& dims,
                                                                                  const TaskRunner& runner,
                                                                                  AttentionStats& stats) const {
   const size_t heads_kv = dims.b * dims.hkv, d = dims.d, skv = dims.skv;
   const bool popcount = config_.select == Selector::kPopcount;
-  auto fresh = std::make_shared<KeyCache>();
-  KeyCache& kc = *fresh;
-  kc.heads_kv = heads_kv;
-  kc.skv = skv;
-  kc.d = d;
-  kc.key_blocks = (skv + kLanes - 1) / kLanes;
   const size_t dp = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : d;  // packed length
-  kc.words = popcount ? (dp + 63) / 64 : 0;
-  kc.planes = popcount ? pack_planes(config_.mode) : 0;
-  kc.block_words = kc.planes * kc.words * kLanes;
-  kc.bits_set.assign(heads_kv, 0);
-  kc.packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : d;
-  if (popcount) {
-    kc.packed.assign(heads_kv * kc.key_blocks * kc.block_words, 0);
-    kc.gamma.assign(heads_kv * kc.key_blocks * kLanes, 0.0f);
-  } else {
-    kc.energy.assign(heads_kv * skv, 0.0f);
-  }
+  const size_t need_blocks = (skv + kLanes - 1) / kLanes;
 
   // Reuse of the previous call's packed keys (decode with a growing KV cache): the rows it packed
   // are taken as unchanged when its fingerprint rows (first, middle, last) are bit-identical in
   // this call's K. In a causal LM, K[j] depends only on tokens 0..j, so an identical last row
   // means an identical prefix; were it ever wrong, only the selection would suffer (refine and
-  // output always use this call's K and V).
+  // output always use this call's K and V). The cache is taken out of the kernel while a call
+  // extends it: a concurrent call sees none and packs its own.
   size_t reuse = 0;
-  std::shared_ptr<const KeyCache> old;
+  std::shared_ptr<KeyCache> old;
   if (config_.cache_keys) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
-    old = cache_;
+    old = std::move(cache_);
   }
   // With centering, μ is the mean of the first min(Skv, kCenterRows) keys: a property of the
   // sequence prefix, not of the call history, so a cache may be extended only once it covers them.
@@ -317,20 +302,45 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
       }
     if (same) reuse = old->skv;
   }
-  if (reuse > 0) {
-    const size_t old_blocks = (reuse + kLanes - 1) / kLanes;
-    for (size_t hk = 0; hk < heads_kv; ++hk) {
-      if (popcount) {
-        std::copy_n(old->packed.data() + hk * old->key_blocks * kc.block_words, old_blocks * kc.block_words,
-                    kc.packed.data() + hk * kc.key_blocks * kc.block_words);
-        std::copy_n(old->gamma.data() + hk * old->key_blocks * kLanes, reuse, kc.gamma.data() + hk * kc.key_blocks * kLanes);
-      } else {
-        std::copy_n(old->energy.data() + hk * old->skv, reuse, kc.energy.data() + hk * skv);
-      }
-      kc.bits_set[hk] = old->bits_set[hk];
+  std::shared_ptr<KeyCache> fresh;
+  if (reuse > 0 && old.use_count() == 1 && old->cap_blocks >= need_blocks) {
+    fresh = old;  // no run holds it: extend in place (new rows go to unused lanes / blocks)
+  } else {
+    fresh = std::make_shared<KeyCache>();
+    KeyCache& n = *fresh;
+    n.heads_kv = heads_kv;
+    n.d = d;
+    n.words = popcount ? (dp + 63) / 64 : 0;
+    n.planes = popcount ? pack_planes(config_.mode) : 0;
+    n.block_words = n.planes * n.words * kLanes;
+    n.packed_dim = dp;
+    // Headroom so the following decode steps extend in place.
+    n.cap_blocks = config_.cache_keys ? need_blocks + need_blocks / 2 + 8 : need_blocks;
+    n.bits_set.assign(heads_kv, 0);
+    if (popcount) {
+      n.packed.assign(heads_kv * n.cap_blocks * n.block_words, 0);
+      n.gamma.assign(heads_kv * n.cap_blocks * kLanes, 0.0f);
+    } else {
+      n.energy.assign(heads_kv * n.cap_blocks * kLanes, 0.0f);
     }
-    kc.center = old->center;
+    if (reuse > 0) {
+      const size_t old_blocks = (reuse + kLanes - 1) / kLanes;
+      for (size_t hk = 0; hk < heads_kv; ++hk) {
+        if (popcount) {
+          std::copy_n(old->packed.data() + hk * old->cap_blocks * n.block_words, old_blocks * n.block_words,
+                      n.packed.data() + hk * n.cap_blocks * n.block_words);
+          std::copy_n(old->gamma.data() + hk * old->cap_blocks * kLanes, reuse, n.gamma.data() + hk * n.cap_blocks * kLanes);
+        } else {
+          std::copy_n(old->energy.data() + hk * old->cap_blocks * kLanes, reuse, n.energy.data() + hk * n.cap_blocks * kLanes);
+        }
+        n.bits_set[hk] = old->bits_set[hk];
+      }
+      n.center = old->center;
+    }
   }
+  KeyCache& kc = *fresh;
+  kc.skv = skv;
+  kc.key_blocks = need_blocks;
   if (center && reuse == 0) {
     // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
     const size_t rows = std::min(skv, kCenterRows);
@@ -354,8 +364,8 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
   runner.run(heads_kv, [=](size_t hk) {
     const float* kh = k + hk * skv * d;
     if (popcount) {
-      uint64_t* out = kp->packed.data() + hk * kp->key_blocks * kp->block_words;
-      float* g = kp->gamma.data() + hk * kp->key_blocks * kLanes;
+      uint64_t* out = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
+      float* g = kp->gamma.data() + hk * kp->cap_blocks * kLanes;
       std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
       for (size_t j = reuse; j < skv; ++j) {
         const float* x = kh + j * d;
@@ -375,7 +385,7 @@ std::shared_ptr<const PopcountAttention::KeyCache> PopcountAttention::prepare_ke
       for (size_t j = reuse; j < skv; ++j) {
         double s = 0.0;
         for (size_t i = 0; i < d; ++i) s += static_cast<double>(kh[j * d + i]) * kh[j * d + i];
-        kp->energy[hk * skv + j] = static_cast<float>(std::sqrt(s));
+        kp->energy[hk * kp->cap_blocks * kLanes + j] = static_cast<float>(std::sqrt(s));
       }
     }
   });
@@ -412,7 +422,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
   std::shared_ptr<const KeyCache> keys;
   if (c.select) {
     keys = prepare_keys(k, dims, runner, stats);
-    c.key_blocks = keys->key_blocks;
+    c.key_blocks = keys->cap_blocks;  // per-head stride of the packed arrays
     c.words = keys->words;
     c.planes = keys->planes;
     c.block_words = keys->block_words;
@@ -528,7 +538,7 @@ AttentionStats PopcountAttention::run(const float* q, const float* k, const floa
         for (size_t j = 0; j < limit; ++j) sel[j] = static_cast<float>(cnt[j]) * gq * gk[j] * c.scale;
         add_mask(m, sel, limit);
       } else {
-        std::copy_n(c.energy + hk * dd.skv, limit, sel);
+        std::copy_n(c.energy + hk * c.key_blocks * kLanes, limit, sel);
         add_mask(m, sel, limit);
       }
       if (topk == 0) {  // the seed's pure approximate path: softmax of the approximate scores

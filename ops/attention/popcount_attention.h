@@ -83,6 +83,7 @@ class PopcountAttention {
   struct KeyCache {
     static constexpr size_t kFingerprintRows = 3;
     size_t heads_kv = 0, skv = 0, d = 0, key_blocks = 0, words = 0, planes = 0, block_words = 0;
+    size_t cap_blocks = 0;  // per-head capacity (stride) of packed / gamma / energy, in key blocks
     std::vector<uint64_t> packed;
     std::vector<float> gamma, energy, fingerprint, center;  // center: per head, D
     std::vector<uint64_t> bits_set;  // per head
@@ -90,7 +91,7 @@ class PopcountAttention {
     std::shared_ptr<const std::vector<float>> projection;
     size_t fingerprint_row(size_t f) const { return f == 0 ? 0 : f == 1 ? skv / 2 : skv - 1; }
   };
-  std::shared_ptr<const KeyCache> prepare_keys(const float* k, const AttentionDims& dims, const TaskRunner& runner,
+  std::shared_ptr<KeyCache> prepare_keys(const float* k, const AttentionDims& dims, const TaskRunner& runner,
                                                AttentionStats& stats) const;
 
   PopcountAttentionConfig config_;
@@ -101,7 +102,7 @@ class PopcountAttention {
   // The last call's keys: concurrent runs each take a snapshot and publish their own (a cache
   // that belongs to another sequence is simply not reused).
   mutable std::mutex cache_mutex_;
-  mutable std::shared_ptr<const KeyCache> cache_;
+  mutable std::shared_ptr<KeyCache> cache_;
   // proj_bits > 0: R for the D of the last call (built on first use of a D).
   mutable std::shared_ptr<const std::vector<float>> projection_;
   std::shared_ptr<const std::vector<float>> projection_for(size_t d) const;

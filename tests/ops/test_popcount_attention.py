@@ -534,3 +534,18 @@ def test_finite_min_mask_keys_are_out_of_the_selection(select, rng):
     np.testing.assert_allclose(y, ref.attention(q, k, v, mask, keep=keep), rtol=1e-5, atol=2e-6)
     y_causal, _ = _kernels.popcount_attention(q, k, v, is_causal=True, min_keys=0, density_max=1.0, **kw)
     np.testing.assert_allclose(y, y_causal, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("select,extra", [("popcount", {}), ("popcount", {"proj_bits": 128, "mode": "ternary"}),
+                                          ("energy", {})])
+def test_long_decode_extends_the_cache_in_place_and_past_its_capacity(select, extra, rng):
+    """Grow the cache one key per call from 40 to 200 keys (past the first allocation's headroom):
+    every step packs only the new row and equals a fresh kernel's result."""
+    q, k, v = qkv(rng, 1, 4, 2, 1, 200, 32)
+    kw = dict(select=select, topk=8, min_keys=0, is_causal=True, center=False, density_max=1.0, eps=0.3, **extra)
+    op = _kernels.PopcountAttention(**kw)
+    for n in range(40, 201):
+        y, stats = op(q, k[:, :, :n], v[:, :, :n])
+        assert stats["keys_packed"] == (2 * 40 if n == 40 else 2)
+        fresh, _ = _kernels.popcount_attention(q, k[:, :, :n], v[:, :, :n], **kw)
+        np.testing.assert_array_equal(y, fresh)
