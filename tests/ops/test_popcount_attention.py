@@ -466,6 +466,7 @@ def test_random_projection_bits(proj_bits, mode, rng):
     np.testing.assert_array_equal(r, _kernels.projection_matrix(48, proj_bits))  # fixed, part of the op
 
 
+@pytest.mark.concurrency
 def test_concurrent_runs_with_different_sequences(rng):
     """Threads share one session, each decoding its own sequence: the packed-key cache is a
     snapshot, so a cache of another sequence is never reused (results equal the reference)."""
