@@ -6,6 +6,7 @@
 #include "engine/bitmap_gate.h"
 #include "engine/dense_backend.h"
 #include "engine/kwta_gate.h"
+#include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
 
@@ -46,28 +47,6 @@ engine::BitmapConfig read_bitmap_config(const Attributes& attrs, const engine::K
   return c;
 }
 
-engine::KwtaConfig read_config(const Attributes& attrs) {
-  engine::KwtaConfig c;
-  c.k_frac = attrs.get_float("k_frac", 0.5f);
-  c.k_abs = attrs.get_int("k_abs", 0);
-  c.score = engine::parse_kwta_score(attrs.get_string("score", "l2"));
-  c.threshold = attrs.get_float("threshold", 0.0f);
-  c.temp = attrs.get_float("temp", 1.0f);
-  c.duty = attrs.get_int("duty", 1);
-  c.duty_mode = engine::parse_duty_mode(attrs.get_string("duty_mode", "dense"));
-  const int64_t renorm = attrs.get_int("renorm", 0);
-  c.max_gated_rows = attrs.get_int("max_gated_rows", 0);
-  if (c.max_gated_rows < 0) fail("attribute max_gated_rows=", c.max_gated_rows, " must be >= 0 (0: gate every call)");
-  if (!(c.k_frac > 0.0 && c.k_frac <= 1.0)) fail("attribute k_frac=", c.k_frac, " must be in (0, 1]");
-  if (c.k_abs < 0) fail("attribute k_abs=", c.k_abs, " must be >= 0");
-  if (!(c.threshold >= 0.0f)) fail("attribute threshold=", c.threshold, " must be >= 0");
-  if (!(c.temp > 0.0f)) fail("attribute temp=", c.temp, " must be > 0");
-  if (c.duty < 1) fail("attribute duty=", c.duty, " must be >= 1");
-  if (renorm != 0 && renorm != 1) fail("attribute renorm=", renorm, " must be 0 or 1");
-  c.renorm = renorm == 1;
-  return c;
-}
-
 class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
  public:
   static constexpr const char* kOpName = "KwtaBlockMatMul";
@@ -80,7 +59,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
 
   KwtaBlockMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
-    const engine::KwtaConfig config = read_config(attrs);
+    const engine::KwtaConfig config = read_kwta_attributes(attrs, "", 0.5f);
     const int64_t block = attrs.get_int("block", 1);
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
     const size_t k = static_cast<size_t>(w.shape[0]), n = static_cast<size_t>(w.shape[1]);

@@ -6,6 +6,7 @@
 
 #include "common/metrics.h"
 #include "engine/kwta_gate.h"
+#include "ort/kwta_attributes.h"
 #include "engine/proc_backend.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
@@ -39,25 +40,9 @@ struct GateSpec {
 
 GateSpec read_gate(const Attributes& attrs, int64_t proc_block) {
   GateSpec g;
-  engine::KwtaConfig& c = g.config;
-  c.k_frac = attrs.get_float("kwta_k_frac", 1.0f);
-  c.k_abs = attrs.get_int("kwta_k_abs", 0);
-  c.score = engine::parse_kwta_score(attrs.get_string("kwta_score", "l2"));
-  c.threshold = attrs.get_float("kwta_threshold", 0.0f);
-  c.temp = attrs.get_float("kwta_temp", 1.0f);
-  c.duty = attrs.get_int("kwta_duty", 1);
-  c.duty_mode = engine::parse_duty_mode(attrs.get_string("kwta_duty_mode", "dense"));
-  const int64_t renorm = attrs.get_int("kwta_renorm", 0);
-  c.max_gated_rows = attrs.get_int("kwta_max_gated_rows", 0);
+  g.config = read_kwta_attributes(attrs, "kwta_", 1.0f);
+  const engine::KwtaConfig& c = g.config;
   g.block = attrs.get_int("kwta_block", proc_block);
-  if (!(c.k_frac > 0.0 && c.k_frac <= 1.0)) fail("attribute kwta_k_frac=", c.k_frac, " must be in (0, 1]");
-  if (c.k_abs < 0) fail("attribute kwta_k_abs=", c.k_abs, " must be >= 0");
-  if (!(c.threshold >= 0.0f)) fail("attribute kwta_threshold=", c.threshold, " must be >= 0");
-  if (!(c.temp > 0.0f)) fail("attribute kwta_temp=", c.temp, " must be > 0");
-  if (c.duty < 1) fail("attribute kwta_duty=", c.duty, " must be >= 1");
-  if (renorm != 0 && renorm != 1) fail("attribute kwta_renorm=", renorm, " must be 0 or 1");
-  if (c.max_gated_rows < 0) fail("attribute kwta_max_gated_rows=", c.max_gated_rows, " must be >= 0");
-  c.renorm = renorm == 1;
   g.enabled = c.k_frac < 1.0 || c.k_abs > 0 || c.threshold > 0.0f;
   return g;
 }
