@@ -49,6 +49,8 @@ class AttentionSettings:
     keep_first: int = 0
     keep_recent: int = 0
     pack_cache: int = 1
+    center: int = 1
+    proj_bits: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,16 +64,20 @@ class AttentionSettings:
             problems.append(f"min_keys={self.min_keys!r} must be an integer >= 0")
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0.0 and math.isfinite(self.eps)):
             problems.append(f"eps={self.eps!r} must be a finite number >= 0")
-        if not (isinstance(self.density_max, (int, float)) and 0.0 <= self.density_max <= 1.0):
-            problems.append(f"density_max={self.density_max!r} must be in [0, 1]")
+        if not (isinstance(self.density_max, (int, float)) and 0.0 < self.density_max <= 1.0):
+            problems.append(f"density_max={self.density_max!r} must be in (0, 1]")
         if not (isinstance(self.candidates, (int, float)) and self.candidates >= 1.0 and math.isfinite(self.candidates)):
             problems.append(f"candidates={self.candidates!r} must be a finite number >= 1")
         for name in ("keep_first", "keep_recent"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 problems.append(f"{name}={value!r} must be an integer >= 0")
-        if self.pack_cache not in (0, 1) or isinstance(self.pack_cache, (bool, float)):
-            problems.append(f"pack_cache={self.pack_cache!r} must be 0 or 1")
+        for name in ("pack_cache", "center"):
+            value = getattr(self, name)
+            if value not in (0, 1) or isinstance(value, (bool, float)):
+                problems.append(f"{name}={value!r} must be 0 or 1")
+        if not (isinstance(self.proj_bits, int) and not isinstance(self.proj_bits, bool) and self.proj_bits >= 0):
+            problems.append(f"proj_bits={self.proj_bits!r} must be an integer >= 0")
         if self.select == "energy" and self.topk == 0:
             problems.append("select='energy' needs topk > 0 (the number of keys kept)")
         if problems:
@@ -101,7 +107,8 @@ class AttentionSettings:
         return {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
                 "eps": float(self.eps), "density_max": float(self.density_max),
                 "candidates": float(self.candidates), "keep_first": int(self.keep_first),
-                "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache)}
+                "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache),
+                "center": int(self.center), "proj_bits": int(self.proj_bits)}
 
     def short(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
@@ -153,6 +160,11 @@ def add_arguments(parser) -> None:
                        help="last N keys of each query's prefix always kept (default 0)")
     group.add_argument("--attn-pack-cache", type=int, choices=(0, 1), default=default.pack_cache,
                        help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)")
+    group.add_argument("--attn-center", type=int, choices=(0, 1), default=default.center,
+                       help="pack keys minus the mean of the first 256 keys (default 1; exact ranking unchanged)")
+    group.add_argument("--attn-proj-bits", type=int, default=default.proj_bits, metavar="BITS",
+                       help="> 0: pack BITS random projections of q/k instead of their D signs (default 0; "
+                            "256 measured best on SmolLM2, docs/ops.md)")
 
 
 def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[AttentionSettings | None, str]:
@@ -165,7 +177,8 @@ def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[Attention
                                      min_keys=args.attn_min_keys, eps=args.attn_eps,
                                      density_max=args.attn_density_max, candidates=args.attn_candidates,
                                      keep_first=args.attn_keep_first, keep_recent=args.attn_keep_recent,
-                                     pack_cache=args.attn_pack_cache)
+                                     pack_cache=args.attn_pack_cache, center=args.attn_center,
+                                     proj_bits=args.attn_proj_bits)
     event_attn = getattr(args, "event_driven", "off") == "on" and getattr(args, "event_target", "mlp") in ("attn", "both")
     check_composition(settings, event_attn)
     return settings, why

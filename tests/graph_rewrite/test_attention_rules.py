@@ -31,7 +31,7 @@ TINY_FILES = sorted(p.name for p in TINY.glob("*.onnx")) if TINY.is_dir() else [
 EXACT = AttentionSettings(select="none")
 ATTN_ONLY = RewriteConfig(kwta_enabled=False, attention=EXACT)
 ATTRIBUTES = {"scale", "is_causal", "mode", "select", "topk", "min_keys", "eps", "density_max", "candidates",
-              "keep_first", "keep_recent", "pack_cache"}
+              "keep_first", "keep_recent", "pack_cache", "center", "proj_bits"}
 
 
 def rewrite(model: onnx.ModelProto, config: RewriteConfig = ATTN_ONLY):
@@ -377,3 +377,17 @@ def test_selection_settings_run_on_the_rewritten_graph(select):
     changed["V"] = feeds["V"].copy()
     changed["V"][1, :, ag.S - 2:] = 1e6  # values of the padded keys of row 1
     assert np.array_equal(run_ortsparse(out, changed)[0][1], y[1])
+
+
+def test_center_and_proj_bits_flags_reach_the_settings():
+    import argparse
+
+    from ortsparse.graph_rewrite.techniques import popcount
+
+    parser = argparse.ArgumentParser()
+    popcount.add_arguments(parser)
+    args = parser.parse_args(["--attn", "popcount", "--attn-proj-bits", "256", "--attn-center", "0"])
+    settings, _ = popcount.settings_from_args(args, kwta_on=False, kwta_target="mlp")
+    assert settings.attributes()["proj_bits"] == 256 and settings.attributes()["center"] == 0
+    with pytest.raises(ConfigError, match="density_max=0.0 must be in \\(0, 1\\]"):
+        popcount.AttentionSettings(density_max=0.0)
