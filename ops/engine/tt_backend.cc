@@ -12,6 +12,10 @@ namespace {
 // Below this many multiply-adds a pool task costs more than it saves.
 constexpr double kMinTaskMacs = 1 << 17;
 constexpr size_t kMaxStepTasks = 8;
+// Steps with at most this many rows (decode) and at least kGemvMinSpan outputs run on gemv_rows, in
+// column spans of >= kGemvMinSpan (narrower outputs make short row streams: the TT GEMM does better).
+constexpr size_t kGemvRows = 2;
+constexpr size_t kGemvMinSpan = 256;
 // From this many tokens up, tasks take whole token chunks through every core (no barrier per core).
 constexpr size_t kTokenChunkMin = 4;
 
@@ -188,7 +192,23 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
     const double macs = static_cast<double>(rows) * s.a * s.b;
     const size_t want =
         step_runner ? static_cast<size_t>(std::min<double>(kMaxStepTasks, std::max(1.0, macs / kMinTaskMacs))) : 1;
-    if (want <= 1) {
+    if (rows <= kGemvRows && s.a >= kGemvMinSpan) {
+      // Decode: the engine's row-streaming GEMV (the dense backend's M = 1 kernel) over whole rows
+      // of mat, in column spans of >= 256 floats so each row read stays one long stream. The span
+      // count depends on the shape only, so results do not depend on the thread count.
+      const KernelTable& gemv = engine_kernels_like(kernels);
+      const size_t spans = std::max<size_t>(1, std::min<size_t>(kMaxStepTasks, s.a / kGemvMinSpan));
+      const auto span = [&, cur, out, mat, rows](size_t task) {
+        const size_t c0 = s.a * task / spans / 16 * 16, c1 = task + 1 == spans ? s.a : s.a * (task + 1) / spans / 16 * 16;
+        for (size_t r = 0; r < rows; ++r)
+          gemv.gemv_rows(mat + c0, s.a, nullptr, cur + r * s.b, s.b, out + r * s.a + c0, c1 - c0, false);
+      };
+      if (step_runner && spans > 1 && want > 1) {
+        step_runner->run(spans, span);
+      } else {
+        for (size_t task = 0; task < spans; ++task) span(task);
+      }
+    } else if (want <= 1) {
       kernels.gemm(cur, s.b, mat, s.a, out, s.a, rows, s.b, s.a);
     } else if (rows >= 4 * want) {
       step_runner->run(want, [&, cur, out, mat, rows](size_t task) {
@@ -265,6 +285,12 @@ void TTBackend::run_tt(const float* x, size_t m, const GatedRows& gated, const f
   if (bias)
     for (size_t t = 0; t < m; ++t)
       for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
+}
+
+const KernelTable& engine_kernels_like(const TTKernelTable& kernels) {
+  if (std::strcmp(kernels.isa, "avx512") == 0) return kernels_for(Isa::kAvx512);
+  if (std::strcmp(kernels.isa, "avx2") == 0) return kernels_for(Isa::kAvx2);
+  return kernels_scalar();
 }
 
 const TTKernelTable& tt_kernels_like(const KernelTable& kernels) {

@@ -82,5 +82,7 @@ class TTBackend final : public WeightBackend {
 
 // The TT table matching a KernelTable's ISA (the engine hands backends the shared table).
 const TTKernelTable& tt_kernels_like(const KernelTable& kernels);
+// The engine table of the same ISA (decode steps use its gemv_rows).
+const KernelTable& engine_kernels_like(const TTKernelTable& kernels);
 
 }  // namespace ortsparse::engine
