@@ -28,7 +28,23 @@ def proc_case(rng, m):
                       kwta_k_frac=0.6), {"X": x}
 
 
-CASES = {"kwta": kwta_case, "proc": proc_case}
+def tt_case(rng, m):
+    from .test_tt_op import random_cores, tt_model
+
+    low_rank = random_cores(rng, [1536, 1], [1, 576], [1, 256, 1])  # decode steps on gemv spans
+    x = rng.standard_normal((m, 1536)).astype(np.float32)
+    return tt_model(low_rank), {"X": x}
+
+
+def tt3_case(rng, m):
+    from .test_tt_op import random_cores, tt_model
+
+    cores = random_cores(rng, [12, 8, 6], [16, 12, 8], [1, 8, 8, 1])
+    x = rng.standard_normal((m, 576)).astype(np.float32)
+    return tt_model(cores), {"X": x}
+
+
+CASES = {"kwta": kwta_case, "proc": proc_case, "tt": tt_case, "tt3": tt3_case}
 
 
 @pytest.mark.parametrize("m", [1, 2, 9])
