@@ -66,3 +66,88 @@ def test_kwta_duty_under_concurrent_runs(duty_mode, intra_op_threads):
     else:
         # Same input every call: the held mask is always the one of x, so every call is gated.
         assert all(is_gated) and stats["kwta.duty_hits"] == -(-THREADS * CALLS // 3)
+
+
+@pytest.mark.concurrency
+@pytest.mark.parametrize("intra_op_threads", [1, 2], ids=["caller", "pool"])
+def test_event_exact_mode_under_concurrent_runs(intra_op_threads):
+    """Streams are shared by concurrent callers (documented); in exact mode every result is the dense
+    one whatever the interleaving, and the counters add up."""
+    from .onnx_builders import event_model
+
+    rng = np.random.default_rng(9)
+    k, n = 64, 24
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    name = f"ev_conc_{intra_op_threads}"
+    model = event_model(w, b, axis="call", gap_every=7, node_name=name, topk=1.0, delta_theta=0.0,
+                        stale_beta=1.0, stale_lambda=0.0)
+    session = ortsparse.inference_session(model, intra_op_num_threads=intra_op_threads)
+    ortsparse.reset_metrics()
+    inputs = [rng.standard_normal((2, k)).astype(np.float32) for _ in range(THREADS)]
+    results, errors = [[] for _ in range(THREADS)], []
+    start = threading.Barrier(THREADS)
+
+    def worker(slot):
+        try:
+            start.wait()
+            for j in range(CALLS):
+                x = inputs[slot] + np.float32(1e-3 * (j % 7))
+                results[slot].append((x, session.run(None, {"X": x})[0]))
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert not errors, errors[:3]
+    for per_thread in results:
+        for x, y in per_thread:
+            np.testing.assert_allclose(y, x @ w + b, rtol=1e-4, atol=1e-4)
+    stats = ortsparse.metrics()[name]
+    assert stats["calls"] == THREADS * CALLS and stats["rows"] == 2 * THREADS * CALLS
+
+
+@pytest.mark.concurrency
+def test_popcount_attention_sequences_under_concurrent_runs():
+    """One decoding sequence per thread on one session: the packed-key cache never serves another
+    sequence's keys, so every result equals the reference selection + attention."""
+    from . import attention_reference as ref
+
+    session = ortsparse.inference_session(ref.attention_model(node_name="pop_conc", topk=6, min_keys=0,
+                                                              is_causal=1, center=0))
+    seqs = []
+    for s in range(THREADS):
+        r = np.random.default_rng(100 + s)
+        q = r.standard_normal((1, 4, 1, 32)).astype(np.float32)
+        k = r.standard_normal((1, 2, 48, 32)).astype(np.float32)
+        v = r.standard_normal((1, 2, 48, 32)).astype(np.float32)
+        seqs.append((q, k, v))
+    lengths = range(40, 48)
+    expected = {}
+    for s, (q, k, v) in enumerate(seqs):
+        for n in lengths:
+            keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=6, center=False)
+            expected[s, n] = ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep)
+    feeds = {(s, n): {"Q": q, "K": np.ascontiguousarray(k[:, :, :n]), "V": np.ascontiguousarray(v[:, :, :n])}
+             for s, (q, k, v) in enumerate(seqs) for n in lengths}
+    errors, start = [], threading.Barrier(THREADS)
+
+    def worker(s):
+        try:
+            start.wait()
+            for j in range(CALLS):
+                n = lengths[j % len(lengths)]
+                y = session.run(None, feeds[s, n])[0]
+                np.testing.assert_allclose(y, expected[s, n], rtol=1e-5, atol=2e-6)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(s,)) for s in range(THREADS)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert not errors, errors[:2]
