@@ -19,6 +19,12 @@ EventAxis parse_event_axis(const std::string& name) {
 
 namespace {
 
+// memcpy of `count` floats; N = 0 layers have empty (null) buffers, which memcpy must never see.
+inline void copy_floats(float* dst, const float* src, size_t count) {
+  if (count > 0) std::memcpy(dst, src, count * sizeof(float));
+}
+
+
 using Clock = std::chrono::steady_clock;
 
 bool all_finite(const float* v, size_t n) {
@@ -235,7 +241,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
     dense_rows_.clear();
     for (size_t i = 0; i < m; ++i) {
       if (!wave[i].dense) continue;
-      std::memcpy(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k * sizeof(float));
+      copy_floats(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k);
       dense_rows_.push_back(i);
       gated_.add_dense_token();
     }
@@ -243,7 +249,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
       dense_out_.resize(dense_rows_.size() * n);
       backend_->run(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
       for (size_t d = 0; d < dense_rows_.size(); ++d)
-        std::memcpy(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n * sizeof(float));
+        copy_floats(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n);
     }
     for (size_t i = 0; i < m; ++i) {
       RowPlan& plan = wave[i];
@@ -326,7 +332,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
   std::vector<const RowPlan*> checks;
   for (const RowPlan& plan : wave) {
     if (!plan.gap_check) continue;
-    std::memcpy(inputs_.data() + checks.size() * k, x + plan.row * k, k * sizeof(float));
+    copy_floats(inputs_.data() + checks.size() * k, x + plan.row * k, k);
     gated_.add_dense_token();
     checks.push_back(&plan);
   }
