@@ -15,6 +15,6 @@ def test_fuzz_slice_has_no_crash_hang_or_unclear_error():
                             say=lambda _: None)
     counts = summary["counts"]
     assert not summary["findings"], summary["findings"]
-    assert counts.get("unclear", 0) == 0, [u for u in summary["unclear"] if u["outcome"] == "unclear"]
+    assert counts.get("unclear", 0) == 0, [u for u in summary["samples"] if u["outcome"] == "unclear"]
     # The generator must exercise both sides: valid models that run and invalid ones we refuse.
     assert counts.get("ok", 0) > 300 and counts.get("error_ours", 0) > 300, counts
