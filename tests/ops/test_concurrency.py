@@ -111,13 +111,15 @@ def test_event_exact_mode_under_concurrent_runs(intra_op_threads):
 
 
 @pytest.mark.concurrency
-def test_popcount_attention_sequences_under_concurrent_runs():
+@pytest.mark.parametrize("intra_op_threads", [1, 2], ids=["caller", "pool"])
+def test_popcount_attention_sequences_under_concurrent_runs(intra_op_threads):
     """One decoding sequence per thread on one session: the packed-key cache never serves another
     sequence's keys, so every result equals the reference selection + attention."""
     from . import attention_reference as ref
 
     session = ortsparse.inference_session(ref.attention_model(node_name="pop_conc", topk=6, min_keys=0,
-                                                              is_causal=1, center=0))
+                                                              is_causal=1, center=0),
+                                          intra_op_num_threads=intra_op_threads)
     seqs = []
     for s in range(THREADS):
         r = np.random.default_rng(100 + s)

@@ -467,13 +467,14 @@ def test_random_projection_bits(proj_bits, mode, rng):
 
 
 @pytest.mark.concurrency
-def test_concurrent_runs_with_different_sequences(rng):
+@pytest.mark.parametrize("intra_op_threads", [1, 2], ids=["caller", "pool"])
+def test_concurrent_runs_with_different_sequences(rng, intra_op_threads):
     """Threads share one session, each decoding its own sequence: the packed-key cache is a
     snapshot, so a cache of another sequence is never reused (results equal the reference)."""
     import threading
 
     session = ortsparse.inference_session(ref.attention_model(node_name="conc", topk=6, min_keys=0, is_causal=1,
-                                                              center=0))
+                                                              center=0), intra_op_num_threads=intra_op_threads)
     seqs = [qkv(np.random.default_rng(s), 1, 4, 2, 1, 48, 32) for s in range(4)]
     expected = {}
     for s, (q, k, v) in enumerate(seqs):
