@@ -254,7 +254,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     full_models: dict[str, Any] | None = {"dense": onnx.load(str(full_path))} if full_path else None
     from ..graph_rewrite.techniques import TECHNIQUES
 
-    if args.config or any(config.choice(name).enabled for name in TECHNIQUES):
+    attention_on = getattr(config, "attention", None) is not None
+    if args.config or attention_on or any(config.choice(name).enabled for name in TECHNIQUES):
         kv_models["ortsparse"], report = rewrite_model(kv_dense, config)
         print(report.summary())
         if full_models is not None:
