@@ -2,6 +2,8 @@
 // so tests compare them all against the numpy reference.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include "pybind/bindings_common.h"
 #include <pybind11/stl.h>
 
 #include <string>
@@ -15,17 +17,9 @@ using namespace ortsparse;
 
 namespace {
 
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using bindings::FloatArray;
 
-Isa isa_by_name(const std::string& name) {
-  if (name.empty() || name == "active") return active_isa();
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
-    if (name == isa_name(isa)) {
-      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
-      return isa;
-    }
-  throw py::value_error("unknown ISA '" + name + "'");
-}
+Isa isa_by_name(const std::string& name) { return bindings::parse_isa(name); }
 
 attention::PopcntPath popcnt_by_name(const std::string& name) {
   if (name.empty() || name == "active") return attention::active_popcnt_path();

@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "pybind/bindings_common.h"
+
 #include <memory>
 #include <string>
 
@@ -18,20 +20,12 @@ void register_proc(py::module_& m);  // ops/pybind/proc_module.cc
 void register_attention(py::module_& m);
 void register_tt(py::module_& m);  // tt_module.cc
 using namespace ortsparse;
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using bindings::FloatArray;
+using bindings::IntArray;
 
 namespace {
 
-Isa parse_isa(const std::string& name) {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
-    if (name == isa_name(isa)) {
-      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
-      return isa;
-    }
-  if (name.empty() || name == "active") return active_isa();
-  throw py::value_error("unknown ISA '" + name + "' (scalar, avx2, avx512, active)");
-}
+using bindings::parse_isa;
 
 const engine::KernelTable& table(const std::string& isa) { return engine::kernels_for(parse_isa(isa)); }
 
@@ -158,15 +152,9 @@ class KwtaMatMul {
 
   FloatArray call(FloatArray x, py::object bias) {
     const size_t k = matmul_->weights().k(), n = matmul_->weights().n();
-    if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
-    const size_t m = x.shape(0);
-    FloatArray bias_arr;
-    const float* bp = nullptr;
-    if (!bias.is_none()) {
-      bias_arr = bias.cast<FloatArray>();
-      if (static_cast<size_t>(bias_arr.size()) != n) throw py::value_error("bias must have N values");
-      bp = bias_arr.data();
-    }
+    const bindings::MatMulArgs args(x, bias, k, n);
+    const size_t m = args.m;
+    const float* bp = args.bias;
     FloatArray y({m, n});
     {
       py::gil_scoped_release release;

@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "pybind/bindings_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -18,20 +20,12 @@
 
 namespace py = pybind11;
 using namespace ortsparse;
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using bindings::FloatArray;
 using U16Array = py::array_t<uint16_t, py::array::c_style | py::array::forcecast>;
 
 namespace {
 
-const engine::KernelTable& kernel_table(const std::string& name) {
-  if (name.empty() || name == "active") return engine::active_kernels();
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
-    if (name == isa_name(isa)) {
-      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
-      return engine::kernels_for(isa);
-    }
-  throw py::value_error("unknown ISA '" + name + "' (scalar, avx2, avx512, active)");
-}
+const engine::KernelTable& kernel_table(const std::string& name) { return engine::kernels_for(bindings::parse_isa(name)); }
 
 FloatArray base_values(const std::string& isa, uint64_t seed, float scale, uint64_t n, uint64_t k0, size_t count) {
   FloatArray out(count);
@@ -148,15 +142,9 @@ class ProcMatMul {
 
   FloatArray call(FloatArray x, py::object bias) {
     const size_t k = weights_->k(), n = weights_->n();
-    if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
-    const size_t m = x.shape(0);
-    FloatArray bias_arr;
-    const float* bp = nullptr;
-    if (!bias.is_none()) {
-      bias_arr = bias.cast<FloatArray>();
-      if (static_cast<size_t>(bias_arr.size()) != n) throw py::value_error("bias must have N values");
-      bp = bias_arr.data();
-    }
+    const bindings::MatMulArgs args(x, bias, k, n);
+    const size_t m = args.m;
+    const float* bp = args.bias;
     FloatArray y({m, n});
     {
       py::gil_scoped_release release;

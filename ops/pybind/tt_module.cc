@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "pybind/bindings_common.h"
+
 #include <algorithm>
 #include <limits>
 #include <memory>
@@ -17,20 +19,10 @@
 
 namespace py = pybind11;
 using namespace ortsparse;
-using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using bindings::FloatArray;
+using bindings::IntArray;
 
 namespace {
-
-Isa tt_parse_isa(const std::string& name) {
-  if (name.empty() || name == "active") return active_isa();
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
-    if (name == isa_name(isa)) {
-      if (!isa_supported(isa)) throw py::value_error("ISA " + name + " is not supported by this CPU");
-      return isa;
-    }
-  throw py::value_error("unknown ISA '" + name + "' (scalar, avx2, avx512, active)");
-}
 
 // C = A . B through the ISA's kernel; A, B 2-D (views with leading dims are exercised by the backend).
 FloatArray tt_gemm(const std::string& isa, FloatArray a, FloatArray b) {
@@ -38,7 +30,7 @@ FloatArray tt_gemm(const std::string& isa, FloatArray a, FloatArray b) {
   const size_t m = a.shape(0), k = a.shape(1), n = b.shape(1);
   FloatArray c({m, n});
   std::fill(c.mutable_data(), c.mutable_data() + c.size(), std::numeric_limits<float>::quiet_NaN());
-  engine::tt_kernels_for(tt_parse_isa(isa)).gemm(a.data(), k, b.data(), n, c.mutable_data(), n, m, k, n);
+  engine::tt_kernels_for(bindings::parse_isa(isa)).gemm(a.data(), k, b.data(), n, c.mutable_data(), n, m, k, n);
   return c;
 }
 
@@ -46,7 +38,7 @@ class TTMatMul {
  public:
   TTMatMul(FloatArray cores, std::vector<int64_t> in_modes, std::vector<int64_t> out_modes, std::vector<int64_t> ranks,
            int order, const std::string& isa)
-      : kernels_(&engine::kernels_for(tt_parse_isa(isa))) {
+      : kernels_(&engine::kernels_for(bindings::parse_isa(isa))) {
     engine::TTShape shape = engine::make_tt_shape(in_modes, out_modes, ranks, static_cast<size_t>(cores.size()));
     backend_ = std::make_unique<engine::TTBackend>(std::move(shape), cores.data(), order);
   }
@@ -54,15 +46,9 @@ class TTMatMul {
   // rows: None (every token dense) or a list with, per token, None (dense) or its kept row indices.
   FloatArray call(FloatArray x, py::object bias, py::object rows) {
     const size_t k = backend_->k(), n = backend_->n();
-    if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
-    const size_t m = x.shape(0);
-    FloatArray bias_arr;
-    const float* bp = nullptr;
-    if (!bias.is_none()) {
-      bias_arr = bias.cast<FloatArray>();
-      if (static_cast<size_t>(bias_arr.size()) != n) throw py::value_error("bias must have N values");
-      bp = bias_arr.data();
-    }
+    const bindings::MatMulArgs args(x, bias, k, n);
+    const size_t m = args.m;
+    const float* bp = args.bias;
     engine::GatedRows gated;
     py::list per_token = rows.is_none() ? py::list() : rows.cast<py::list>();
     if (!rows.is_none() && per_token.size() != m) throw py::value_error("rows must have one entry per token");
