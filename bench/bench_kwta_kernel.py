@@ -10,7 +10,6 @@ usage: python bench/bench_kwta_kernel.py [--quick] [--threads 1 2] [-o reports/k
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -19,7 +18,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import ortsparse
-from ortsparse.benchmarking import alternate, machine_info, median, read_bandwidth_gbs, write_report
+from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info, median,
+                                    read_bandwidth_gbs, write_report)
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
 SETTINGS = [  # (keep ratio, block)
@@ -84,7 +84,7 @@ def run_case(k, n, m, regime, threads, settings, repeats, rng):
 
 
 def markdown(rows, info, bandwidth, command):
-    lines = [f"# KwtaBlockMatMul vs ORT MatMul (kernel level)", "",
+    lines = ["# KwtaBlockMatMul vs ORT MatMul (kernel level)", "",
              f"Command: `{command}`  ", f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, "
              f"onnxruntime {info['onnxruntime']}, {info['date']}  ",
              f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
@@ -101,15 +101,9 @@ def markdown(rows, info, bandwidth, command):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats (smoke run)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
-    parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("-o", "--output", default="reports/kwta_kernel")
+    parser = kernel_bench_parser(__doc__.splitlines()[0], "reports/kwta_kernel", "fewer shapes and repeats (smoke run)")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = kernel_bench_shapes(args, SHAPES)
     if args.quick:
         shapes = shapes[:1]
     rng = np.random.default_rng(0)

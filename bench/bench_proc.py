@@ -13,7 +13,6 @@ usage: python bench/bench_proc.py [--quick] [--threads 1 2] [-o reports/proc_ker
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -22,7 +21,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import ortsparse
-from ortsparse.benchmarking import alternate, machine_info, median, read_bandwidth_gbs, write_report
+from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info, median,
+                                    read_bandwidth_gbs, write_report)
 from ortsparse.proc_sparse import build_proc_sparse
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
@@ -143,15 +143,9 @@ def markdown(rows, info, bandwidth, command):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one small shape, M = 1, few repeats (smoke run)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
-    parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("-o", "--output", default="reports/proc_kernel")
+    parser = kernel_bench_parser(__doc__.splitlines()[0], "reports/proc_kernel", "one small shape, M = 1, few repeats (smoke run)")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = kernel_bench_shapes(args, SHAPES)
     settings = SETTINGS
     regimes = ("in-cache", "out-of-cache")
     if args.quick:

@@ -14,7 +14,6 @@ usage: python bench/bench_tt.py [--quick] [--threads 1 2] [--ms 1 128] [-o repor
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import ortsparse  # noqa: E402
 from ortsparse import tt  # noqa: E402
-from ortsparse.benchmarking import alternate, machine_info, median, read_bandwidth_gbs, write_report  # noqa: E402
+from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info,  # noqa: E402
+                                    median, read_bandwidth_gbs, write_report)
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
 LOWRANK_RANKS = [16, 32, 64, 128, 256]
@@ -126,16 +126,10 @@ def markdown(rows, info, bandwidth, command):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one shape, two configs, few repeats (smoke run)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
-    parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
+    parser = kernel_bench_parser(__doc__.splitlines()[0], "reports/tt_kernel", "one shape, two configs, few repeats (smoke run)")
     parser.add_argument("--regimes", nargs="+", default=["in-cache", "out-of-cache"])
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("-o", "--output", default="reports/tt_kernel")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = kernel_bench_shapes(args, SHAPES)
     if args.quick:
         shapes, args.threads, args.regimes = shapes[:1], args.threads[:1], args.regimes[:1]
     rng = np.random.default_rng(0)

@@ -90,3 +90,25 @@ def write_report(path_stem: str, payload: dict, markdown: str) -> tuple[str, str
     with open(md_path, "w") as f:
         f.write(markdown)
     return json_path, md_path
+
+
+def kernel_bench_parser(description: str, default_output: str, quick_help: str):
+    """The flags every kernel-level benchmark (bench/bench_*.py) takes: --quick, --threads, --ms,
+    --shapes KxN..., --repeats, -o. Returns the parser; :func:`kernel_bench_shapes` reads --shapes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
+    parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("-o", "--output", default=default_output)
+    return parser
+
+
+def kernel_bench_shapes(args, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """--shapes as (K, N) tuples, or ``default``."""
+    if not args.shapes:
+        return list(default)
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes]
