@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from .base import TechniqueSettings
 
 OP_TYPE = "PopcountAttention"
 ATTN_CHOICES = ("popcount", "energy", "none", "off")
@@ -35,9 +35,12 @@ SELECTS = ("popcount", "energy", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionSettings:
+class AttentionSettings(TechniqueSettings):
     """User-chosen attributes of ``PopcountAttention``; the defaults are the op's (docs/ops.md), so
     a rewritten file written with every attribute means what the op's defaults mean today."""
+
+    label: ClassVar[str] = "attention"
+    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates")
 
     mode: str = "sign"
     select: str = "popcount"
@@ -87,20 +90,6 @@ class AttentionSettings:
     def exact(self) -> bool:
         """True when the op computes exact attention whatever the input (select none)."""
         return self.select == "none"
-
-    def updated(self, changes: Mapping[str, Any], where: str = "") -> AttentionSettings:
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ConfigError(f"{where}unknown attention setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
-        values = dict(changes)
-        for name in ("eps", "density_max", "candidates"):
-            if isinstance(values.get(name), int) and not isinstance(values[name], bool):
-                values[name] = float(values[name])
-        try:
-            return dataclasses.replace(self, **values)
-        except ConfigError as error:
-            raise ConfigError(f"{where}{error}") from None
 
     def attributes(self) -> dict[str, Any]:
         # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move.
