@@ -1,5 +1,7 @@
 #include "engine/dense_backend.h"
 
+#include "common/copy.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -38,7 +40,7 @@ struct ColumnSpans {
 };
 
 void fill_bias(float* y, const float* bias, size_t width) {
-  if (bias && width > 0) std::memcpy(y, bias, width * sizeof(float));
+  if (bias) copy_floats(y, bias, width);
 }
 
 // The inputs token t uses, in row-list order, times its scale (dense: all K).
@@ -57,10 +59,10 @@ void gather_token(const float* xt, const GatedRows& gated, size_t t, size_t k, f
 
 DenseWeights::DenseWeights(const float* w, size_t k, size_t n) : k_(k), n_(n), ldw_(round_up(n, 16)) {
   data_.resize(k_ * ldw_);
-  if (n_ == 0) return;  // N = 0: nothing to pack (and memcpy must not see the null data pointer)
+  if (n_ == 0) return;  // N = 0: nothing to pack (w may be null)
   for (size_t r = 0; r < k_; ++r) {
     float* dst = data_.data() + r * ldw_;
-    std::memcpy(dst, w + r * n_, n_ * sizeof(float));
+    copy_floats(dst, w + r * n_, n_);
     std::fill(dst + n_, dst + ldw_, 0.0f);
   }
 }

@@ -1,5 +1,7 @@
 #include "engine/event_gate.h"
 
+#include "common/copy.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,12 +20,6 @@ EventAxis parse_event_axis(const std::string& name) {
 }
 
 namespace {
-
-// memcpy of `count` floats; N = 0 layers have empty (null) buffers, which memcpy must never see.
-inline void copy_floats(float* dst, const float* src, size_t count) {
-  if (count > 0) std::memcpy(dst, src, count * sizeof(float));
-}
-
 
 using Clock = std::chrono::steady_clock;
 
