@@ -2,8 +2,8 @@
 
 #include <cmath>
 
-#include "attention/popcount_kernels.h"
 #include "common/error.h"
+#include "kernels/top_k.h"
 
 namespace ortsparse::engine {
 
@@ -14,13 +14,15 @@ PackGateMode parse_pack_gate_mode(const std::string& name) {
   fail("attribute pack_mode='", name, "' is not one of none, binary, ternary");
 }
 
-BitmapGate::BitmapGate(BlockPartition partition, BitmapConfig config) : partition_(partition), config_(config) {
+BitmapGate::BitmapGate(BitmapConfig config, std::unique_ptr<KwtaGate> kwta)
+    : RowGate(kwta->partition()), config_(config), kwta_(std::move(kwta)) {
   if (!(config.eps >= 0.0f) || !std::isfinite(config.eps)) fail("attribute pack_eps=", config.eps, " must be >= 0");
   if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
     fail("attribute pack_density_max=", config.density_max, " must be in (0, 1] (1: never auto-off)");
 }
 
-uint64_t BitmapGate::activity(const float* x, size_t m, std::vector<uint64_t>& words) const {
+uint64_t BitmapGate::activity(const float* x, size_t m, const kernels::KernelSet& kernels,
+                              std::vector<uint64_t>& words) const {
   const size_t wpt = words_per_token();
   words.assign(m * wpt, 0);
   const float eps = config_.eps;
@@ -35,35 +37,50 @@ uint64_t BitmapGate::activity(const float* x, size_t m, std::vector<uint64_t>& w
       if (any) bits[b / 64] |= uint64_t{1} << (b % 64);
     }
   }
-  // Count with the popcount path (one "key" of wpt words per token against an all-ones query).
-  const attention::PopcountTable& pop = attention::popcount_table(attention::active_popcnt_path());
+  // Count with the popcount kernels (one "key" of wpt words per token against an all-ones query).
+  constexpr size_t kLanes = kernels::kLanes;
   uint64_t active = 0;
   std::vector<uint64_t> ones(wpt, ~uint64_t{0});
-  std::vector<uint64_t> lane(wpt * attention::kLanes, 0);
-  int32_t counts[attention::kLanes];
-  for (size_t t0 = 0; t0 < m; t0 += attention::kLanes) {
+  std::vector<uint64_t> lane(wpt * kLanes, 0);
+  int32_t counts[kLanes];
+  for (size_t t0 = 0; t0 < m; t0 += kLanes) {
     std::fill(lane.begin(), lane.end(), 0);
-    for (size_t l = 0; l < attention::kLanes && t0 + l < m; ++l)
-      for (size_t w = 0; w < wpt; ++w) lane[w * attention::kLanes + l] = words[(t0 + l) * wpt + w];
-    pop.and_counts(ones.data(), lane.data(), wpt, 1, counts);
-    for (size_t l = 0; l < attention::kLanes; ++l) active += static_cast<uint64_t>(counts[l]);
+    for (size_t l = 0; l < kLanes && t0 + l < m; ++l)
+      for (size_t w = 0; w < wpt; ++w) lane[w * kLanes + l] = words[(t0 + l) * wpt + w];
+    kernels.popcount->and_counts(ones.data(), lane.data(), wpt, 1, counts);
+    for (size_t l = 0; l < kLanes; ++l) active += static_cast<uint64_t>(counts[l]);
   }
   return active;
 }
 
-BitmapStats BitmapGate::plan(const float* x, size_t m, const KernelTable& kernels, const KwtaGate* kwta,
-                             GatedRows& out) const {
-  BitmapStats stats;
+GateStats BitmapGate::plan(const float* x, size_t m, bool dense, const kernels::KernelSet& kernels, GatedRows& out) {
+  if (dense) return kwta_->plan(x, m, true, kernels, out);
+  std::vector<uint64_t> words;
+  const uint64_t active = activity(x, m, kernels, words);
+  const uint64_t blocks = static_cast<uint64_t>(m) * partition_.num_blocks;
+  GateStats stats;
+  if (static_cast<double>(active) > config_.density_max * static_cast<double>(blocks)) {
+    stats = kwta_->plan(x, m, false, kernels, out);
+  } else {
+    stats = plan_bitmap(x, m, kernels, out, words);
+    stats.bitmap_applied = true;
+  }
+  stats.bitmap_ran = true;
+  stats.bitmap_active = active;
+  stats.bitmap_blocks = blocks;
+  return stats;
+}
+
+GateStats BitmapGate::plan_bitmap(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out,
+                                  const std::vector<uint64_t>& words) const {
+  GateStats stats;
   const size_t nb = partition_.num_blocks, wpt = words_per_token();
   stats.blocks_total = static_cast<uint64_t>(m) * nb;
-  std::vector<uint64_t> words;
-  stats.blocks_active = activity(x, m, words);
+  stats.gated = true;
   out.clear();
-  if (static_cast<double>(stats.blocks_active) > config_.density_max * static_cast<double>(stats.blocks_total))
-    return stats;
-  stats.applied = true;
-  const bool kwta_selects = kwta != nullptr && (kwta->keep_count() < nb || kwta->config().threshold > 0.0f);
-  std::vector<int32_t> active(nb + kIndexSlack), kept(nb + kIndexSlack);
+  const KwtaGate* kwta = kwta_.get();
+  const bool kwta_selects = kwta->keep_count() < nb || kwta->config().threshold > 0.0f;
+  std::vector<int32_t> active(nb + kernels::kIndexSlack), kept(nb + kernels::kIndexSlack);
   std::vector<float> keys, survivor_keys;
   std::vector<uint32_t> scratch;
   if (kwta_selects) {
@@ -91,8 +108,8 @@ BitmapStats BitmapGate::plan(const float* x, size_t m, const KernelTable& kernel
       }
       const size_t limit = kwta->keep_count();
       if (n > limit) {
-        std::vector<int32_t> pick(n + kIndexSlack);
-        const size_t got = select_top_k(kernels, survivor_keys.data(), n, limit, pick.data(), scratch);
+        std::vector<int32_t> pick(n + kernels::kIndexSlack);
+        const size_t got = kernels::select_top_k(*kernels.select, survivor_keys.data(), n, limit, pick.data(), scratch);
         for (size_t i = 0; i < got; ++i) pick[i] = kept[static_cast<size_t>(pick[i])];
         std::copy(pick.begin(), pick.begin() + got, kept.begin());
         n = got;

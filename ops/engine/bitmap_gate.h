@@ -1,7 +1,8 @@
-// The `bitmap` input gate (seed 003, MLP side): per token, skip the K-blocks whose inputs are all
-// |x| <= eps (exact when eps = 0: such a block adds 0). The block activity is packed as a bitmap
-// (one bit per block), counted with the popcount path of ops/attention (density monitor) and, in
-// front of a kwta gate, the kwta rule runs on the surviving blocks only (one ordering).
+// The `bitmap` input gate: per token, skip the K-blocks whose inputs are all |x| <= eps (exact
+// when eps = 0: such a block adds 0). The block activity is packed as a bitmap (one bit per block)
+// and counted with the kernel set's popcount (density monitor). It composes with a kwta gate: the
+// kwta rule picks among the surviving blocks only (one ordering), and when the bitmap is off for a
+// call (density above density_max) the kwta gate decides the call alone.
 // See docs/ops.md#kwtablockmatmul (pack_* attributes).
 #pragma once
 
@@ -10,9 +11,12 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include "engine/gated_rows.h"
-#include "engine/kernels.h"
+#include "engine/input_gate.h"
 #include "engine/kwta_gate.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::engine {
 
@@ -26,32 +30,29 @@ struct BitmapConfig {
   float density_max = 0.15f;  // active-block density of a call above this: the bitmap is off for it
 };
 
-struct BitmapStats {
-  bool applied = false;      // the bitmap decided the rows of this call (not auto-off)
-  uint64_t blocks_active = 0;
-  uint64_t blocks_total = 0;
-  uint64_t blocks_kept = 0;  // after the kwta rule, if any
-};
-
-class BitmapGate {
+class BitmapGate final : public RowGate {
  public:
-  BitmapGate(BlockPartition partition, BitmapConfig config);
+  // kwta: the gate that picks among the active blocks and decides the calls the bitmap is off for.
+  BitmapGate(BitmapConfig config, std::unique_ptr<KwtaGate> kwta);
 
   const BitmapConfig& config() const { return config_; }
 
   // Per token of x [M, K]: bit b of the token's words = block b has some |x| > eps. Returns the
   // number of active blocks over all tokens. words: M * words_per_token().
-  uint64_t activity(const float* x, size_t m, std::vector<uint64_t>& words) const;
+  uint64_t activity(const float* x, size_t m, const kernels::KernelSet& kernels, std::vector<uint64_t>& words) const;
   size_t words_per_token() const { return (partition_.num_blocks + 63) / 64; }
 
-  // Fills `out` from the bitmap; with `kwta` (its k_frac/k_abs/score/threshold/renorm), the kwta
-  // rule picks among the active blocks only. Auto-off (density > density_max): out is left empty
-  // and stats.applied = false, the caller runs its own gate. Thread-safe (no mutable state).
-  BitmapStats plan(const float* x, size_t m, const KernelTable& kernels, const KwtaGate* kwta, GatedRows& out) const;
+  // Rows from the bitmap, the kwta rule (k_frac/k_abs/score/threshold/renorm) picking among the
+  // active blocks; auto-off (density > density_max) or a dense call: the kwta gate plans alone.
+  // Thread-safe (the bitmap has no state; the kwta gate is thread-safe).
+  GateStats plan(const float* x, size_t m, bool dense, const kernels::KernelSet& kernels, GatedRows& out) override;
 
  private:
-  BlockPartition partition_;
+  GateStats plan_bitmap(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out,
+                        const std::vector<uint64_t>& words) const;
+
   BitmapConfig config_;
+  std::unique_ptr<KwtaGate> kwta_;
 };
 
 }  // namespace ortsparse::engine

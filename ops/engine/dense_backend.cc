@@ -97,14 +97,15 @@ std::vector<float> DenseWeights::block_norms(const BlockPartition& partition) co
 DenseBackend::DenseBackend(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning)
     : weights_(std::move(weights)), tuning_(tuning) {}
 
-void DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                           const KernelTable& kernels, const TaskRunner& runner) const {
-  if (m == 0 || weights_->n() == 0) return;
+BackendStats DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                               const kernels::KernelSet& kernels, const TaskRunner& runner) const {
+  if (m == 0 || weights_->n() == 0) return {};
   if (m <= kSmallM) {
-    run_per_token(x, m, gated, bias, y, kernels, runner);
+    run_per_token(x, m, gated, bias, y, *kernels.matmul, runner);
   } else {
-    run_tiled(x, m, gated, bias, y, kernels, runner);
+    run_tiled(x, m, gated, bias, y, *kernels.matmul, runner);
   }
+  return {};
 }
 
 // Decode: gather each token's kept inputs once, then split its row list into a few chunks; each
@@ -112,7 +113,7 @@ void DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const f
 // the partials are added at the end. Splitting rows rather than columns keeps the streams long
 // at one thread and still feeds every thread of the pool.
 void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
-                                     float* y, const KernelTable& kernels, const TaskRunner& runner) const {
+                                     float* y, const kernels::MatMulKernels& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
   // Reused per calling thread. The tasks below run on pool threads, where these names would mean
@@ -161,14 +162,14 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
   }
 }
 
-// Prefill: tokens go in tiles of kTokenTile sharing one row list (the union of their rows, with
+// Prefill: tokens go in tiles of kernels::kTokenTile sharing one row list (the union of their rows, with
 // zeros where a token skips a row) when that union is dense enough, else one by one; columns go
 // in panels whose W slice stays in L2 while every tile passes over it.
 void DenseBackend::run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                                 const KernelTable& kernels, const TaskRunner& runner) const {
+                                 const kernels::MatMulKernels& kernels, const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
-  const size_t tiles = (m + kTokenTile - 1) / kTokenTile;
+  const size_t tiles = (m + kernels::kTokenTile - 1) / kernels::kTokenTile;
 
   struct TilePlan {
     bool shared;                // one union row list for the whole tile
@@ -181,8 +182,8 @@ void DenseBackend::run_tiled(const float* x, size_t m, const GatedRows& gated, c
   std::vector<uint8_t> used(k);
   union_rows.reserve(tiles * k);
   for (size_t tile = 0; tile < tiles; ++tile) {
-    const size_t t0 = tile * kTokenTile;
-    const size_t count = std::min(kTokenTile, m - t0);
+    const size_t t0 = tile * kernels::kTokenTile;
+    const size_t count = std::min(kernels::kTokenTile, m - t0);
     TilePlan& plan = plans[tile];
     size_t sum_rows = 0;
     std::fill(used.begin(), used.end(), 0);
@@ -197,18 +198,18 @@ void DenseBackend::run_tiled(const float* x, size_t m, const GatedRows& gated, c
     }
     size_t union_count = 0;
     for (size_t r = 0; r < k; ++r) union_count += used[r] != 0;
-    // A shared row costs ~half a per-token row (the W load is reused by kTokenTile tokens).
-    plan.shared = count == kTokenTile && union_count * kTokenTile <= 2 * sum_rows;
+    // A shared row costs ~half a per-token row (the W load is reused by kernels::kTokenTile tokens).
+    plan.shared = count == kernels::kTokenTile && union_count * kernels::kTokenTile <= 2 * sum_rows;
     plan.xv_begin = xv.size();
     if (plan.shared) {
       plan.rows_begin = union_rows.size();
       plan.nrows = union_count;
-      xv.resize(xv.size() + union_count * kTokenTile);
+      xv.resize(xv.size() + union_count * kernels::kTokenTile);
       float* dst = xv.data() + plan.xv_begin;
       for (size_t r = 0; r < k; ++r) {
         if (!used[r]) continue;
         union_rows.push_back(static_cast<int32_t>(r));
-        for (size_t j = 0; j < kTokenTile; ++j)
+        for (size_t j = 0; j < kernels::kTokenTile; ++j)
           *dst++ = (used[r] >> j) & 1 ? x[(t0 + j) * k + r] * gated.scale[t0 + j] : 0.0f;
       }
     } else {
@@ -226,8 +227,8 @@ void DenseBackend::run_tiled(const float* x, size_t m, const GatedRows& gated, c
     const float* wp = w.data() + col;
     for (size_t tile = 0; tile < tiles; ++tile) {
       const TilePlan& plan = plans[tile];
-      const size_t t0 = tile * kTokenTile;
-      const size_t count = std::min(kTokenTile, m - t0);
+      const size_t t0 = tile * kernels::kTokenTile;
+      const size_t count = std::min(kernels::kTokenTile, m - t0);
       for (size_t j = 0; j < count; ++j) fill_bias(y + (t0 + j) * n + col, bias ? bias + col : nullptr, width);
       if (plan.shared) {
         kernels.gemm_rows(wp, w.ldw(), union_rows.data() + plan.rows_begin, xv.data() + plan.xv_begin, plan.nrows,

@@ -10,8 +10,8 @@
 #include "common/aligned_buffer.h"
 #include "common/task_runner.h"
 #include "engine/gated_rows.h"
-#include "engine/kernels.h"
 #include "engine/weight_backend.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::engine {
 
@@ -53,16 +53,19 @@ class DenseBackend final : public WeightBackend {
   size_t k() const override { return weights_->k(); }
   size_t n() const override { return weights_->n(); }
   size_t bytes() const override { return weights_->bytes(); }
-  void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-           const KernelTable& kernels, const TaskRunner& runner) const override;
+  std::vector<float> block_norms(const BlockPartition& partition) const override {
+    return weights_->block_norms(partition);
+  }
+  BackendStats run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                   const kernels::KernelSet& kernels, const TaskRunner& runner) const override;
 
   const DenseWeights& weights() const { return *weights_; }
 
  private:
   void run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                     const KernelTable& kernels, const TaskRunner& runner) const;
+                     const kernels::MatMulKernels& kernels, const TaskRunner& runner) const;
   void run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                 const KernelTable& kernels, const TaskRunner& runner) const;
+                 const kernels::MatMulKernels& kernels, const TaskRunner& runner) const;
 
   std::shared_ptr<const DenseWeights> weights_;
   MatMulTuning tuning_;

@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "common/error.h"
-#include "engine/kwta_gate.h"
+#include "kernels/top_k.h"
 
 namespace ortsparse::engine {
 
@@ -47,29 +47,32 @@ constexpr double kDenseAbove = 0.5;
 
 }  // namespace
 
-EventMatMul::EventMatMul(BlockPartition partition, EventConfig config, std::shared_ptr<const WeightBackend> backend)
-    : partition_(partition), config_(config), backend_(std::move(backend)) {
+EventGate::EventGate(BlockPartition partition, EventConfig config, std::unique_ptr<KwtaGate> prior)
+    : partition_(partition), config_(config), prior_(std::move(prior)) {
   const size_t nb = partition_.num_blocks;
+  if (prior_ && (prior_->partition().k != partition_.k || prior_->partition().block != partition_.block))
+    fail("the KWTA prior must use the event gate's block partition (K=", partition_.k, ", block=", partition_.block, ")");
+  if (prior_ && prior_->config().score != KwtaScore::kL2)
+    fail("the KWTA prior of the event gate ranks blocks by energy (score l2)");
   refresh_count_ = std::max<size_t>(1, std::min(fraction_count(config_.topk, nb), nb));
-  if (config_.kwta_k > 0.0) kwta_count_ = std::max<size_t>(1, std::min(fraction_count(config_.kwta_k, nb), nb));
   exact_weights_ = config_.stale_beta == 1.0f && config_.stale_lambda == 0.0f;
   decay_ = std::exp(-config_.stale_lambda);
 }
 
-bool EventMatMul::enabled() const {
+bool EventGate::enabled() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return enabled_;
 }
 
-EventMatMul::Stream& EventMatMul::stream_at(size_t b, size_t s) {
+EventGate::Stream& EventGate::stream_at(size_t b, size_t s) {
   if (streams_.size() <= b) streams_.resize(b + 1);
   std::vector<Stream>& row = streams_[b];
   if (row.size() <= s) row.resize(s + 1);
   return row[s];
 }
 
-void EventMatMul::set_dense_state(const float* xr, Stream& s, const float* product) {
-  const size_t k = partition_.k, n = backend_->n();
+void EventGate::set_dense_state(const float* xr, Stream& s, const float* product) {
+  const size_t k = partition_.k, n = n_;
   s.x_ref.assign(xr, xr + k);
   s.y.assign(product, product + n);
   if (config_.stale_beta != 1.0f) s.fresh.assign(product, product + n);
@@ -78,7 +81,7 @@ void EventMatMul::set_dense_state(const float* xr, Stream& s, const float* produ
   s.finite = all_finite(s.y.data(), n);
 }
 
-void EventMatMul::write_delta(const float* xr, const Stream& s, const int32_t* blocks, size_t count, float* d) const {
+void EventGate::write_delta(const float* xr, const Stream& s, const int32_t* blocks, size_t count, float* d) const {
   for (size_t i = 0; i < count; ++i) {
     const size_t b = static_cast<size_t>(blocks[i]);
     const float c = exact_weights_ ? 1.0f
@@ -87,8 +90,8 @@ void EventMatMul::write_delta(const float* xr, const Stream& s, const int32_t* b
   }
 }
 
-void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const KernelTable& kernels,
-                           EventStats& stats) {
+void EventGate::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const kernels::KernelSet& kernels,
+                         GateStats& stats) {
   Stream& s = *plan.stream;
   plan.dense = true;
   plan.gap_check = false;
@@ -102,16 +105,17 @@ void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, con
   stats.blocks_total += nb;
   float* diff = inputs_.data();  // free until the wave's inputs are written
   for (size_t r = 0; r < k; ++r) diff[r] = xr[r] - s.x_ref[r];
-  kernels.block_sumsq(diff, k, partition_.block, sq_delta_.data());
-  const bool need_energy = config_.delta_theta > 0.0f || kwta_count_ > 0;
-  if (need_energy) kernels.block_sumsq(xr, k, partition_.block, energy_.data());
+  kernels.matmul->block_sumsq(diff, k, partition_.block, sq_delta_.data());
+  const bool use_prior = prior_ && prior_->keep_count() < nb;
+  const bool need_energy = config_.delta_theta > 0.0f || use_prior;
+  if (need_energy) kernels.matmul->block_sumsq(xr, k, partition_.block, energy_.data());
 
-  // KWTA prior: the candidates are the top kwta_k blocks by energy; the event ordering below runs
-  // inside them (non-candidates are reused, as any block the ordering does not pick).
-  const bool use_prior = kwta_count_ > 0 && kwta_count_ < nb;
+  // KWTA prior: the candidates are the blocks the kwta rule keeps by energy (squared l2: its
+  // selection key); the event ordering below runs inside them (non-candidates are reused, as any
+  // block the ordering does not pick).
   if (use_prior) {
     std::fill(candidate_.begin(), candidate_.end(), uint8_t{0});
-    const size_t count = select_top_k(kernels, energy_.data(), nb, kwta_count_, kept_.data(), select_scratch_);
+    const size_t count = prior_->select(kernels, energy_.data(), kept_.data(), select_scratch_);
     for (size_t i = 0; i < count; ++i) candidate_[kept_[i]] = 1;
   }
   const bool use_age = config_.age_max > 0;
@@ -151,7 +155,8 @@ void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, con
   }
   const size_t keep = std::min(refresh_count_, eligible);
   size_t selected = eligible;  // every eligible block fits: no ranking needed
-  if (keep < eligible) selected = select_top_k(kernels, masked_.data(), nb, keep, kept_.data(), select_scratch_);
+  if (keep < eligible)
+    selected = kernels::select_top_k(*kernels.select, masked_.data(), nb, keep, kept_.data(), select_scratch_);
   stats.blocks_forced += forced;
   // Every block: a plain dense row (also resyncs the stream). In a wave of more than 2 rows
   // without a deadline, dense rows share token tiles and cost ~0.4-0.5 of a single-row pass over
@@ -160,7 +165,7 @@ void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, con
   const bool cheaper_dense = wave_rows > 2 && config_.budget_ms <= 0.0 &&
                              static_cast<double>(forced + selected) > kDenseAbove * static_cast<double>(nb);
   if (forced + selected == nb || cheaper_dense) {
-    stats.blocks_refreshed += nb;
+    stats.blocks_kept += nb;
     return;
   }
   plan.dense = false;
@@ -181,10 +186,10 @@ void EventMatMul::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, con
   plan.quorum_count = std::min(plan.order_count, forced + fraction_count(config_.quorum, selected));
 }
 
-void EventMatMul::commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
-                             const float* fresh_product) {
+void EventGate::commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
+                           const float* fresh_product) {
   Stream& s = *plan.stream;
-  const size_t n = backend_->n();
+  const size_t n = n_;
   if (exact_weights_) {
     for (size_t j = 0; j < n; ++j) s.y[j] += delta_product[j];
   } else {
@@ -214,9 +219,9 @@ void EventMatMul::commit_row(const float* xr, const RowPlan& plan, size_t done, 
   }
 }
 
-void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
-                           const KernelTable& kernels, const TaskRunner& runner, EventStats& stats) {
-  const size_t k = partition_.k, n = backend_->n();
+void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                         const WeightProduct& product, GateStats& stats) {
+  const size_t k = partition_.k, n = n_;
   const size_t m = wave.size();
   const bool need_fresh = config_.stale_beta != 1.0f;
   auto finish_row = [&](const RowPlan& plan) {
@@ -243,7 +248,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
     }
     if (!dense_rows_.empty()) {
       dense_out_.resize(dense_rows_.size() * n);
-      backend_->run(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
+      product(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data());
       for (size_t d = 0; d < dense_rows_.size(); ++d)
         copy_floats(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n);
     }
@@ -257,8 +262,8 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
       write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
       gated_.clear();
       gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
-      backend_->run(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n, kernels, runner);
-      if (need_fresh) backend_->run(xr, 1, gated_, nullptr, fresh_out_.data() + i * n, kernels, runner);
+      product(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n);
+      if (need_fresh) product(xr, 1, gated_, nullptr, fresh_out_.data() + i * n);
     }
     for (size_t i = 0; i < m; ++i) {
       RowPlan& plan = wave[i];
@@ -267,7 +272,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
         set_dense_state(xr, *plan.stream, out_.data() + i * n);
       } else {
         commit_row(xr, plan, plan.order_count, out_.data() + i * n, need_fresh ? fresh_out_.data() + i * n : nullptr);
-        stats.blocks_refreshed += plan.order_count;
+        stats.blocks_kept += plan.order_count;
       }
       finish_row(plan);
     }
@@ -285,7 +290,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
       gated_.clear();
       if (plan.dense) {
         gated_.add_dense_token();
-        backend_->run(xr, 1, gated_, nullptr, out_.data(), kernels, runner);
+        product(xr, 1, gated_, nullptr, out_.data());
         set_dense_state(xr, *plan.stream, out_.data());
         finish_row(plan);
         continue;
@@ -308,16 +313,16 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
         std::sort(blocks + done, blocks + end);  // same set, W rows in memory order
         gated_.clear();
         gated_.add_token_blocks(partition_, blocks + done, end - done, 1.0f);
-        backend_->run(inputs_.data(), 1, gated_, nullptr, out_.data(), kernels, runner);
+        product(inputs_.data(), 1, gated_, nullptr, out_.data());
         for (size_t j = 0; j < n; ++j) acc[j] += out_[j];
         if (need_fresh) {
-          backend_->run(xr, 1, gated_, nullptr, fresh_out_.data(), kernels, runner);
+          product(xr, 1, gated_, nullptr, fresh_out_.data());
           for (size_t j = 0; j < n; ++j) fresh_acc[j] += fresh_out_[j];
         }
         done = end;
       }
       commit_row(xr, plan, done, acc, fresh_acc);
-      stats.blocks_refreshed += done;
+      stats.blocks_kept += done;
       finish_row(plan);
     }
   }
@@ -334,7 +339,7 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
   }
   if (checks.empty()) return;
   dense_out_.resize(checks.size() * n);
-  backend_->run(inputs_.data(), checks.size(), gated_, nullptr, dense_out_.data(), kernels, runner);
+  product(inputs_.data(), checks.size(), gated_, nullptr, dense_out_.data());
   for (size_t i = 0; i < checks.size(); ++i) {
     const RowPlan& plan = *checks[i];
     const float* dense = dense_out_.data() + i * n;
@@ -360,15 +365,15 @@ void EventMatMul::run_wave(const float* x, std::vector<RowPlan>& wave, const flo
 // A call with more rows than max_gated_rows (a prefill): one dense product over all rows (the
 // backend's tiled path), then every stream resyncs on its last row (axis sequence) or its row
 // (axis call), so the next gated row continues from exact state.
-void EventMatMul::run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
-                                 const KernelTable& kernels, const TaskRunner& runner) {
-  const size_t k = partition_.k, n = backend_->n(), m = batch * seq;
+void EventGate::run_dense_call(const GateCall& call, const WeightProduct& product) {
+  const size_t k = partition_.k, n = n_, m = call.rows(), batch = call.batch, seq = call.seq;
+  const float* x = call.x;
   gated_.clear();
   for (size_t i = 0; i < m; ++i) gated_.add_dense_token();
   out_.resize(std::max(out_.size(), m * n));
-  backend_->run(x, m, gated_, nullptr, out_.data(), kernels, runner);
+  product(x, m, gated_, nullptr, out_.data());
   for (size_t i = 0; i < m; ++i)
-    for (size_t j = 0; j < n; ++j) y[i * n + j] = out_[i * n + j] + (bias ? bias[j] : 0.0f);
+    for (size_t j = 0; j < n; ++j) call.y[i * n + j] = out_[i * n + j] + (call.bias ? call.bias[j] : 0.0f);
   const bool by_call = config_.axis == EventAxis::kCall;
   for (size_t b = 0; b < batch; ++b) {
     for (size_t s = by_call ? 0 : seq - 1; s < seq; ++s) {
@@ -382,18 +387,23 @@ void EventMatMul::run_dense_call(const float* x, size_t batch, size_t seq, const
   }
 }
 
-EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const float* bias, float* y, bool reset,
-                            const KernelTable& kernels, const TaskRunner& runner) {
-  EventStats stats;
+GateStats EventGate::apply(const GateCall& call, const WeightProduct& product, const kernels::KernelSet& kernels) {
+  const float* x = call.x;
+  const size_t batch = call.batch, seq = call.seq;
+  GateStats stats;
   stats.rows = batch * seq;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (reset) {
+  n_ = product.n();
+  if (call.reset) {
     streams_.clear();
     enabled_ = true;
     gap_counter_ = 0;
     prev_batch_ = prev_seq_ = 0;
   }
-  if (stats.rows == 0) return stats;
+  if (stats.rows == 0) {
+    stats.enabled = enabled_;
+    return stats;
+  }
   const auto start = Clock::now();
   const size_t k = partition_.k, nb = partition_.num_blocks;
   inputs_.resize(std::max(inputs_.size(), k));
@@ -401,13 +411,14 @@ EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const floa
   energy_.resize(nb);
   masked_.resize(nb);
   candidate_.resize(nb);
-  kept_.resize(nb + kIndexSlack);
+  kept_.resize(nb + kernels::kIndexSlack);
   forced_.resize(nb);
   const bool by_call = config_.axis == EventAxis::kCall;
   // Sized before any pointer into streams_ is taken.
   for (size_t b = 0; b < batch; ++b) stream_at(b, by_call ? seq - 1 : 0);
-  if (config_.max_gated_rows > 0 && stats.rows > static_cast<uint64_t>(config_.max_gated_rows)) {
-    run_dense_call(x, batch, seq, bias, y, kernels, runner);
+  if (call.dense) {
+    run_dense_call(call, product);
+    stats.enabled = enabled_;
     stats.gate_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
     return stats;
   }
@@ -428,13 +439,14 @@ EventStats EventMatMul::run(const float* x, size_t batch, size_t seq, const floa
     }
     // Pointers into streams_ are stable from here: stream_at is not called again in this wave.
     for (RowPlan& plan : wave) plan_row(x + plan.row * k, wave.size(), plan, kernels, stats);
-    run_wave(x, wave, bias, y, kernels, runner, stats);
+    run_wave(x, wave, call.bias, call.y, product, stats);
   }
   if (by_call) {
     prev_batch_ = batch;
     prev_seq_ = seq;
   }
   stats.gate_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  stats.enabled = enabled_;
   return stats;
 }
 

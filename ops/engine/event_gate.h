@@ -1,8 +1,9 @@
-// The `event` input gate (seed 001): per row stream, refresh only the K-blocks whose input changed
-// most since the input last used for them, and reuse the rest. Implemented as delta coding over
-// the weight backend: the gate picks the refreshed rows, the backend computes the product of the
-// DELTA inputs over them, and the result is added onto the stream's previous output, so a stream
-// keeps O(K + N) state (x_ref, y, ages) instead of per-block partial products.
+// The `event` input gate: per row stream, refresh only the K-blocks whose input changed most since
+// the input last used for them, and reuse the rest. Implemented as delta coding over the weight
+// backend: the gate picks the refreshed rows, the backend computes the product of the DELTA inputs
+// over them (WeightProduct), and the result is added onto the stream's previous output, so a stream
+// keeps O(K + N) state (x_ref, y, ages) instead of per-block partial products. A kwta gate may act
+// as its prior: the event ordering then runs among the blocks the kwta rule keeps (one ordering).
 // See docs/ops.md#eventdrivenmatmul for the semantics (ages, staleness weights, budget, gap check).
 #pragma once
 
@@ -13,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "common/task_runner.h"
 #include "engine/gated_rows.h"
-#include "engine/kernels.h"
-#include "engine/weight_backend.h"
+#include "engine/input_gate.h"
+#include "engine/kwta_gate.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::engine {
 
@@ -34,40 +35,27 @@ struct EventConfig {
   double quorum = 0.6;         // fraction of the selected blocks computed even past the deadline
   int64_t gap_every = 64;      // every gap_every-th event row also computes the dense row; 0 = never
   float gap_tol = 0.03f;       // gap above this switches the kernel to dense until a reset
-  double kwta_k = 0.0;         // > 0: KWTA prior, candidates = top ceil(kwta_k * blocks) by ||x_b||
-  int64_t max_gated_rows = 0;  // > 0: a call with more rows runs dense (prefill) and resyncs the streams
+  double kwta_k = 0.0;         // > 0: KWTA prior (the adapter builds it), candidates = top ceil(kwta_k * blocks) by ||x_b||
+  int64_t max_gated_rows = 0;  // > 0: a call with more rows runs dense (prefill) and resyncs the streams (composer option)
 };
 
-// One call's counts (summed by the op into its metrics).
-struct EventStats {
-  uint64_t rows = 0;            // rows of X
-  uint64_t event_rows = 0;      // rows that went through the gate (stream live, gate enabled)
-  uint64_t blocks_total = 0;    // blocks of the event rows
-  uint64_t blocks_refreshed = 0;
-  uint64_t blocks_forced = 0;   // refreshed because of age_max
-  uint64_t deadline_stops = 0;  // event rows cut short by budget_ms (after the quorum)
-  uint64_t gap_checks = 0;
-  uint64_t disables = 0;        // gap checks that switched the kernel to dense
-  uint64_t gate_ns = 0;         // time spent on event rows (gate + refresh), for budget_ms_used
-  double last_gap = -1.0;       // gap of the last gap check of this call, -1 if none
-};
-
-class EventMatMul {
+class EventGate final : public InputGate {
  public:
-  EventMatMul(BlockPartition partition, EventConfig config, std::shared_ptr<const WeightBackend> backend);
+  // prior: a kwta gate (l2 score) whose kept blocks are the event rule's candidates, or null.
+  EventGate(BlockPartition partition, EventConfig config, std::unique_ptr<KwtaGate> prior = nullptr);
 
-  const BlockPartition& partition() const { return partition_; }
+  const BlockPartition& partition() const override { return partition_; }
   const EventConfig& config() const { return config_; }
   size_t refresh_count() const { return refresh_count_; }
   bool enabled() const;
 
-  // y [batch * seq, N] for x [batch * seq, K] (row b * seq + s is position s of stream b).
-  // axis sequence: stream b's rows are consecutive tokens continuing its previous call; axis call:
-  // row (b, s) continues row (b, s) of the previous call (fresh when the previous call had no such
-  // row). reset clears every stream and re-arms an auto-disabled kernel before this call runs.
-  // Calls are serialised by a mutex: concurrent callers share the streams.
-  EventStats run(const float* x, size_t batch, size_t seq, const float* bias, float* y, bool reset,
-                 const KernelTable& kernels, const TaskRunner& runner);
+  // Rows b * seq + s of the call are position s of stream b. axis sequence: stream b's rows are
+  // consecutive tokens continuing its previous call; axis call: row (b, s) continues row (b, s) of
+  // the previous call (fresh when the previous call had no such row). call.reset clears every
+  // stream and re-arms an auto-disabled gate before the call runs; call.dense (prefill) computes
+  // every row and resyncs the streams. Calls are serialised by a mutex: concurrent callers share
+  // the streams.
+  GateStats apply(const GateCall& call, const WeightProduct& product, const kernels::KernelSet& kernels) override;
 
  private:
   struct Stream {
@@ -91,11 +79,10 @@ class EventMatMul {
   };
 
   Stream& stream_at(size_t b, size_t s);
-  void plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const KernelTable& kernels, EventStats& stats);
-  void run_dense_call(const float* x, size_t batch, size_t seq, const float* bias, float* y,
-                      const KernelTable& kernels, const TaskRunner& runner);
-  void run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y, const KernelTable& kernels,
-                const TaskRunner& runner, EventStats& stats);
+  void plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const kernels::KernelSet& kernels, GateStats& stats);
+  void run_dense_call(const GateCall& call, const WeightProduct& product);
+  void run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y, const WeightProduct& product,
+                GateStats& stats);
   // The stream update after its refreshed blocks order_[begin, begin + done) were computed.
   void commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
                   const float* fresh_product);
@@ -106,9 +93,9 @@ class EventMatMul {
 
   BlockPartition partition_;
   EventConfig config_;
-  std::shared_ptr<const WeightBackend> backend_;
+  std::unique_ptr<KwtaGate> prior_;
+  size_t n_ = 0;  // outputs, known from the first product
   size_t refresh_count_ = 1;
-  size_t kwta_count_ = 0;
   bool exact_weights_ = true;  // stale_beta == 1 and stale_lambda == 0
   float decay_ = 1.0f;         // exp(-stale_lambda)
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "engine/gated_rows.h"
-#include "engine/kernels.h"
-#include "engine/order_key.h"
+#include "engine/input_gate.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::engine {
 
@@ -27,49 +27,34 @@ struct KwtaConfig {
   int64_t duty = 1;
   DutyMode duty_mode = DutyMode::kDense;
   bool renorm = false;
-  int64_t max_gated_rows = 0;  // > 0: a call with more rows than this runs dense (e.g. prefill)
+  int64_t max_gated_rows = 0;  // > 0: a call with more rows than this runs dense (the composer's option)
 };
 
 KwtaScore parse_kwta_score(const std::string& name);  // throws Error naming the valid values
 DutyMode parse_duty_mode(const std::string& name);
 
-// Writes the indices of the k largest values to kept (ascending index order; kept must hold
-// n + kIndexSlack entries); ties at the k-th
-// value go to the lower index. At most 32 vectorised counting passes, no sort.
-// Returns min(k, n).
-size_t select_top_k(const KernelTable& kernels, const float* values, size_t n, size_t k, int32_t* kept,
-                    std::vector<uint32_t>& scratch);
-
-struct KwtaStats {
-  uint64_t blocks_total = 0;
-  uint64_t blocks_kept = 0;
-  bool gated = false;  // the duty schedule applied (dense mode) or recomputed (hold mode) the mask
-};
-
-class KwtaGate {
+class KwtaGate final : public RowGate {
  public:
   // block_weight_norms: ||W_b||_F per block, needed for KwtaScore::kL2Weighted (else may be empty).
   KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<float> block_weight_norms);
 
   size_t keep_count() const { return keep_count_; }
-  const BlockPartition& partition() const { return partition_; }
   const KwtaConfig& config() const { return config_; }
 
-  // Fills `out` for the M rows of x [M, K]. Thread-safe: concurrent calls share the step counter
-  // (and, in hold mode, the held masks under a mutex).
-  KwtaStats plan(const float* x, size_t m, const KernelTable& kernels, GatedRows& out);
+  // Thread-safe: concurrent calls share the step counter (and, in hold mode, the held masks under
+  // a mutex). A dense call counts as a step of the duty schedule.
+  GateStats plan(const float* x, size_t m, bool dense, const kernels::KernelSet& kernels, GatedRows& out) override;
 
   // Selection keys of one token's blocks (monotone in the score; see scores_from_keys).
-  void block_keys(const float* x, const KernelTable& kernels, float* keys) const;
+  void block_keys(const float* x, const kernels::KernelSet& kernels, float* keys) const;
   // The published score (||x_b||, mean|x_b|, ||x_b||·||W_b||) from a key.
   float score_from_key(float key) const;
   // Kept blocks of one token from its keys (threshold and top-K rules); returns the count.
-  size_t select(const KernelTable& kernels, const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
+  size_t select(const kernels::KernelSet& kernels, const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
 
  private:
-  KwtaStats plan_hold(const float* x, size_t m, const KernelTable& kernels, GatedRows& out, bool recompute);
+  GateStats plan_hold(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out, bool recompute);
 
-  BlockPartition partition_;
   KwtaConfig config_;
   std::vector<float> weight_norms_sq_;
   std::vector<float> inv_block_len_;

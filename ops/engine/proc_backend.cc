@@ -8,20 +8,6 @@
 
 namespace ortsparse::engine {
 
-const ProcKernels& proc_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return proc_kernels_avx512();
-    case Isa::kAvx2: return proc_kernels_avx2();
-    default: return proc_kernels_scalar();
-  }
-}
-
-const ProcKernels& proc_kernels_like(const KernelTable& table) {
-  if (&table == &kernels_avx512()) return proc_kernels_avx512();
-  if (&table == &kernels_avx2()) return proc_kernels_avx2();
-  return proc_kernels_scalar();
-}
-
 ProcWeights::ProcWeights(size_t k, size_t n, size_t block, size_t fanout, uint64_t seed, float base_scale,
                          const uint16_t* index, const void* deltas, DeltaType delta_type) {
   if (k == 0 || block == 0 || block > k) fail("block=", block, " must be in [1, K=", k, "]");
@@ -95,13 +81,13 @@ ProcBackend::ProcBackend(std::shared_ptr<const ProcWeights> weights, ProcTuning 
 // Per token: its input (scaled, zero outside its gated rows, so a computed block adds exactly the
 // gated rows) and, for a gated token, which proc blocks hold any of its rows. A tile of up to
 // kProcTokenTile tokens passes over the layout once, skipping blocks none of its tokens needs.
-ProcBackend::Stats ProcBackend::run_counted(const float* x, size_t m, const GatedRows& gated, const float* bias,
-                                            float* y, const KernelTable& kernels, const TaskRunner& runner) const {
-  Stats stats;
+BackendStats ProcBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                              const kernels::KernelSet& kernels, const TaskRunner& runner) const {
+  BackendStats stats;
   const ProcPacked& p = weights_->packed();
   const size_t k = p.k, n = p.n, nb = p.num_blocks;
   if (m == 0 || n == 0) return stats;
-  const ProcKernels& pk = proc_kernels_like(kernels);
+  const kernels::ProcKernels& pk = *kernels.proc;
   const size_t tiles = (m + kProcTokenTile - 1) / kProcTokenTile;
   // Reused per calling thread; the tasks only see the raw pointers taken here.
   thread_local std::vector<float> xv_buffer;

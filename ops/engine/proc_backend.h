@@ -10,10 +10,18 @@
 
 #include "common/aligned_buffer.h"
 #include "engine/gated_rows.h"
-#include "engine/proc_kernels.h"
+#include "kernels/proc_kernels.h"
 #include "engine/weight_backend.h"
 
 namespace ortsparse::engine {
+
+// The packed layout and its hash are defined next to their kernels.
+using kernels::DeltaType;
+using kernels::half_to_float;
+using kernels::kProcDeltaPad;
+using kernels::kProcTokenTile;
+using kernels::proc_base;
+using kernels::ProcPacked;
 
 class ProcWeights {
  public:
@@ -55,18 +63,13 @@ class ProcBackend final : public WeightBackend {
   size_t k() const override { return weights_->k(); }
   size_t n() const override { return weights_->n(); }
   size_t bytes() const override { return weights_->bytes(); }
-  void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-           const KernelTable& kernels, const TaskRunner& runner) const override {
-    run_counted(x, m, gated, bias, y, kernels, runner);
+  std::vector<float> block_norms(const BlockPartition& partition) const override {
+    return weights_->block_norms(partition);
   }
-  // run() that also counts the work: blocks reconstructed and unit passes (one per unit and token
-  // tile; at M = 1 a tile is the token), so proc.fanout_effective = blocks / unit_passes.
-  struct Stats {
-    uint64_t blocks = 0;
-    uint64_t unit_passes = 0;
-  };
-  Stats run_counted(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                     const KernelTable& kernels, const TaskRunner& runner) const;
+  // Counts the work: blocks reconstructed and unit passes (one per unit and token tile; at M = 1 a
+  // tile is the token), so proc.fanout_effective = blocks / unit_passes.
+  BackendStats run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                   const kernels::KernelSet& kernels, const TaskRunner& runner) const override;
 
   const ProcWeights& weights() const { return *weights_; }
 

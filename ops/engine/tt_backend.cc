@@ -172,7 +172,7 @@ void transpose(const float* src, float* dst, size_t rows, size_t cols) {
 
 }  // namespace
 
-void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const TTKernelTable& kernels,
+void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const kernels::KernelSet& kernels,
                           const TaskRunner* step_runner) const {
   const float* cur = x;
   if (pre_c_) {
@@ -196,7 +196,7 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
       // Decode: the engine's row-streaming GEMV (the dense backend's M = 1 kernel) over whole rows
       // of mat, in column spans of >= 256 floats so each row read stays one long stream. The span
       // count depends on the shape only, so results do not depend on the thread count.
-      const KernelTable& gemv = engine_kernels_like(kernels);
+      const kernels::MatMulKernels& gemv = *kernels.matmul;
       const size_t spans = std::max<size_t>(1, std::min<size_t>(kMaxStepTasks, s.a / kGemvMinSpan));
       const auto span = [&, cur, out, mat, rows](size_t task) {
         const size_t c0 = s.a * task / spans / 16 * 16, c1 = task + 1 == spans ? s.a : s.a * (task + 1) / spans / 16 * 16;
@@ -209,11 +209,11 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
         for (size_t task = 0; task < spans; ++task) span(task);
       }
     } else if (want <= 1) {
-      kernels.gemm(cur, s.b, mat, s.a, out, s.a, rows, s.b, s.a);
+      kernels.tt->gemm(cur, s.b, mat, s.a, out, s.a, rows, s.b, s.a);
     } else if (rows >= 4 * want) {
       step_runner->run(want, [&, cur, out, mat, rows](size_t task) {
         const size_t r0 = rows * task / want, r1 = rows * (task + 1) / want;
-        kernels.gemm(cur + r0 * s.b, s.b, mat, s.a, out + r0 * s.a, s.a, r1 - r0, s.b, s.a);
+        kernels.tt->gemm(cur + r0 * s.b, s.b, mat, s.a, out + r0 * s.a, s.a, r1 - r0, s.b, s.a);
       });
     } else {
       // Few rows (decode): column spans in multiples of 32 (whole SIMD panels).
@@ -221,7 +221,7 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
       const size_t tasks = (s.a + span - 1) / span;
       step_runner->run(tasks, [&, cur, out, mat, rows, span](size_t task) {
         const size_t c0 = task * span, c1 = std::min(s.a, c0 + span);
-        kernels.gemm(cur, s.b, mat + c0, s.a, out + c0, s.a, rows, s.b, c1 - c0);
+        kernels.tt->gemm(cur, s.b, mat + c0, s.a, out + c0, s.a, rows, s.b, c1 - c0);
       });
     }
     if (transposed) {
@@ -234,14 +234,9 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
   }
 }
 
-void TTBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                    const KernelTable& kernels, const TaskRunner& runner) const {
-  run_tt(x, m, gated, bias, y, tt_kernels_like(kernels), runner);
-}
-
-void TTBackend::run_tt(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                       const TTKernelTable& kernels, const TaskRunner& runner) const {
-  if (m == 0 || n_ == 0) return;
+BackendStats TTBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                            const kernels::KernelSet& kernels, const TaskRunner& runner) const {
+  if (m == 0 || n_ == 0) return {};
   // Reused per calling thread; pool tasks only see the raw pointers taken here.
   thread_local std::vector<float> xin_buffer;
   thread_local std::vector<float> scratch_buffer;
@@ -278,25 +273,14 @@ void TTBackend::run_tt(const float* x, size_t m, const GatedRows& gated, const f
         for (size_t t = t0; t < t1; ++t)
           for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
     });
-    return;
+    return {};
   }
   // Few tokens (decode): one chain, each core's GEMM split over rows or columns when big enough.
   run_chunk(xin, m, y, s0, s1, kernels, &runner);
   if (bias)
     for (size_t t = 0; t < m; ++t)
       for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
-}
-
-const KernelTable& engine_kernels_like(const TTKernelTable& kernels) {
-  if (std::strcmp(kernels.isa, "avx512") == 0) return kernels_for(Isa::kAvx512);
-  if (std::strcmp(kernels.isa, "avx2") == 0) return kernels_for(Isa::kAvx2);
-  return kernels_scalar();
-}
-
-const TTKernelTable& tt_kernels_like(const KernelTable& kernels) {
-  if (std::strcmp(kernels.isa, "avx512") == 0) return tt_kernels_avx512();
-  if (std::strcmp(kernels.isa, "avx2") == 0) return tt_kernels_avx2();
-  return tt_kernels_scalar();
+  return {};
 }
 
 }  // namespace ortsparse::engine

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/aligned_buffer.h"
-#include "engine/tt_kernels.h"
+#include "kernels/kernel_set.h"
 #include "engine/weight_backend.h"
 
 namespace ortsparse::engine {
@@ -46,10 +46,8 @@ class TTBackend final : public WeightBackend {
   size_t bytes() const override { return bytes_; }
   // Gated tokens: inputs outside the token's rows are zeroed before contracting (a TT core mixes
   // every row of W, so a skipped row saves no work here; the gate only changes the result).
-  void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-           const KernelTable& kernels, const TaskRunner& runner) const override;
-  void run_tt(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-              const TTKernelTable& kernels, const TaskRunner& runner) const;
+  BackendStats run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                   const kernels::KernelSet& kernels, const TaskRunner& runner) const override;
 
   const TTShape& shape() const { return shape_; }
   bool right_to_left() const { return right_to_left_; }
@@ -67,7 +65,7 @@ class TTBackend final : public WeightBackend {
     size_t tr_r, tr_c;        // transpose after: R = tr_r or C = tr_c (the other = total / it); 0, 0 = none
   };
   // Whole chain for `count` tokens: x [count, K] -> y [count, N], with two scratch buffers.
-  void run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const TTKernelTable& kernels,
+  void run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const kernels::KernelSet& kernels,
                  const TaskRunner* step_runner) const;
 
   TTShape shape_;
@@ -79,10 +77,5 @@ class TTBackend final : public WeightBackend {
   size_t scratch_per_token_;  // floats of the largest intermediate of one token
   size_t pre_c_ = 0;  // first core first: X [(m k_1) x q_1] -> [q_1 x (m k_1)] before the first GEMM
 };
-
-// The TT table matching a KernelTable's ISA (the engine hands backends the shared table).
-const TTKernelTable& tt_kernels_like(const KernelTable& kernels);
-// The engine table of the same ISA (decode steps use its gemv_rows).
-const KernelTable& engine_kernels_like(const TTKernelTable& kernels);
 
 }  // namespace ortsparse::engine

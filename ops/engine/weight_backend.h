@@ -1,16 +1,22 @@
-// The engine's two independent choices meet here: an input gate decides per token which K-rows
-// take part (GatedRows), a weight backend computes the product over exactly those rows from its
-// own representation of W (dense packed rows, procedural base + sparse deltas, tensor-train cores).
-// Gates never see how W is stored; backends never decide which rows are kept.
+// A weight backend supplies Y = X·W over the K-rows an input gate kept (GatedRows), from its own
+// representation of W: dense packed fp32 rows, procedural base + sparse deltas, tensor-train
+// cores. Backends never decide which rows are kept; gates never see how W is stored.
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "common/task_runner.h"
 #include "engine/gated_rows.h"
-#include "engine/kernels.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::engine {
+
+// What a backend counts about one run (the proc backend's fanout metric); zero for the others.
+struct BackendStats {
+  uint64_t blocks = 0;       // weight blocks reconstructed
+  uint64_t unit_passes = 0;  // (output unit, token tile) passes
+};
 
 class WeightBackend {
  public:
@@ -20,11 +26,14 @@ class WeightBackend {
   virtual size_t n() const = 0;
   // Bytes the backend keeps for W (memory metrics: mem_ratio = bytes / (K * N * 4)).
   virtual size_t bytes() const = 0;
+  // ||W_b||_F per block of `partition` (the kwta gate's l2_weighted score; called at kernel
+  // creation). The default probes the backend with unit inputs; backends that store rows override it.
+  virtual std::vector<float> block_norms(const BlockPartition& partition) const;
 
   // y [M, N] = per token m: gated.scale[m] * sum over its rows r of x[m, r] * W[r, :] (+ bias).
   // A backend whose W is approximate uses its approximation; rows outside the token's list add 0.
-  virtual void run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                   const KernelTable& kernels, const TaskRunner& runner) const = 0;
+  virtual BackendStats run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                           const kernels::KernelSet& kernels, const TaskRunner& runner) const = 0;
 };
 
 }  // namespace ortsparse::engine

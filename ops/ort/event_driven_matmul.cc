@@ -1,5 +1,5 @@
-// EventDrivenMatMul(X, W, B?, reset?) = the engine with the `event` gate (optionally with the
-// KWTA prior) and the dense weight backend. State lives in the kernel instance (one per node and
+// EventDrivenMatMul(X, W, B?, reset?) = the composer with the `event` gate (optionally with a
+// kwta gate as its prior) over the dense weight backend. State lives in the kernel instance (one per node and
 // session); concurrent Run calls are serialised on it (see docs/ops.md#eventdrivenmatmul).
 #include <cmath>
 #include <limits>
@@ -8,6 +8,8 @@
 #include "common/metrics.h"
 #include "engine/dense_backend.h"
 #include "engine/event_gate.h"
+#include "engine/gated_matmul.h"
+#include "engine/kwta_gate.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
 
@@ -87,6 +89,7 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
 
   EventDrivenMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
+    kernel_set_or_fail();
     const engine::EventConfig config = read_config(attrs);
     const int64_t block = attrs.get_int("block", 1);
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
@@ -95,10 +98,18 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
     if (block < 1 || static_cast<size_t>(block) > k) fail("attribute block=", block, " must be in [1, K=", k, "]");
     if (k > static_cast<size_t>(INT32_MAX)) fail("K=", k, " is too large");
     auto backend = std::make_shared<const engine::DenseBackend>(engine::DenseWeights::pack_shared(w.data, k, n));
-    k_ = k;
-    n_ = n;
-    event_ = std::make_unique<engine::EventMatMul>(engine::BlockPartition(k, static_cast<size_t>(block)), config,
-                                                   std::move(backend));
+    const engine::BlockPartition partition(k, static_cast<size_t>(block));
+    std::unique_ptr<engine::KwtaGate> prior;
+    if (config.kwta_k > 0.0) {  // the KWTA prior: the kwta rule by energy (l2) picks the candidates
+      engine::KwtaConfig kwta;
+      kwta.k_frac = config.kwta_k;
+      prior = std::make_unique<engine::KwtaGate>(partition, kwta, std::vector<float>{});
+    }
+    auto event = std::make_unique<engine::EventGate>(partition, config, std::move(prior));
+    event_ = event.get();
+    engine::GatedMatMulOptions options;
+    options.max_gated_rows = config.max_gated_rows;
+    matmul_ = std::make_unique<engine::GatedMatMul>(std::move(event), std::move(backend), options);
     metrics_ = metrics_slot(kOpName, node(), describe_event);
     metrics_->set_constant(kEnabled, 1.0);
     metrics_->set_constant(kLastGap, std::numeric_limits<double>::quiet_NaN());
@@ -107,19 +118,14 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
 
   void Compute(OrtKernelContext* raw_context) {
     Ort::KernelContext context(raw_context);
-    const MatMulIo io = bind_matmul_io(context, k_, n_, 2);
     const bool reset = read_reset(context);
-    Ort::ConstValue x = context.GetInput(0);
-    const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    const size_t seq = shape.size() >= 2 ? static_cast<size_t>(shape[shape.size() - 2]) : 1;
-    const size_t batch = seq == 0 ? 0 : io.m / seq;
-    const engine::EventStats stats =
-        event_->run(io.x, batch, seq, io.bias, io.y, reset, engine::active_kernels(), OrtTaskRunner(raw_context));
+    const engine::MatMulStats run = run_matmul(raw_context, *matmul_, 2, reset);
+    const engine::GateStats& stats = run.gate;
     metrics_->add(kCalls, 1);
     metrics_->add(kRows, stats.rows);
     metrics_->add(kEventRows, stats.event_rows);
     metrics_->add(kBlocksTotal, stats.blocks_total);
-    metrics_->add(kBlocksRefreshed, stats.blocks_refreshed);
+    metrics_->add(kBlocksRefreshed, stats.blocks_kept);
     metrics_->add(kBlocksForced, stats.blocks_forced);
     metrics_->add(kDeadlineStops, stats.deadline_stops);
     metrics_->add(kGapChecks, stats.gap_checks);
@@ -141,8 +147,8 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
     return r.GetTensorData<bool>()[0];
   }
 
-  size_t k_ = 0, n_ = 0;
-  std::unique_ptr<engine::EventMatMul> event_;
+  std::unique_ptr<engine::GatedMatMul> matmul_;
+  const engine::EventGate* event_ = nullptr;  // the gate inside matmul_ (its enabled state)
   std::shared_ptr<MetricsSlot> metrics_;
 };
 

@@ -1,10 +1,11 @@
-// KwtaBlockMatMul(X, W, B?) = the engine with the `kwta` gate and the dense weight backend.
+// KwtaBlockMatMul(X, W, B?) = the composer with the `kwta` gate (behind the `bitmap` gate when
+// pack_mode is set) over the dense weight backend.
 #include <memory>
 
 #include "common/metrics.h"
-#include "attention/popcount_kernels.h"
 #include "engine/bitmap_gate.h"
 #include "engine/dense_backend.h"
+#include "engine/gated_matmul.h"
 #include "engine/kwta_gate.h"
 #include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
@@ -26,7 +27,7 @@ std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, con
       {"blocks_total", static_cast<double>(c[kBlocksTotal])},
       {"blocks_kept", static_cast<double>(c[kBlocksKept])},
   };
-  if (constants[kPackEnabled] != 0.0) {  // the bitmap gate (pack_mode), ortsparse addition
+  if (constants[kPackEnabled] != 0.0) {  // the bitmap gate (pack_mode)
     out.push_back({"pack.enabled", 1.0});
     out.push_back({"pack.mode", constants[kPackMode]});
     out.push_back({"pack.density", c[kPackBlocks] ? static_cast<double>(c[kPackActive]) / c[kPackBlocks] : 0.0});
@@ -59,6 +60,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
 
   KwtaBlockMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
+    const kernels::KernelSet& kernels = kernel_set_or_fail();
     const engine::KwtaConfig config = read_kwta_attributes(attrs, "", 0.5f);
     const int64_t block = attrs.get_int("block", 1);
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
@@ -67,60 +69,47 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     if (block < 1 || static_cast<size_t>(block) > k)
       fail("attribute block=", block, " must be in [1, K=", k, "]");
     if (k > static_cast<size_t>(INT32_MAX)) fail("K=", k, " is too large");
-    auto weights = engine::DenseWeights::pack_shared(w.data, k, n);
+    auto backend = std::make_shared<const engine::DenseBackend>(engine::DenseWeights::pack_shared(w.data, k, n));
     const engine::BlockPartition partition(k, static_cast<size_t>(block));
     std::vector<float> norms;
-    if (config.score == engine::KwtaScore::kL2Weighted) norms = weights->block_norms(partition);
-    gate_ = std::make_unique<engine::KwtaGate>(partition, config, std::move(norms));
-    matmul_ = std::make_unique<engine::DenseBackend>(std::move(weights));
+    if (config.score == engine::KwtaScore::kL2Weighted) norms = backend->block_norms(partition);
+    auto kwta = std::make_unique<engine::KwtaGate>(partition, config, std::move(norms));
     metrics_ = metrics_slot(kOpName, node(), describe_kwta);
     metrics_->set_constant(kTemp, config.temp);
     const engine::BitmapConfig bitmap = read_bitmap_config(attrs, config);
-    if (bitmap.mode != engine::PackGateMode::kNone) {
-      if (!attention::active_popcnt_error().empty()) fail(attention::active_popcnt_error());
-      bitmap_ = std::make_unique<engine::BitmapGate>(partition, bitmap);
+    std::unique_ptr<engine::InputGate> gate;
+    if (bitmap.mode == engine::PackGateMode::kNone) {
+      gate = std::move(kwta);
+    } else {
+      gate = std::make_unique<engine::BitmapGate>(bitmap, std::move(kwta));
       metrics_->set_constant(kPackEnabled, 1.0);
       metrics_->set_constant(kPackMode, static_cast<double>(static_cast<int>(bitmap.mode)));
-      metrics_->set_constant(kPackPopcnt, static_cast<double>(static_cast<int>(attention::active_popcnt_path())));
+      metrics_->set_constant(kPackPopcnt, static_cast<double>(static_cast<int>(kernels.popcnt_path)));
     }
+    engine::GatedMatMulOptions options;
+    options.max_gated_rows = config.max_gated_rows;
+    matmul_ = std::make_unique<engine::GatedMatMul>(std::move(gate), std::move(backend), options);
   }
 
-  void Compute(OrtKernelContext* raw_context) {
-    Ort::KernelContext context(raw_context);
-    const engine::DenseWeights& w = matmul_->weights();
-    const MatMulIo io = bind_matmul_io(context, w.k(), w.n(), 2);
-    if (io.m == 0) return;
-    const engine::KernelTable& kernels = engine::active_kernels();
-    thread_local engine::GatedRows gated;  // reused: a decode step allocates nothing
-    const int64_t max_rows = gate_->config().max_gated_rows;
-    engine::KwtaStats stats;
-    bool planned = false;
-    if (bitmap_ && !(max_rows > 0 && io.m > static_cast<size_t>(max_rows))) {
-      const engine::BitmapStats b = bitmap_->plan(io.x, io.m, kernels, gate_.get(), gated);
-      metrics_->add(kPackCalls, 1);
-      metrics_->add(kPackActive, b.blocks_active);
-      metrics_->add(kPackBlocks, b.blocks_total);
-      if (b.applied) {
-        metrics_->add(kPackApplied, 1);
-        stats.blocks_total = b.blocks_total;
-        stats.blocks_kept = b.blocks_kept;
-        stats.gated = true;
-        planned = true;
-      }
-    }
-    if (!planned) stats = gate_->plan(io.x, io.m, kernels, gated);
-    matmul_->run(io.x, io.m, gated, io.bias, io.y, kernels, OrtTaskRunner(raw_context));
+  void Compute(OrtKernelContext* context) {
+    const engine::MatMulStats run = run_matmul(context, *matmul_, 2);
+    const engine::GateStats& s = run.gate;
+    if (s.rows == 0) return;
     metrics_->add(kCalls, 1);
-    metrics_->add(kRows, io.m);
-    metrics_->add(kBlocksTotal, stats.blocks_total);
-    metrics_->add(kBlocksKept, stats.blocks_kept);
-    if (stats.gated) metrics_->add(kDutyHits, 1);
+    metrics_->add(kRows, s.rows);
+    if (s.bitmap_ran) {
+      metrics_->add(kPackCalls, 1);
+      metrics_->add(kPackActive, s.bitmap_active);
+      metrics_->add(kPackBlocks, s.bitmap_blocks);
+      if (s.bitmap_applied) metrics_->add(kPackApplied, 1);
+    }
+    metrics_->add(kBlocksTotal, s.blocks_total);
+    metrics_->add(kBlocksKept, s.blocks_kept);
+    if (s.gated) metrics_->add(kDutyHits, 1);
   }
 
  private:
-  std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::BitmapGate> bitmap_;  // pack_mode != none
-  std::unique_ptr<engine::DenseBackend> matmul_;
+  std::unique_ptr<engine::GatedMatMul> matmul_;
   std::shared_ptr<MetricsSlot> metrics_;
 };
 

@@ -23,6 +23,7 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
     m *= d;
   }
   io.m = m;
+  io.seq = shape.size() >= 2 ? static_cast<size_t>(shape[shape.size() - 2]) : 1;
   io.x = x.GetTensorData<float>();
   if (bias_index < context.GetInputCount()) {
     Ort::ConstValue b = context.GetInput(bias_index);
@@ -39,6 +40,20 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
   Ort::UnownedValue y = context.GetOutput(0, shape);
   io.y = y.GetTensorMutableData<float>();
   return io;
+}
+
+engine::MatMulStats run_matmul(OrtKernelContext* raw_context, const engine::GatedMatMul& matmul, size_t bias_index,
+                               bool reset) {
+  Ort::KernelContext context(raw_context);
+  const MatMulIo io = bind_matmul_io(context, matmul.k(), matmul.n(), bias_index);
+  const size_t batch = io.seq == 0 ? 0 : io.m / io.seq;
+  if (io.m == 0 && !reset) return engine::MatMulStats{};  // nothing to compute, nothing to count
+  return matmul.run(io.x, batch, io.seq, io.bias, io.y, reset, kernel_set_or_fail(), OrtTaskRunner(raw_context));
+}
+
+const kernels::KernelSet& kernel_set_or_fail() {
+  if (!kernels::active_kernel_set_error().empty()) fail(kernels::active_kernel_set_error());
+  return kernels::active_kernel_set();
 }
 
 }  // namespace ortsparse::ort

@@ -4,6 +4,7 @@
 
 #include "attention/popcount_attention.h"
 #include "common/metrics.h"
+#include "ort/matmul_io.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
@@ -82,13 +83,12 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
 
   PopcountAttentionKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const attention::PopcountAttentionConfig config = read_config(Attributes(info));
-    if (!attention::active_popcnt_error().empty()) fail(attention::active_popcnt_error());
-    const attention::PopcntPath path = attention::active_popcnt_path();
-    attention_ = std::make_unique<attention::PopcountAttention>(config, path, active_isa());
+    const kernels::KernelSet& kernels = kernel_set_or_fail();
+    attention_ = std::make_unique<attention::PopcountAttention>(config, kernels);
     metrics_ = metrics_slot(kOpName, node(), describe_pack);
     metrics_->set_constant(kEnabled, config.select == attention::Selector::kNone ? 0.0 : 1.0);
     metrics_->set_constant(kMode, static_cast<double>(static_cast<int>(config.mode)));
-    metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(path)));
+    metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(kernels.popcnt_path)));
   }
 
   void Compute(OrtKernelContext* raw_context) {
@@ -106,7 +106,8 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     if (k.shape[1] == 0 && q.shape[1] != 0) fail("K has 0 heads but Q has ", q.shape[1], shapes);
     if (k.shape[1] > 0 && q.shape[1] % k.shape[1] != 0)
       fail("Q heads H=", q.shape[1], " must be a multiple of K/V heads Hkv=", k.shape[1], " (GQA)", shapes);
-    attention::AttentionDims dims;
+    attention::AttentionCall call;
+    attention::AttentionDims& dims = call.dims;
     dims.b = static_cast<size_t>(q.shape[0]);
     dims.h = static_cast<size_t>(q.shape[1]);
     dims.hkv = static_cast<size_t>(k.shape[1]);
@@ -116,7 +117,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     dims.dv = static_cast<size_t>(v.shape[3]);
     const std::vector<int64_t> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
 
-    attention::MaskView mask;
+    attention::MaskView& mask = call.mask;
     if (context.GetInputCount() > 3) {
       Ort::ConstValue m = context.GetInput(3);
       if (m) {
@@ -153,7 +154,15 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
       std::fill(y, y + y_count, 0.0f);
       return;
     }
-    const attention::AttentionStats stats = attention_->run(q.data, k.data, v.data, mask, dims, y, OrtTaskRunner(raw_context));
+    call.q = q.data;
+    call.k = k.data;
+    call.v = v.data;
+    call.y = y;
+    call.q_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.d);
+    call.k_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.d);
+    call.v_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.dv);
+    call.y_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.dv);
+    const attention::AttentionStats stats = attention_->run(call, OrtTaskRunner(raw_context));
     metrics_->add(kCalls, 1);
     if (stats.packed) metrics_->add(kPackedCalls, 1);
     metrics_->add(kBitsSet, stats.bits_set);

@@ -1,13 +1,14 @@
-// ProcSparseMatMul(X, indices, deltas, B?) = the engine with the `proc` weight backend and either
+// ProcSparseMatMul(X, indices, deltas, B?) = the composer with the `proc` weight backend and either
 // the dense gate (default) or the `kwta` gate (kwta_* attributes: the composed mode).
 #include <cmath>
 #include <cstring>
 #include <memory>
 
 #include "common/metrics.h"
+#include "engine/gated_matmul.h"
 #include "engine/kwta_gate.h"
-#include "ort/kwta_attributes.h"
 #include "engine/proc_backend.h"
+#include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
 
@@ -83,6 +84,7 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
 
   ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
+    kernel_set_or_fail();
     const int64_t k = attrs.get_int("K", 0), n = attrs.get_int("N", 0);
     const int64_t block = attrs.get_int("block", 32);
     const int64_t seed = attrs.get_int("seed", 0);
@@ -102,11 +104,11 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
     const int64_t f = index.shape[1];
     if (fanout >= 0 && fanout != f) fail("attribute fanout=", fanout, " but input indices has shape ", shape_string(index.shape));
     if (f < 1 || f > nb) fail("input indices has shape ", shape_string(index.shape), ": fanout must be in [1, ", nb, "] (K=", k, ", block=", block, ")");
-    engine::DeltaType type;
+    kernels::DeltaType type;
     if (deltas.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-      type = engine::DeltaType::kF32;
+      type = kernels::DeltaType::kF32;
     } else if (deltas.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
-      type = engine::DeltaType::kF16;
+      type = kernels::DeltaType::kF16;
     } else {
       fail("input deltas must be float32 or float16, got element type ", static_cast<int>(deltas.type));
     }
@@ -116,49 +118,40 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
     auto weights = std::make_shared<const engine::ProcWeights>(
         static_cast<size_t>(k), static_cast<size_t>(n), static_cast<size_t>(block), static_cast<size_t>(f),
         static_cast<uint64_t>(seed), base_scale, static_cast<const uint16_t*>(index.data), deltas.data, type);
+    const double mem_ratio = static_cast<double>(weights->bytes()) / (static_cast<double>(k) * n * sizeof(float));
+    const double trims = static_cast<double>(weights->zero_deltas());
+    auto backend = std::make_shared<const engine::ProcBackend>(std::move(weights));
     const GateSpec gate = read_gate(attrs, block);
+    std::unique_ptr<engine::InputGate> kwta;
+    engine::GatedMatMulOptions options;
     if (gate.enabled) {
       if (gate.block < 1 || gate.block > k) fail("attribute kwta_block=", gate.block, " must be in [1, K=", k, "]");
       const engine::BlockPartition partition(static_cast<size_t>(k), static_cast<size_t>(gate.block));
       std::vector<float> norms;
-      if (gate.config.score == engine::KwtaScore::kL2Weighted) norms = weights->block_norms(partition);
-      gate_ = std::make_unique<engine::KwtaGate>(partition, gate.config, std::move(norms));
+      if (gate.config.score == engine::KwtaScore::kL2Weighted) norms = backend->block_norms(partition);
+      kwta = std::make_unique<engine::KwtaGate>(partition, gate.config, std::move(norms));
+      options.max_gated_rows = gate.config.max_gated_rows;
     }
-    const double mem_ratio = static_cast<double>(weights->bytes()) / (static_cast<double>(k) * n * sizeof(float));
-    const double trims = static_cast<double>(weights->zero_deltas());
-    backend_ = std::make_unique<engine::ProcBackend>(std::move(weights));
+    matmul_ = std::make_unique<engine::GatedMatMul>(std::move(kwta), std::move(backend), options);
     metrics_ = metrics_slot(kOpName, node(), describe_proc);
     metrics_->set_constant(kTrims, trims);
     metrics_->set_constant(kMemRatio, mem_ratio);
     metrics_->set_constant(kFanout, static_cast<double>(f));
   }
 
-  void Compute(OrtKernelContext* raw_context) {
-    Ort::KernelContext context(raw_context);
-    const MatMulIo io = bind_matmul_io(context, backend_->k(), backend_->n(), 3);
-    if (io.m == 0) return;
-    const engine::KernelTable& kernels = engine::active_kernels();
-    thread_local engine::GatedRows gated;  // reused: a decode step allocates nothing
-    engine::KwtaStats stats;
-    if (gate_) {
-      stats = gate_->plan(io.x, io.m, kernels, gated);
-    } else {
-      gated.clear();
-      for (size_t t = 0; t < io.m; ++t) gated.add_dense_token();
-    }
-    const engine::ProcBackend::Stats run = backend_->run_counted(io.x, io.m, gated, io.bias, io.y, kernels,
-                                                                 OrtTaskRunner(raw_context));
+  void Compute(OrtKernelContext* context) {
+    const engine::MatMulStats run = run_matmul(context, *matmul_, 3);
+    if (run.gate.rows == 0) return;
     metrics_->add(kCalls, 1);
-    metrics_->add(kRows, io.m);
-    metrics_->add(kBlocks, run.blocks);
-    metrics_->add(kUnitPasses, run.unit_passes);
-    metrics_->add(kGateTotal, stats.blocks_total);
-    metrics_->add(kGateKept, stats.blocks_kept);
+    metrics_->add(kRows, run.gate.rows);
+    metrics_->add(kBlocks, run.backend.blocks);
+    metrics_->add(kUnitPasses, run.backend.unit_passes);
+    metrics_->add(kGateTotal, run.gate.blocks_total);
+    metrics_->add(kGateKept, run.gate.blocks_kept);
   }
 
  private:
-  std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::ProcBackend> backend_;
+  std::unique_ptr<engine::GatedMatMul> matmul_;
   std::shared_ptr<MetricsSlot> metrics_;
 };
 

@@ -1,12 +1,13 @@
-// TTMatMul(X, cores, B?, W_dense?) = the engine with the dense gate (every row) and the `tt` weight
-// backend. The cores come as one packed constant tensor (see docs/ops.md); a dense copy of W is
-// only kept when the rewriter asks for the NaN guard's fallback.
+// TTMatMul(X, cores, B?, W_dense?) = the composer with the dense gate (every row) over the `tt`
+// weight backend, with the NaN guard. The cores come as one packed constant tensor (see
+// docs/ops.md); a dense copy of W is only kept when the rewriter asks for the guard's fallback.
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
 #include "common/metrics.h"
 #include "engine/dense_backend.h"
+#include "engine/gated_matmul.h"
 #include "engine/tt_backend.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
@@ -60,17 +61,6 @@ bool input_present(const OrtKernelInfo* info, size_t index) {
   return index < kinfo.GetInputCount() && !kinfo.GetInputName(index).empty();
 }
 
-// Any NaN or +-Inf: exponent bits all set. Integer test so the loop vectorises under strict FP.
-bool has_nonfinite(const float* v, size_t count) {
-  uint32_t any = 0;
-  for (size_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, v + i, sizeof bits);
-    any |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
-  }
-  return any != 0;
-}
-
 class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
  public:
   static constexpr const char* kOpName = "TTMatMul";
@@ -84,61 +74,50 @@ class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
 
   TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
+    kernel_set_or_fail();
     const std::vector<int64_t> in_modes = get_ints(info, "in_modes");
     const std::vector<int64_t> out_modes = get_ints(info, "out_modes");
     const std::vector<int64_t> ranks = get_ints(info, "ranks");
     const float gap = attrs.get_float("gap", -1.0f);
-    nan_guard_ = attrs.get_int("nan_guard", 1);
-    if (nan_guard_ != 0 && nan_guard_ != 1) fail("attribute nan_guard=", nan_guard_, " must be 0 or 1");
+    const int64_t nan_guard = attrs.get_int("nan_guard", 1);
+    if (nan_guard != 0 && nan_guard != 1) fail("attribute nan_guard=", nan_guard, " must be 0 or 1");
     const int64_t order = attrs.get_int("order", -1);
     if (order < -1 || order > 1) fail("attribute order=", order, " must be -1 (auto), 0 (first core first) or 1 (last core first)");
     const ConstantTensor cores = constant_float_input(info, 1, "cores", 1);
     engine::TTShape shape = engine::make_tt_shape(in_modes, out_modes, ranks, static_cast<size_t>(cores.shape[0]));
-    backend_ = std::make_unique<engine::TTBackend>(std::move(shape), cores.data, static_cast<int>(order));
-    const size_t k = backend_->k(), n = backend_->n();
+    auto backend = std::make_shared<const engine::TTBackend>(std::move(shape), cores.data, static_cast<int>(order));
+    const size_t k = backend->k(), n = backend->n();
+    engine::GatedMatMulOptions options;
+    options.nan_guard = nan_guard == 1;
     if (input_present(info, 3)) {
       const ConstantTensor w = constant_float_input(info, 3, "W_dense", 2);
       if (w.shape[0] != static_cast<int64_t>(k) || w.shape[1] != static_cast<int64_t>(n))
         fail("input W_dense has shape ", shape_string(w.shape), " but the cores describe W [", k, ", ", n, "]");
-      dense_ = std::make_unique<engine::DenseBackend>(engine::DenseWeights::pack_shared(w.data, k, n));
+      options.fallback = std::make_shared<const engine::DenseBackend>(engine::DenseWeights::pack_shared(w.data, k, n));
     }
-    rank_ = backend_->shape().max_rank();
-    macs_tt_ = static_cast<uint64_t>(backend_->macs_per_token() + 0.5);
+    rank_ = backend->shape().max_rank();
+    macs_tt_ = static_cast<uint64_t>(backend->macs_per_token() + 0.5);
     macs_dense_ = static_cast<uint64_t>(k) * n;
     bytes_dense_ = static_cast<uint64_t>(k) * n * sizeof(float);
-    bytes_kept_ = backend_->bytes() + (dense_ ? dense_->bytes() : 0);
+    bytes_kept_ = backend->bytes() + (options.fallback ? options.fallback->bytes() : 0);
     gap_micro_ = gap >= 0 ? static_cast<uint64_t>(static_cast<double>(gap) * 1e6 + 0.5) : 0;
     metrics_ = metrics_slot(kOpName, node(), describe_tt);
     metrics_->set_constant(kRank, static_cast<double>(rank_));
     metrics_->set_constant(kGap, gap);
-    metrics_->set_constant(kSpeedup, static_cast<double>(macs_dense_) / std::max<double>(1.0, backend_->macs_per_token()));
+    metrics_->set_constant(kSpeedup, static_cast<double>(macs_dense_) / std::max<double>(1.0, backend->macs_per_token()));
     metrics_->set_constant(kMemSaved, 1.0 - static_cast<double>(bytes_kept_) / std::max<double>(1.0, bytes_dense_));
+    matmul_ = std::make_unique<engine::GatedMatMul>(nullptr, std::move(backend), std::move(options));
   }
 
-  void Compute(OrtKernelContext* raw_context) {
-    Ort::KernelContext context(raw_context);
-    const size_t k = backend_->k(), n = backend_->n();
-    const MatMulIo io = bind_matmul_io(context, k, n, 2);
-    if (io.m == 0) return;
-    const engine::KernelTable& kernels = engine::active_kernels();
-    thread_local engine::GatedRows gated;  // the dense gate: every token takes every row
-    gated.clear();
-    for (size_t t = 0; t < io.m; ++t) gated.add_dense_token();
-    const OrtTaskRunner runner(raw_context);
-    backend_->run(io.x, io.m, gated, io.bias, io.y, kernels, runner);
-    bool fallback = false;
-    if (nan_guard_ && has_nonfinite(io.y, io.m * n) && !has_nonfinite(io.x, io.m * k)) {
-      if (!dense_)
-        fail("output has NaN/Inf while input X is finite: the TT cores overflow on this input. Rebuild the layer "
-             "with a lower rank or keep it dense, or let the rewriter keep the dense fallback weight (input W_dense)");
-      dense_->run(io.x, io.m, gated, io.bias, io.y, kernels, runner);
-      fallback = true;
-    }
+  void Compute(OrtKernelContext* context) {
+    const engine::MatMulStats run = run_matmul(context, *matmul_, 2);
+    const size_t m = run.gate.rows;
+    if (m == 0) return;
     metrics_->add(kCalls, 1);
-    metrics_->add(kRows, io.m);
-    metrics_->add(kFallbackCalls, fallback ? 1 : 0);
-    metrics_->add(kMacsDense, macs_dense_ * io.m);
-    metrics_->add(kMacsTT, (fallback ? macs_dense_ : macs_tt_) * io.m);
+    metrics_->add(kRows, m);
+    metrics_->add(kFallbackCalls, run.nan_fallback ? 1 : 0);
+    metrics_->add(kMacsDense, macs_dense_ * m);
+    metrics_->add(kMacsTT, (run.nan_fallback ? macs_dense_ : macs_tt_) * m);
     metrics_->add(kBytesDense, bytes_dense_);
     metrics_->add(kBytesKept, bytes_kept_);
     metrics_->add(kRankSum, rank_);
@@ -146,9 +125,7 @@ class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
   }
 
  private:
-  std::unique_ptr<engine::TTBackend> backend_;
-  std::unique_ptr<engine::DenseBackend> dense_;
-  int64_t nan_guard_ = 1;
+  std::unique_ptr<engine::GatedMatMul> matmul_;
   uint64_t rank_ = 0, macs_tt_ = 0, macs_dense_ = 0, bytes_dense_ = 0, bytes_kept_ = 0, gap_micro_ = 0;
   std::shared_ptr<MetricsSlot> metrics_;
 };

@@ -19,14 +19,6 @@ namespace {
 
 using bindings::FloatArray;
 
-Isa isa_by_name(const std::string& name) { return bindings::parse_isa(name); }
-
-attention::PopcntPath popcnt_by_name(const std::string& name) {
-  if (name.empty() || name == "active") return attention::active_popcnt_path();
-  const attention::PopcntPath p = attention::parse_popcnt_path(name);
-  if (!attention::popcnt_path_supported(p)) throw py::value_error("popcount path " + name + " is not supported by this CPU");
-  return p;
-}
 
 std::vector<size_t> shape4(const FloatArray& a, const char* name) {
   if (a.ndim() != 4) throw py::value_error(std::string(name) + " must be 4-D");
@@ -66,7 +58,7 @@ class AttentionOp {
               int64_t keep_recent, bool center, int64_t proj_bits, const std::string& isa, const std::string& popcnt)
       : op_(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max, candidates, pack_cache,
                         keep_first, keep_recent, center, proj_bits),
-            popcnt_by_name(popcnt), isa_by_name(isa)) {}
+            bindings::kernel_set(isa, popcnt)) {}
   py::tuple call(FloatArray q, FloatArray k, FloatArray v, py::object mask) { return run_op(op_, q, k, v, mask); }
 
  private:
@@ -80,17 +72,19 @@ py::tuple attention_call(FloatArray q, FloatArray k, FloatArray v, py::object ma
                          bool pack_cache, int64_t keep_first, int64_t keep_recent, bool center, int64_t proj_bits) {
   const attention::PopcountAttention op(make_config(scale, causal, mode, select, topk, min_keys, eps, density_max,
                                                     candidates, pack_cache, keep_first, keep_recent, center, proj_bits),
-                                        popcnt_by_name(popcnt), isa_by_name(isa));
+                                        bindings::kernel_set(isa, popcnt));
   return run_op(op, q, k, v, mask);
 }
 
 py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArray k, FloatArray v, py::object mask) {
   const auto qs = shape4(q, "q"), ks = shape4(k, "k"), vs = shape4(v, "v");
-  attention::AttentionDims dims{qs[0], qs[1], ks[1], qs[2], ks[2], qs[3], vs[3]};
+  attention::AttentionCall call;
+  call.dims = attention::AttentionDims{qs[0], qs[1], ks[1], qs[2], ks[2], qs[3], vs[3]};
+  const attention::AttentionDims& dims = call.dims;
   if (ks[0] != qs[0] || vs[0] != qs[0] || ks[3] != qs[3] || vs[1] != ks[1] || vs[2] != ks[2] || ks[1] == 0 ||
       qs[1] % ks[1] != 0)
     throw py::value_error("inconsistent q/k/v shapes");
-  attention::MaskView view;
+  attention::MaskView& view = call.mask;
   py::array_t<uint8_t, py::array::c_style | py::array::forcecast> keep;
   FloatArray add;
   if (!mask.is_none()) {
@@ -112,11 +106,19 @@ py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArra
       view.add = add.data();
     }
   }
-  FloatArray y({qs[0], qs[1], qs[2], vs[3]});
+  FloatArray y = bindings::nan_filled(std::vector<size_t>{qs[0], qs[1], qs[2], vs[3]});
+  call.q = q.data();
+  call.k = k.data();
+  call.v = v.data();
+  call.y = y.mutable_data();
+  call.q_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.d);
+  call.k_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.d);
+  call.v_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.dv);
+  call.y_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.dv);
   attention::AttentionStats st;
   {
     py::gil_scoped_release release;
-    st = op.run(q.data(), k.data(), v.data(), view, dims, y.mutable_data(), SerialTaskRunner());
+    st = op.run(call, SerialTaskRunner());
   }
   py::dict stats;
   stats["packed"] = st.packed;
@@ -132,22 +134,23 @@ py::tuple run_op(const attention::PopcountAttention& op, FloatArray q, FloatArra
 // before gamma (sign: D - 2·hamming; binary: |q∧k|; ternary: agree - disagree), plus gammas.
 py::tuple popcount_counts(const std::string& path, const std::string& mode_name, FloatArray q, FloatArray keys, float eps,
                           const std::string& isa) {
-  const attention::AttentionKernels& attn = attention::attention_kernels_for(isa_by_name(isa));
+  const kernels::KernelSet& set = bindings::kernel_set(isa, path);
+  const kernels::AttentionKernels& attn = *set.attention;
   const attention::PackMode mode = attention::parse_pack_mode(mode_name);
-  const attention::PopcountTable& table = attention::popcount_table(popcnt_by_name(path));
+  const kernels::PopcountKernels& table = *set.popcount;
   if (q.ndim() != 1 || keys.ndim() != 2 || keys.shape(1) != q.shape(0)) throw py::value_error("q [D], keys [N, D]");
   const size_t d = q.shape(0), n = keys.shape(0), words = (d + 63) / 64, planes = attention::pack_planes(mode);
-  const size_t nb = (n + attention::kLanes - 1) / attention::kLanes;
-  std::vector<uint64_t> packed(nb * planes * words * attention::kLanes, 0), qbits(planes * words, 0);
+  const size_t nb = (n + kernels::kLanes - 1) / kernels::kLanes;
+  std::vector<uint64_t> packed(nb * planes * words * kernels::kLanes, 0), qbits(planes * words, 0);
   py::array_t<float> gk(n);
   uint64_t bits = 0;
   for (size_t j = 0; j < n; ++j)
     gk.mutable_data()[j] = attn.pack_row(keys.data() + j * d, d, static_cast<int>(mode), eps,
-                                                  packed.data() + (j / attention::kLanes) * planes * words * attention::kLanes +
-                                                      j % attention::kLanes,
-                                                  attention::kLanes, &bits);
+                                                  packed.data() + (j / kernels::kLanes) * planes * words * kernels::kLanes +
+                                                      j % kernels::kLanes,
+                                                  kernels::kLanes, &bits);
   const float gq = attn.pack_row(q.data(), d, static_cast<int>(mode), eps, qbits.data(), 1, &bits);
-  std::vector<int32_t> counts(nb * attention::kLanes);
+  std::vector<int32_t> counts(nb * kernels::kLanes);
   switch (mode) {
     case attention::PackMode::kSign: table.xor_counts(qbits.data(), packed.data(), words, nb, counts.data()); break;
     case attention::PackMode::kBinary: table.and_counts(qbits.data(), packed.data(), words, nb, counts.data()); break;
@@ -188,9 +191,9 @@ void register_attention(py::module_& m) {
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");
   m.def("popcnt_paths", [] {
     std::vector<std::string> out;
-    for (auto p : {attention::PopcntPath::kPortable, attention::PopcntPath::kPopcnt, attention::PopcntPath::kVpopcntdq})
-      if (attention::popcnt_path_supported(p)) out.push_back(attention::popcnt_path_name(p));
+    for (auto p : {kernels::PopcntPath::kPortable, kernels::PopcntPath::kPopcnt, kernels::PopcntPath::kVpopcntdq})
+      if (kernels::popcnt_path_supported(p)) out.push_back(kernels::popcnt_path_name(p));
     return out;
   });
-  m.def("active_popcnt", [] { return std::string(attention::popcnt_path_name(attention::active_popcnt_path())); });
+  m.def("active_popcnt", [] { return std::string(kernels::popcnt_path_name(kernels::active_kernel_set().popcnt_path)); });
 }

@@ -5,10 +5,13 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/cpu_features.h"
+#include "kernels/kernel_set.h"
 
 namespace ortsparse::bindings {
 
@@ -25,6 +28,27 @@ inline Isa parse_isa(const std::string& name) {
       return isa;
     }
   throw py::value_error("unknown ISA '" + name + "' (scalar, avx2, avx512, active)");
+}
+
+// "portable" | "popcnt" | "vpopcntdq" (must be supported) | "" or "active" (the process's path).
+inline kernels::PopcntPath parse_popcnt(const std::string& name) {
+  if (name.empty() || name == "active") return kernels::active_kernel_set().popcnt_path;
+  const kernels::PopcntPath p = kernels::parse_popcnt_path(name);
+  if (!kernels::popcnt_path_supported(p)) throw py::value_error("popcount path " + name + " is not supported by this CPU");
+  return p;
+}
+
+// The kernel set of an ISA name (and popcount path name).
+inline const kernels::KernelSet& kernel_set(const std::string& isa, const std::string& popcnt = "active") {
+  return kernels::kernel_set(parse_isa(isa), parse_popcnt(popcnt));
+}
+
+// An output array filled with NaN, so a kernel that leaves an entry unwritten fails the test.
+template <typename Shape>
+FloatArray nan_filled(Shape shape) {
+  FloatArray out(shape);
+  std::fill(out.mutable_data(), out.mutable_data() + out.size(), std::numeric_limits<float>::quiet_NaN());
+  return out;
 }
 
 // x must be [M, K]; bias None or N values (kept alive here while `bias` points into it).

@@ -12,8 +12,10 @@
 #include "common/cpu_features.h"
 #include "common/error.h"
 #include "engine/dense_backend.h"
-#include "engine/kernels.h"
+#include "engine/gated_matmul.h"
 #include "engine/kwta_gate.h"
+#include "kernels/kernel_set.h"
+#include "kernels/top_k.h"
 
 namespace py = pybind11;
 void register_proc(py::module_& m);  // ops/pybind/proc_module.cc
@@ -27,7 +29,8 @@ namespace {
 
 using bindings::parse_isa;
 
-const engine::KernelTable& table(const std::string& isa) { return engine::kernels_for(parse_isa(isa)); }
+const kernels::MatMulKernels& table(const std::string& isa) { return *bindings::kernel_set(isa).matmul; }
+const kernels::SelectKernels& select_table(const std::string& isa) { return *bindings::kernel_set(isa).select; }
 
 const int32_t* rows_ptr(const py::object& rows, size_t k, size_t* nrows) {
   if (rows.is_none()) return nullptr;
@@ -62,7 +65,7 @@ RowKernelArgs row_kernel_args(const FloatArray& w, const py::object& rows, size_
   return a;
 }
 
-// y starts as y_init (accumulate) or is written from scratch.
+// y starts as y_init (accumulate) or is written from scratch (it holds NaN until the kernel runs).
 bool init_output(FloatArray& y, const py::object& y_init) {
   if (y_init.is_none()) return false;
   FloatArray init = y_init.cast<FloatArray>();
@@ -73,17 +76,17 @@ bool init_output(FloatArray& y, const py::object& y_init) {
 
 FloatArray gemv_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
   const RowKernelArgs a = row_kernel_args(w, rows, static_cast<size_t>(xv.size()));
-  FloatArray y(a.n);
+  FloatArray y = bindings::nan_filled(a.n);
   const bool accumulate = init_output(y, y_init);
   table(isa).gemv_rows(w.data(), a.n, a.rows, xv.data(), a.nrows, y.mutable_data(), a.n, accumulate);
   return y;
 }
 
 FloatArray gemm_rows(const std::string& isa, FloatArray w, py::object rows, FloatArray xv, py::object y_init) {
-  if (xv.ndim() != 2 || static_cast<size_t>(xv.shape(1)) != engine::kTokenTile)
+  if (xv.ndim() != 2 || static_cast<size_t>(xv.shape(1)) != kernels::kTokenTile)
     throw py::value_error("xv must be [nrows, kTokenTile]");
   const RowKernelArgs a = row_kernel_args(w, rows, static_cast<size_t>(xv.shape(0)));
-  FloatArray y({engine::kTokenTile, a.n});
+  FloatArray y = bindings::nan_filled(std::vector<size_t>{kernels::kTokenTile, a.n});
   const bool accumulate = init_output(y, y_init);
   table(isa).gemm_rows(w.data(), a.n, a.rows, xv.data(), a.nrows, y.mutable_data(), a.n, a.n, accumulate);
   return y;
@@ -92,7 +95,7 @@ FloatArray gemm_rows(const std::string& isa, FloatArray w, py::object rows, Floa
 FloatArray block_reduce(const std::string& isa, FloatArray x, size_t block, bool square) {
   if (block < 1) throw py::value_error("block must be >= 1");
   const size_t k = x.size();
-  FloatArray out((k + block - 1) / block);
+  FloatArray out = bindings::nan_filled((k + block - 1) / block);
   (square ? table(isa).block_sumsq : table(isa).block_sumabs)(x.data(), k, block, out.mutable_data());
   return out;
 }
@@ -103,22 +106,22 @@ py::tuple order_keys(const std::string& isa, FloatArray values) {
   if (values.size() == 0) throw py::value_error("values must not be empty");
   KeyArray keys(values.size());
   uint32_t lo = 0, hi = 0;
-  table(isa).order_keys(values.data(), values.size(), keys.mutable_data(), &lo, &hi);
+  select_table(isa).order_keys(values.data(), values.size(), keys.mutable_data(), &lo, &hi);
   return py::make_tuple(keys, lo, hi);
 }
 
 IntArray indices_in_range(const std::string& isa, KeyArray keys, uint32_t lo, uint32_t hi) {
-  std::vector<int32_t> out(keys.size() + engine::kIndexSlack);
-  const size_t count = table(isa).indices_in_range(keys.data(), keys.size(), lo, hi, out.data());
+  std::vector<int32_t> out(keys.size() + kernels::kIndexSlack, -1);
+  const size_t count = select_table(isa).indices_in_range(keys.data(), keys.size(), lo, hi, out.data());
   IntArray result(count);
   std::copy(out.begin(), out.begin() + count, result.mutable_data());
   return result;
 }
 
 IntArray select_top_k(FloatArray values, size_t k, const std::string& isa) {
-  std::vector<int32_t> kept(values.size() + engine::kIndexSlack);
+  std::vector<int32_t> kept(values.size() + kernels::kIndexSlack, -1);
   std::vector<uint32_t> scratch;
-  const size_t count = engine::select_top_k(table(isa), values.data(), values.size(), k, kept.data(), scratch);
+  const size_t count = kernels::select_top_k(select_table(isa), values.data(), values.size(), k, kept.data(), scratch);
   IntArray out(count);
   std::copy(kept.begin(), kept.begin() + count, out.mutable_data());
   return out;
@@ -129,7 +132,7 @@ class KwtaMatMul {
  public:
   KwtaMatMul(FloatArray w, size_t block, double k_frac, int64_t k_abs, const std::string& score, float threshold,
              float temp, int64_t duty, const std::string& duty_mode, bool renorm, const std::string& isa)
-      : kernels_(&table(isa)) {
+      : kernels_(&bindings::kernel_set(isa)) {
     if (w.ndim() != 2) throw py::value_error("W must be 2-D");
     const size_t k = w.shape(0), n = w.shape(1);
     if (block < 1 || block > k) throw py::value_error("block must be in [1, K]");
@@ -142,35 +145,34 @@ class KwtaMatMul {
     c.duty = duty;
     c.duty_mode = engine::parse_duty_mode(duty_mode);
     c.renorm = renorm;
-    auto weights = std::make_shared<const engine::DenseWeights>(w.data(), k, n);
+    auto backend = std::make_shared<const engine::DenseBackend>(std::make_shared<const engine::DenseWeights>(w.data(), k, n));
     const engine::BlockPartition part(k, block);
-    gate_ = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
-                                                             ? weights->block_norms(part)
-                                                             : std::vector<float>{});
-    matmul_ = std::make_unique<engine::DenseBackend>(weights);
+    auto gate = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
+                                                                ? backend->block_norms(part)
+                                                                : std::vector<float>{});
+    gate_ = gate.get();
+    matmul_ = std::make_unique<engine::GatedMatMul>(std::move(gate), std::move(backend));
   }
 
   FloatArray call(FloatArray x, py::object bias) {
-    const size_t k = matmul_->weights().k(), n = matmul_->weights().n();
+    const size_t k = matmul_->k(), n = matmul_->n();
     const bindings::MatMulArgs args(x, bias, k, n);
     const size_t m = args.m;
     const float* bp = args.bias;
-    FloatArray y({m, n});
+    FloatArray y = bindings::nan_filled(std::vector<size_t>{m, n});
     {
       py::gil_scoped_release release;
-      engine::GatedRows gated;
-      gate_->plan(x.data(), m, *kernels_, gated);
-      matmul_->run(x.data(), m, gated, bp, y.mutable_data(), *kernels_, SerialTaskRunner());
+      matmul_->run(x.data(), 1, m, bp, y.mutable_data(), false, *kernels_, SerialTaskRunner());
     }
     return y;
   }
 
   // Kept K-rows per token (all rows for a dense token), as the gate decides for this call.
   py::list plan(FloatArray x) {
-    const size_t k = matmul_->weights().k();
+    const size_t k = matmul_->k();
     if (x.ndim() != 2 || static_cast<size_t>(x.shape(1)) != k) throw py::value_error("x must be [M, K]");
     engine::GatedRows gated;
-    gate_->plan(x.data(), x.shape(0), *kernels_, gated);
+    gate_->plan(x.data(), x.shape(0), false, *kernels_, gated);
     py::list out;
     for (size_t t = 0; t < gated.tokens(); ++t) {
       const size_t count = gated.row_count(t, k);
@@ -183,9 +185,9 @@ class KwtaMatMul {
   }
 
  private:
-  const engine::KernelTable* kernels_;
-  std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::DenseBackend> matmul_;
+  const kernels::KernelSet* kernels_;
+  engine::KwtaGate* gate_;  // the gate inside matmul_
+  std::unique_ptr<engine::GatedMatMul> matmul_;
 };
 
 }  // namespace
@@ -194,7 +196,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.doc() = "ortsparse raw kernels (tests, benchmarks, offline builders)";
   register_attention(m);
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
-  m.attr("TOKEN_TILE") = engine::kTokenTile;
+  m.attr("TOKEN_TILE") = kernels::kTokenTile;
   register_proc(m);
   register_tt(m);
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
@@ -215,7 +217,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("block_sumabs", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, false); });
   m.def("order_keys", &order_keys, py::arg("isa"), py::arg("values"));
   m.def("count_at_least", [](const std::string& isa, KeyArray keys, uint32_t t) {
-    return table(isa).count_at_least(keys.data(), keys.size(), t);
+    return select_table(isa).count_at_least(keys.data(), keys.size(), t);
   });
   m.def("indices_in_range", &indices_in_range, py::arg("isa"), py::arg("keys"), py::arg("lo"), py::arg("hi"));
   m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"), py::arg("isa") = "active");

@@ -16,6 +16,7 @@
 #include "common/cpu_features.h"
 #include "common/error.h"
 #include "engine/kwta_gate.h"
+#include "engine/gated_matmul.h"
 #include "engine/proc_backend.h"
 
 namespace py = pybind11;
@@ -25,11 +26,11 @@ using U16Array = py::array_t<uint16_t, py::array::c_style | py::array::forcecast
 
 namespace {
 
-const engine::KernelTable& kernel_table(const std::string& name) { return engine::kernels_for(bindings::parse_isa(name)); }
+
 
 FloatArray base_values(const std::string& isa, uint64_t seed, float scale, uint64_t n, uint64_t k0, size_t count) {
-  FloatArray out(count);
-  engine::proc_kernels_like(kernel_table(isa)).base_values(seed, scale, n, k0, count, out.mutable_data());
+  FloatArray out = bindings::nan_filled(count);
+  bindings::kernel_set(isa).proc->base_values(seed, scale, n, k0, count, out.mutable_data());
   return out;
 }
 
@@ -111,16 +112,16 @@ class ProcMatMul {
  public:
   ProcMatMul(U16Array index, py::array deltas, size_t k, size_t block, uint64_t seed, float base_scale,
              double kwta_k_frac, size_t kwta_block, const std::string& kwta_score, const std::string& isa)
-      : kernels_(&kernel_table(isa)) {
+      : kernels_(&bindings::kernel_set(isa)) {
     if (index.ndim() != 2) throw py::value_error("index must be [N, fanout]");
     const size_t n = index.shape(0), fanout = index.shape(1);
-    engine::DeltaType type;
+    kernels::DeltaType type;
     py::array contiguous;
     if (deltas.dtype().kind() == 'f' && deltas.dtype().itemsize() == 2) {
-      type = engine::DeltaType::kF16;
+      type = kernels::DeltaType::kF16;
       contiguous = py::array::ensure(deltas, py::array::c_style);
     } else {
-      type = engine::DeltaType::kF32;
+      type = kernels::DeltaType::kF32;
       contiguous = FloatArray::ensure(deltas);
     }
     if (contiguous.ndim() != 3 || static_cast<size_t>(contiguous.shape(0)) != n ||
@@ -128,16 +129,18 @@ class ProcMatMul {
       throw py::value_error("deltas must be [N, fanout, block]");
     weights_ = std::make_shared<const engine::ProcWeights>(k, n, block, fanout, seed, base_scale, index.data(),
                                                             contiguous.data(), type);
+    auto backend = std::make_shared<const engine::ProcBackend>(weights_);
+    std::unique_ptr<engine::KwtaGate> gate;
     if (kwta_k_frac < 1.0) {
       engine::KwtaConfig c;
       c.k_frac = kwta_k_frac;
       c.score = engine::parse_kwta_score(kwta_score);
       const engine::BlockPartition part(k, kwta_block ? kwta_block : block);
-      gate_ = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
-                                                              ? weights_->block_norms(part)
-                                                              : std::vector<float>{});
+      gate = std::make_unique<engine::KwtaGate>(part, c, c.score == engine::KwtaScore::kL2Weighted
+                                                             ? backend->block_norms(part)
+                                                             : std::vector<float>{});
     }
-    backend_ = std::make_unique<engine::ProcBackend>(weights_);
+    matmul_ = std::make_unique<engine::GatedMatMul>(std::move(gate), std::move(backend));
   }
 
   FloatArray call(FloatArray x, py::object bias) {
@@ -145,16 +148,10 @@ class ProcMatMul {
     const bindings::MatMulArgs args(x, bias, k, n);
     const size_t m = args.m;
     const float* bp = args.bias;
-    FloatArray y({m, n});
+    FloatArray y = bindings::nan_filled(std::vector<size_t>{m, n});
     {
       py::gil_scoped_release release;
-      engine::GatedRows gated;
-      if (gate_) {
-        gate_->plan(x.data(), m, *kernels_, gated);
-      } else {
-        for (size_t t = 0; t < m; ++t) gated.add_dense_token();
-      }
-      stats_ = backend_->run_counted(x.data(), m, gated, bp, y.mutable_data(), *kernels_, SerialTaskRunner());
+      stats_ = matmul_->run(x.data(), 1, m, bp, y.mutable_data(), false, *kernels_, SerialTaskRunner()).backend;
     }
     return y;
   }
@@ -164,11 +161,10 @@ class ProcMatMul {
   size_t zero_deltas() const { return weights_->zero_deltas(); }
 
  private:
-  const engine::KernelTable* kernels_;
+  const kernels::KernelSet* kernels_;
   std::shared_ptr<const engine::ProcWeights> weights_;
-  std::unique_ptr<engine::KwtaGate> gate_;
-  std::unique_ptr<engine::ProcBackend> backend_;
-  engine::ProcBackend::Stats stats_;
+  std::unique_ptr<engine::GatedMatMul> matmul_;
+  engine::BackendStats stats_;
 };
 
 }  // namespace

@@ -14,8 +14,8 @@
 
 #include "common/cpu_features.h"
 #include "common/error.h"
-#include "engine/kernels.h"
 #include "engine/tt_backend.h"
+#include "kernels/kernel_set.h"
 
 namespace py = pybind11;
 using namespace ortsparse;
@@ -28,9 +28,8 @@ namespace {
 FloatArray tt_gemm(const std::string& isa, FloatArray a, FloatArray b) {
   if (a.ndim() != 2 || b.ndim() != 2 || a.shape(1) != b.shape(0)) throw py::value_error("need A [m, k] and B [k, n]");
   const size_t m = a.shape(0), k = a.shape(1), n = b.shape(1);
-  FloatArray c({m, n});
-  std::fill(c.mutable_data(), c.mutable_data() + c.size(), std::numeric_limits<float>::quiet_NaN());
-  engine::tt_kernels_for(bindings::parse_isa(isa)).gemm(a.data(), k, b.data(), n, c.mutable_data(), n, m, k, n);
+  FloatArray c = bindings::nan_filled(std::vector<size_t>{m, n});
+  bindings::kernel_set(isa).tt->gemm(a.data(), k, b.data(), n, c.mutable_data(), n, m, k, n);
   return c;
 }
 
@@ -38,7 +37,7 @@ class TTMatMul {
  public:
   TTMatMul(FloatArray cores, std::vector<int64_t> in_modes, std::vector<int64_t> out_modes, std::vector<int64_t> ranks,
            int order, const std::string& isa)
-      : kernels_(&engine::kernels_for(bindings::parse_isa(isa))) {
+      : kernels_(&bindings::kernel_set(isa)) {
     engine::TTShape shape = engine::make_tt_shape(in_modes, out_modes, ranks, static_cast<size_t>(cores.size()));
     backend_ = std::make_unique<engine::TTBackend>(std::move(shape), cores.data(), order);
   }
@@ -67,8 +66,7 @@ class TTMatMul {
       gated.scale.push_back(1.0f);
       gated.offset.push_back(gated.rows.size());
     }
-    FloatArray y({m, n});
-    std::fill(y.mutable_data(), y.mutable_data() + y.size(), std::numeric_limits<float>::quiet_NaN());
+    FloatArray y = bindings::nan_filled(std::vector<size_t>{m, n});
     {
       py::gil_scoped_release release;
       backend_->run(x.data(), m, gated, bp, y.mutable_data(), *kernels_, SerialTaskRunner());
@@ -83,7 +81,7 @@ class TTMatMul {
   double macs_per_token() const { return backend_->macs_per_token(); }
 
  private:
-  const engine::KernelTable* kernels_;
+  const kernels::KernelSet* kernels_;
   std::unique_ptr<engine::TTBackend> backend_;
 };
 

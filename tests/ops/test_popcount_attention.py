@@ -373,11 +373,14 @@ def test_packed_keys_are_reused_while_the_cache_grows(rng):
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
         assert stats["keys_packed"] == packed
-    # A changed fingerprint row (the middle one, 26 of 0..52) means another sequence: repack all.
+    # A changed row (26 of 0..52): every row from the first change on is summarised again.
     k2 = k.copy()
     k2[:, :, 26] += 1.0
-    _, stats = op(q, k2[:, :, :53], v[:, :, :53])
-    assert stats["keys_packed"] == 2 * 53
+    y, stats = op(q, k2[:, :, :53], v[:, :, :53])
+    assert stats["keys_packed"] == 2 * (53 - 26)
+    keep = ref.selected_keys(q, k2[:, :, :53], causal=True, topk=8, center=False)
+    np.testing.assert_allclose(y, ref.attention(q, k2[:, :, :53], v[:, :, :53], causal=True, keep=keep),
+                               rtol=1e-5, atol=2e-6)
     # A different sequence of the same length: repack.
     k3 = rng.standard_normal(k.shape).astype(np.float32)
     y, stats = op(q, k3[:, :, :53], v[:, :, :53])
@@ -389,6 +392,32 @@ def test_packed_keys_are_reused_while_the_cache_grows(rng):
     op = _kernels.PopcountAttention(topk=8, min_keys=0, pack_cache=False, center=False)
     op(q, k[:, :, :50], v[:, :, :50])
     assert op(q, k[:, :, :51], v[:, :, :51])[1]["keys_packed"] == 2 * 51
+
+
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("select", ["popcount", "energy"])
+def test_warm_cache_gives_the_fresh_answer(select, center, rng):
+    """The output never depends on what an earlier call left in the key cache: a K that agrees with
+    the cached one on its first, middle and last rows but differs elsewhere, a rewound (shorter) K
+    and a K that shares only a prefix all give what a fresh kernel gives."""
+    q, k, v = qkv(rng, 1, 4, 2, 1, 300, 32)
+    settings = dict(select=select, topk=8, min_keys=0, is_causal=True, center=center, proj_bits=64)
+    warm = _kernels.PopcountAttention(**settings)
+    warm(q, k[:, :, :290], v[:, :, :290])
+    variants = []
+    edited = k.copy()
+    for row in (1, 100, 200, 288):  # not the first / middle / last rows of 290
+        edited[:, :, row] *= -1.0
+    variants.append(edited[:, :, :290])
+    variants.append(k[:, :, :120])  # rewound
+    prefix = k.copy()
+    prefix[:, :, 150:] = rng.standard_normal(prefix[:, :, 150:].shape).astype(np.float32)
+    variants.append(prefix[:, :, :295])  # same prefix, then another continuation
+    for kk in variants:
+        n = kk.shape[2]
+        y_warm, _ = warm(q, kk, v[:, :, :n])
+        y_fresh, _ = _kernels.PopcountAttention(**settings)(q, kk, v[:, :, :n])
+        assert np.array_equal(y_warm, y_fresh)
 
 
 def test_energy_norms_are_reused(rng):

@@ -1,9 +1,9 @@
 // Reference kernels of the proc backend: plain loops, the definition the SIMD twins must match.
 #include <algorithm>
 
-#include "engine/proc_kernels.h"
+#include "kernels/proc_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline float delta_at(const float* d, size_t i) { return d[i]; }
@@ -47,8 +47,8 @@ void base_values_scalar(uint64_t seed, float scale, uint64_t n, uint64_t k0, siz
 }  // namespace
 
 const ProcKernels& proc_kernels_scalar() {
-  static const ProcKernels table{"scalar", units_scalar, base_values_scalar};
+  static const ProcKernels table{units_scalar, base_values_scalar};
   return table;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

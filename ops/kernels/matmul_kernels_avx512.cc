@@ -3,10 +3,10 @@
 
 #include <cmath>
 
-#include "engine/kernels.h"
-#include "engine/order_key.h"
+#include "kernels/matmul_kernels.h"
+#include "kernels/order_key.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
@@ -246,11 +246,14 @@ size_t indices_in_range_avx512(const uint32_t* keys, size_t n, uint32_t lo, uint
 
 }  // namespace
 
-const KernelTable& kernels_avx512() {
-  static const KernelTable table{"avx512", gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512,
-                                 block_sumabs_avx512, order_keys_avx512, count_at_least_avx512,
-                                 indices_in_range_avx512};
+const MatMulKernels& matmul_kernels_avx512() {
+  static const MatMulKernels table{gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512, block_sumabs_avx512};
   return table;
 }
 
-}  // namespace ortsparse::engine
+const SelectKernels& select_kernels_avx512() {
+  static const SelectKernels table{order_keys_avx512, count_at_least_avx512, indices_in_range_avx512};
+  return table;
+}
+
+}  // namespace ortsparse::kernels

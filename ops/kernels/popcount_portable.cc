@@ -1,7 +1,7 @@
 // Portable popcount (no POPCNT instruction): SWAR bit counting, the reference twin of the others.
-#include "attention/popcount_generic.h"
+#include "kernels/popcount_generic.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
 namespace {
 
 int pop_swar(uint64_t x) {
@@ -13,10 +13,10 @@ int pop_swar(uint64_t x) {
 
 }  // namespace
 
-const PopcountTable& popcount_portable() {
-  static const PopcountTable table{"portable", generic::and_counts<pop_swar>, generic::xor_counts<pop_swar>,
+const PopcountKernels& popcount_portable() {
+  static const PopcountKernels table{generic::and_counts<pop_swar>, generic::xor_counts<pop_swar>,
                                    generic::ternary_counts<pop_swar>};
   return table;
 }
 
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

@@ -1,7 +1,7 @@
 // Reference GEMM: plain loops in the order the SIMD variants accumulate (k ascending per C entry).
-#include "engine/tt_kernels.h"
+#include "kernels/tt_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 void gemm_scalar(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t m, size_t k,
@@ -20,22 +20,9 @@ void gemm_scalar(const float* a, size_t lda, const float* b, size_t ldb, float* 
 
 }  // namespace
 
-const TTKernelTable& tt_kernels_scalar() {
-  static const TTKernelTable table{"scalar", gemm_scalar};
+const TTKernels& tt_kernels_scalar() {
+  static const TTKernels table{gemm_scalar};
   return table;
 }
 
-const TTKernelTable& tt_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return tt_kernels_avx512();
-    case Isa::kAvx2: return tt_kernels_avx2();
-    default: return tt_kernels_scalar();
-  }
-}
-
-const TTKernelTable& tt_active_kernels() {
-  static const TTKernelTable& table = tt_kernels_for(active_isa());
-  return table;
-}
-
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

@@ -1,9 +1,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "attention/attention_kernels.h"
+#include "kernels/attention_kernels.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
 namespace {
 
 void dot_rows_scalar(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
@@ -50,17 +50,27 @@ float pack_row_scalar(const float* x, size_t d, int mode, float eps, uint64_t* o
 
 }  // namespace
 
+// NH (UMAC): sum over word pairs of (m0 + k0 mod 2^32) * (m1 + k1 mod 2^32) mod 2^64. An odd word
+// count pads with a zero word.
+void row_hash_scalar(const float* x, size_t d, const uint32_t* key, uint64_t* out) {
+  const uint32_t* m = reinterpret_cast<const uint32_t*>(x);
+  uint64_t h0 = 0, h1 = 0;
+  size_t i = 0;
+  for (; i + 2 <= d; i += 2) {
+    h0 += static_cast<uint64_t>(m[i] + key[i]) * static_cast<uint64_t>(m[i + 1] + key[i + 1]);
+    h1 += static_cast<uint64_t>(m[i] + key[i + 2]) * static_cast<uint64_t>(m[i + 1] + key[i + 3]);
+  }
+  if (i < d) {
+    h0 += static_cast<uint64_t>(m[i] + key[i]) * static_cast<uint64_t>(key[i + 1]);
+    h1 += static_cast<uint64_t>(m[i] + key[i + 2]) * static_cast<uint64_t>(key[i + 3]);
+  }
+  out[0] = h0;
+  out[1] = h1;
+}
+
 const AttentionKernels& attention_kernels_scalar() {
-  static const AttentionKernels table{"scalar", dot_rows_scalar, pack_row_scalar};
+  static const AttentionKernels table{dot_rows_scalar, pack_row_scalar, row_hash_scalar};
   return table;
 }
 
-const AttentionKernels& attention_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return attention_kernels_avx512();
-    case Isa::kAvx2: return attention_kernels_avx2();
-    default: return attention_kernels_scalar();
-  }
-}
-
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

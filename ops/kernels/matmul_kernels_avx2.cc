@@ -3,10 +3,10 @@
 
 #include <cmath>
 
-#include "engine/kernels.h"
-#include "engine/order_key.h"
+#include "kernels/matmul_kernels.h"
+#include "kernels/order_key.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
@@ -238,10 +238,14 @@ size_t indices_in_range_avx2(const uint32_t* keys, size_t n, uint32_t lo, uint32
 
 }  // namespace
 
-const KernelTable& kernels_avx2() {
-  static const KernelTable table{"avx2", gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2,
-                                 order_keys_avx2, count_at_least_avx2, indices_in_range_avx2};
+const MatMulKernels& matmul_kernels_avx2() {
+  static const MatMulKernels table{gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2};
   return table;
 }
 
-}  // namespace ortsparse::engine
+const SelectKernels& select_kernels_avx2() {
+  static const SelectKernels table{order_keys_avx2, count_at_least_avx2, indices_in_range_avx2};
+  return table;
+}
+
+}  // namespace ortsparse::kernels

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 
-#include "engine/proc_kernels.h"
+#include "kernels/proc_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline __mmask16 tail_mask(size_t count) {
@@ -249,8 +249,8 @@ void base_values_avx512(uint64_t seed, float scale, uint64_t n, uint64_t k0, siz
 }  // namespace
 
 const ProcKernels& proc_kernels_avx512() {
-  static const ProcKernels table{"avx512", units_avx512, base_values_avx512};
+  static const ProcKernels table{units_avx512, base_values_avx512};
   return table;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

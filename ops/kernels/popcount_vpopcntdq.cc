@@ -3,9 +3,9 @@
 // CpuFeatures reports both.
 #include <immintrin.h>
 
-#include "attention/popcount_kernels.h"
+#include "kernels/popcount_kernels.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
 namespace {
 
 static_assert(kLanes == 8, "one zmm of uint64 per block word");
@@ -58,9 +58,9 @@ void ternary_counts_vpop(const uint64_t* qp, const uint64_t* qn, const uint64_t*
 
 }  // namespace
 
-const PopcountTable& popcount_vpopcntdq() {
-  static const PopcountTable table{"vpopcntdq", and_counts_vpop, xor_counts_vpop, ternary_counts_vpop};
+const PopcountKernels& popcount_vpopcntdq() {
+  static const PopcountKernels table{and_counts_vpop, xor_counts_vpop, ternary_counts_vpop};
   return table;
 }
 
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

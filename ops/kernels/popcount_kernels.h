@@ -12,14 +12,11 @@
 #include <cstdint>
 #include <string>
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
 
 constexpr size_t kLanes = 8;
 
-enum class PopcntPath { kPortable = 0, kPopcnt = 1, kVpopcntdq = 2 };
-
-struct PopcountTable {
-  const char* name;
+struct PopcountKernels {
   // out[j] = sum_w popcount(q[w] & key_j[w]) for the keys of n_blocks blocks (one plane).
   void (*and_counts)(const uint64_t* q, const uint64_t* packed, size_t words, size_t n_blocks, int32_t* out);
   // out[j] = sum_w popcount(q[w] ^ key_j[w]) (one plane).
@@ -29,19 +26,8 @@ struct PopcountTable {
                          size_t n_blocks, int32_t* out);
 };
 
-const PopcountTable& popcount_portable();
-const PopcountTable& popcount_popcnt();
-const PopcountTable& popcount_vpopcntdq();
+const PopcountKernels& popcount_portable();
+const PopcountKernels& popcount_popcnt();
+const PopcountKernels& popcount_vpopcntdq();
 
-const char* popcnt_path_name(PopcntPath path);
-bool popcnt_path_supported(PopcntPath path);
-// Throws Error on an unknown name.
-PopcntPath parse_popcnt_path(const std::string& name);
-const PopcountTable& popcount_table(PopcntPath path);
-
-// ORTSPARSE_POPCNT=vpopcntdq|popcnt|portable if set, else the best the CPU has. A forced path the
-// CPU lacks (or an unknown name) is reported by active_popcnt_error() and the best path is used.
-PopcntPath active_popcnt_path();
-const std::string& active_popcnt_error();
-
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

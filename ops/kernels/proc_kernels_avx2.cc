@@ -4,9 +4,9 @@
 
 #include <algorithm>
 
-#include "engine/proc_kernels.h"
+#include "kernels/proc_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline __m256i mullo64(__m256i a, uint64_t b) {
@@ -241,8 +241,8 @@ void base_values_avx2(uint64_t seed, float scale, uint64_t n, uint64_t k0, size_
 }  // namespace
 
 const ProcKernels& proc_kernels_avx2() {
-  static const ProcKernels table{"avx2", units_avx2, base_values_avx2};
+  static const ProcKernels table{units_avx2, base_values_avx2};
   return table;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

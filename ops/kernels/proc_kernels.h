@@ -6,9 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 
 // base(n, k) = base_scale * u(h(seed, n, k)), where
 //   h(seed, n, k) = splitmix64 output number i = n * 2^32 + k of a generator seeded with `seed`,
@@ -77,8 +76,6 @@ struct ProcPacked {
 constexpr size_t kProcTokenTile = 4;
 
 struct ProcKernels {
-  const char* isa;
-
   // For units j in [n0, n1) and tokens t < count (1..kProcTokenTile):
   //   y[t][j] = (bias ? bias[j] : 0) + sum over unit j's kept blocks b with (mask == nullptr || mask[b])
   //             of sum_{r in b} fl(base(j, r) + delta(j, b, r)) * x[t][r].
@@ -95,8 +92,5 @@ struct ProcKernels {
 const ProcKernels& proc_kernels_scalar();
 const ProcKernels& proc_kernels_avx2();
 const ProcKernels& proc_kernels_avx512();
-const ProcKernels& proc_kernels_for(Isa isa);
-// The proc table of the same ISA as an engine KernelTable (what the op was handed).
-const ProcKernels& proc_kernels_like(const KernelTable& table);
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

@@ -1,9 +1,12 @@
 // AVX2+FMA; only called when the CPU has them.
 #include <immintrin.h>
 
-#include "attention/attention_kernels.h"
+#include "kernels/attention_kernels.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
+
+void row_hash_scalar(const float* x, size_t d, const uint32_t* key, uint64_t* out);  // TODO(simd)
+
 namespace {
 
 inline float hsum(__m256 v) {
@@ -96,8 +99,8 @@ float pack_row_avx2(const float* x, size_t d, int mode, float eps, uint64_t* out
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx2() {
-  static const AttentionKernels table{"avx2", dot_rows_avx2, pack_row_avx2};
+  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_scalar};
   return table;
 }
 
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

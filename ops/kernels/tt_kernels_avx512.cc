@@ -2,9 +2,9 @@
 // the CPU and OS support it.
 #include <immintrin.h>
 
-#include "engine/tt_kernels.h"
+#include "kernels/tt_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline __mmask16 tail_mask(size_t count) {
@@ -109,9 +109,9 @@ void gemm_avx512(const float* a, size_t lda, const float* b, size_t ldb, float* 
 
 }  // namespace
 
-const TTKernelTable& tt_kernels_avx512() {
-  static const TTKernelTable table{"avx512", gemm_avx512};
+const TTKernels& tt_kernels_avx512() {
+  static const TTKernels table{gemm_avx512};
   return table;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

@@ -5,29 +5,24 @@
 
 #include <cstddef>
 
-#include "common/cpu_features.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 
-struct TTKernelTable {
-  const char* isa;
+struct TTKernels {
   // C[m x n] = A[m x k] . B[k x n], all row-major with leading dims lda, ldb, ldc (C overwritten,
   // never read: k = 0 gives zeros). Blocked over k and n so a B strip stays in L1 across rows.
   void (*gemm)(const float* a, size_t lda, const float* b, size_t ldb, float* c, size_t ldc, size_t m, size_t k,
                size_t n);
 };
 
-const TTKernelTable& tt_kernels_scalar();
-const TTKernelTable& tt_kernels_avx2();
-const TTKernelTable& tt_kernels_avx512();
+const TTKernels& tt_kernels_scalar();
+const TTKernels& tt_kernels_avx2();
+const TTKernels& tt_kernels_avx512();
 
-// The table for an ISA the CPU supports / for the process's active ISA (ORTSPARSE_ISA honoured).
-const TTKernelTable& tt_kernels_for(Isa isa);
-const TTKernelTable& tt_active_kernels();
 
 // Column/depth blocking shared by the SIMD variants: a [kTTDepthBlock x kTTPanel] strip of B is
 // 16 KiB (fits L1 beside the A rows) and is reused by every row group of C.
 constexpr size_t kTTDepthBlock = 256;
 constexpr size_t kTTPanel = 16;
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

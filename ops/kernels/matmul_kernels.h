@@ -1,13 +1,12 @@
-// The engine's inner kernels. Each ISA provides the same table; kernels_scalar.cc is the
-// reference every SIMD variant is tested against (tests/ops/test_kernels.py, tails included).
+// Leaf kernels of the gated matmul (row streaming, per-block input scores) and of top-k selection.
+// Each ISA provides the same tables; matmul_kernels_scalar.cc is the reference every SIMD variant
+// is tested against (tests/ops/test_kernels.py, tails included).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "common/cpu_features.h"
-
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 
 // Token-tile width of gemm_rows: one W row chunk is loaded once and used by this many tokens.
 constexpr size_t kTokenTile = 4;
@@ -15,9 +14,7 @@ constexpr size_t kTokenTile = 4;
 // Extra entries an index output buffer needs beyond its logical size (see indices_in_range).
 constexpr size_t kIndexSlack = 16;
 
-struct KernelTable {
-  const char* isa;
-
+struct MatMulKernels {
   // y[0:n] = (accumulate ? y : 0) + sum_i xv[i] * w[row(i) * ldw + 0:n],  row(i) = rows ? rows[i] : i.
   // One token (M = 1, decode): W rows stream from memory once, y stays in L1.
   void (*gemv_rows)(const float* w, size_t ldw, const int32_t* rows, const float* xv, size_t nrows,
@@ -31,8 +28,10 @@ struct KernelTable {
   // out[b] = sum over the block's entries of x^2 (sumsq) or |x| (sumabs); the last block may be short.
   void (*block_sumsq)(const float* x, size_t k, size_t block, float* out);
   void (*block_sumabs)(const float* x, size_t k, size_t block, float* out);
+};
 
-  // Top-K selection helpers on order keys (see order_key in kwta_gate.h):
+// Helpers of the top-k selector (kernels/top_k.h) on order keys (kernels/order_key.h).
+struct SelectKernels {
   // keys[i] = order_key(values[i]); returns their min and max (n >= 1).
   void (*order_keys)(const float* values, size_t n, uint32_t* keys, uint32_t* min_key, uint32_t* max_key);
   // number of keys >= t;
@@ -42,13 +41,11 @@ struct KernelTable {
   size_t (*indices_in_range)(const uint32_t* keys, size_t n, uint32_t lo, uint32_t hi, int32_t* out);
 };
 
-const KernelTable& kernels_scalar();
-const KernelTable& kernels_avx2();
-const KernelTable& kernels_avx512();
+const MatMulKernels& matmul_kernels_scalar();
+const MatMulKernels& matmul_kernels_avx2();
+const MatMulKernels& matmul_kernels_avx512();
+const SelectKernels& select_kernels_scalar();
+const SelectKernels& select_kernels_avx2();
+const SelectKernels& select_kernels_avx512();
 
-// The table for an ISA the CPU supports (callers check isa_supported first).
-const KernelTable& kernels_for(Isa isa);
-// The table of the process's active ISA (ORTSPARSE_ISA or the best available).
-const KernelTable& active_kernels();
-
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

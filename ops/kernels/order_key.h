@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 
 // Orderable unsigned key of a float (NaN sorts above +inf, so NaN blocks are kept and propagate).
 // Written with selects only, so a loop over it vectorises.
@@ -15,4 +15,4 @@ inline uint32_t order_key(float value) {
   return (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFFFFFu : key;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

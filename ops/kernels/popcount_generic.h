@@ -2,9 +2,9 @@
 // Included by the portable and POPCNT files, each compiled with its own flags.
 #pragma once
 
-#include "attention/popcount_kernels.h"
+#include "kernels/popcount_kernels.h"
 
-namespace ortsparse::attention::generic {
+namespace ortsparse::kernels::generic {
 
 template <int (*Pop)(uint64_t)>
 void and_counts(const uint64_t* q, const uint64_t* packed, size_t words, size_t n_blocks, int32_t* out) {
@@ -47,4 +47,4 @@ void ternary_counts(const uint64_t* qp, const uint64_t* qn, const uint64_t* pack
   }
 }
 
-}  // namespace ortsparse::attention::generic
+}  // namespace ortsparse::kernels::generic

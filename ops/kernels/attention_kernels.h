@@ -1,17 +1,15 @@
-// Float kernels of exact attention that the engine's KernelTable lacks: q·k over a list of keys.
-// (P·V is the engine's gemv_rows: a weighted sum of V rows.) One variant per ISA, the scalar one
+// Kernels of attention: q·k over a list of keys, bit packing, key-row hashes. (P·V is the matmul
+// kernels' gemv_rows: a weighted sum of V rows.) One variant per ISA, the scalar one
 // is the reference twin (tests/ops/test_popcount_attention.py forces each with ORTSPARSE_ISA).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "common/cpu_features.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
 
 struct AttentionKernels {
-  const char* isa;
   // out[i] = sum_d q[d] * k[row(i) * ldk + d],  row(i) = rows ? rows[i] : i.
   void (*dot_rows)(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out);
   // Bit packing of one vector x[0:d] (mode: 1 sign, 2 binary, 3 ternary, as PackMode): word w of
@@ -19,11 +17,16 @@ struct AttentionKernels {
   // (sign: mean |x| over all d; binary/ternary: mean |x| over the active entries, eps if none),
   // accumulated in double so every ISA rounds to the same float but in rare boundary cases.
   float (*pack_row)(const float* x, size_t d, int mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set);
+  // Keyed 128-bit hash of the bits of x[0:d] (two NH hashes, the second with the key shifted by
+  // two words): out[0], out[1]. key holds row_hash_key_words(d) words. For any two different rows
+  // and a uniformly random key the outputs collide with probability <= 2^-64.
+  void (*row_hash)(const float* x, size_t d, const uint32_t* key, uint64_t* out);
 };
+
+inline size_t row_hash_key_words(size_t d) { return (d + 1) / 2 * 2 + 2; }
 
 const AttentionKernels& attention_kernels_scalar();
 const AttentionKernels& attention_kernels_avx2();
 const AttentionKernels& attention_kernels_avx512();
-const AttentionKernels& attention_kernels_for(Isa isa);
 
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

@@ -1,9 +1,12 @@
 // AVX-512F; only called when the CPU has it.
 #include <immintrin.h>
 
-#include "attention/attention_kernels.h"
+#include "kernels/attention_kernels.h"
 
-namespace ortsparse::attention {
+namespace ortsparse::kernels {
+
+void row_hash_scalar(const float* x, size_t d, const uint32_t* key, uint64_t* out);  // TODO(simd)
+
 namespace {
 
 inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
@@ -79,8 +82,8 @@ float pack_row_avx512(const float* x, size_t d, int mode, float eps, uint64_t* o
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx512() {
-  static const AttentionKernels table{"avx512", dot_rows_avx512, pack_row_avx512};
+  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_scalar};
   return table;
 }
 
-}  // namespace ortsparse::attention
+}  // namespace ortsparse::kernels

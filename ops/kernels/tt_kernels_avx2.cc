@@ -1,9 +1,9 @@
 // AVX2 + FMA GEMM for the TT contraction. Compiled with -mavx2 -mfma; only called when the CPU has them.
 #include <immintrin.h>
 
-#include "engine/tt_kernels.h"
+#include "kernels/tt_kernels.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline __m256i tail_mask(size_t count) {
@@ -127,9 +127,9 @@ void gemm_avx2(const float* a, size_t lda, const float* b, size_t ldb, float* c,
 
 }  // namespace
 
-const TTKernelTable& tt_kernels_avx2() {
-  static const TTKernelTable table{"avx2", gemm_avx2};
+const TTKernels& tt_kernels_avx2() {
+  static const TTKernels table{gemm_avx2};
   return table;
 }
 
-}  // namespace ortsparse::engine
+}  // namespace ortsparse::kernels

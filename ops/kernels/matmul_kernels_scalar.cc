@@ -1,10 +1,10 @@
 // Reference kernels: plain loops, the definition the SIMD variants must match.
 #include <cmath>
 
-#include "engine/kernels.h"
-#include "engine/order_key.h"
+#include "kernels/matmul_kernels.h"
+#include "kernels/order_key.h"
 
-namespace ortsparse::engine {
+namespace ortsparse::kernels {
 namespace {
 
 inline size_t row_of(const int32_t* rows, size_t i) { return rows ? static_cast<size_t>(rows[i]) : i; }
@@ -80,11 +80,14 @@ size_t indices_in_range_scalar(const uint32_t* keys, size_t n, uint32_t lo, uint
 
 }  // namespace
 
-const KernelTable& kernels_scalar() {
-  static const KernelTable table{"scalar", gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar,
-                                 block_sumabs_scalar, order_keys_scalar, count_at_least_scalar,
-                                 indices_in_range_scalar};
+const MatMulKernels& matmul_kernels_scalar() {
+  static const MatMulKernels table{gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar, block_sumabs_scalar};
   return table;
 }
 
-}  // namespace ortsparse::engine
+const SelectKernels& select_kernels_scalar() {
+  static const SelectKernels table{order_keys_scalar, count_at_least_scalar, indices_in_range_scalar};
+  return table;
+}
+
+}  // namespace ortsparse::kernels

@@ -1,0 +1,65 @@
+#include "attention/exact_attention.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace ortsparse::attention {
+
+MaskRow mask_row(const MaskView& mask, size_t b, size_t h, size_t i) {
+  MaskRow m;
+  const size_t at = b * mask.stride[0] + h * mask.stride[1] + i * mask.stride[2];
+  m.keep = mask.keep ? mask.keep + at : nullptr;
+  m.add = mask.add ? mask.add + at : nullptr;
+  m.stride = mask.stride[3];
+  return m;
+}
+
+// Branches hoisted so the loops vectorise.
+void add_mask(const MaskRow& m, size_t lo, float* s, size_t n) {
+  if (m.add) {
+    const float* add = m.add + lo * m.stride;
+    if (m.stride == 1) {
+      for (size_t j = 0; j < n; ++j) s[j] += add[j];
+    } else {
+      for (size_t j = 0; j < n; ++j) s[j] += add[j * m.stride];
+    }
+  } else if (m.keep) {
+    const uint8_t* keep = m.keep + lo * m.stride;
+    for (size_t j = 0; j < n; ++j) s[j] = keep[j * m.stride] ? s[j] : kNegInf;
+  }
+}
+
+void exact_scores(const kernels::KernelSet& kernels, const ScoreParams& p, const float* q, size_t d,
+                  const float* khead, size_t ldk, const MaskRow& m, size_t lo, const int32_t* rows, size_t n, float* s) {
+  kernels.attention->dot_rows(q, khead + lo * ldk, ldk, d, rows, n, s);
+  for (size_t i = 0; i < n; ++i) s[i] *= p.scale;
+  if (p.softcap > 0.0f) {
+    const float inv = 1.0f / p.softcap;
+    for (size_t i = 0; i < n; ++i) s[i] = p.softcap * std::tanh(s[i] * inv);
+  }
+  if (rows == nullptr) {
+    add_mask(m, lo, s, n);
+  } else if (m.any()) {
+    for (size_t i = 0; i < n; ++i) s[i] += m.value(lo + static_cast<size_t>(rows[i]));
+  }
+}
+
+void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead, size_t ldv, size_t dv, size_t lo,
+                const int32_t* rows, size_t n, float* y) {
+  float mx = kNegInf;
+  for (size_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  if (n == 0 || mx == kNegInf) {
+    std::fill(y, y + dv, 0.0f);
+    return;
+  }
+  double sum = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (size_t i = 0; i < n; ++i) s[i] *= inv;
+  kernels.matmul->gemv_rows(vhead + lo * ldv, ldv, rows, s, n, y, dv, false);
+}
+
+}  // namespace ortsparse::attention

@@ -1,0 +1,242 @@
+#include "attention/key_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "common/error.h"
+
+namespace ortsparse::attention {
+
+using kernels::kLanes;
+
+size_t pack_planes(PackMode mode) { return mode == PackMode::kTernary ? 2 : 1; }
+
+float pack_vector(const float* x, size_t d, PackMode mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set) {
+  return kernels::attention_kernels_scalar().pack_row(x, d, static_cast<int>(mode), eps, out, stride, bits_set);
+}
+
+std::vector<float> projection_matrix(size_t d, size_t bits) {
+  std::vector<float> r(d * bits);
+  uint64_t state = 0x243F6A8885A308D3ull;
+  auto next = [&state]() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (size_t i = 0; i < r.size(); i += 2) {
+    const double u1 = (static_cast<double>(next() >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+    const double u2 = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1)), angle = 6.283185307179586 * u2;
+    r[i] = static_cast<float>(radius * std::cos(angle));
+    if (i + 1 < r.size()) r[i + 1] = static_cast<float>(radius * std::sin(angle));
+  }
+  return r;
+}
+
+KeyCacheSlot::KeyCacheSlot(KeySummary summary, bool keep) : summary_(summary), keep_(keep) {
+  std::random_device device;
+  hash_seed_ = (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+std::shared_ptr<const std::vector<float>> KeyCacheSlot::projection_for(size_t d) const {
+  const size_t bits = static_cast<size_t>(summary_.proj_bits);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!projection_ || projection_->size() != d * bits)
+    projection_ = std::make_shared<const std::vector<float>>(projection_matrix(d, bits));
+  return projection_;
+}
+
+std::shared_ptr<const std::vector<uint32_t>> KeyCacheSlot::hash_key_for(size_t d) const {
+  const size_t words = kernels::row_hash_key_words(d);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!hash_key_ || hash_key_->size() != words) {
+    std::mt19937_64 gen(hash_seed_ ^ words);
+    std::vector<uint32_t> key(words);
+    for (uint32_t& w : key) w = static_cast<uint32_t>(gen() >> 32);
+    hash_key_ = std::make_shared<const std::vector<uint32_t>>(std::move(key));
+  }
+  return hash_key_;
+}
+
+namespace {
+
+// One head's work: which rows to (re)summarise.
+struct HeadPlan {
+  size_t keys = 0;   // rows of the head in this call
+  size_t reuse = 0;  // leading rows taken from the old cache
+};
+
+}  // namespace
+
+std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call, const kernels::KernelSet& kernels,
+                                                      const TaskRunner& runner, uint64_t& keys_packed) const {
+  const AttentionDims& dims = call.dims;
+  const size_t heads = dims.b * dims.hkv, d = dims.d;
+  const bool popcount = summary_.select == Selector::kPopcount;
+  const bool center = popcount && summary_.center;
+  const size_t dp = popcount && summary_.proj_bits > 0 ? static_cast<size_t>(summary_.proj_bits) : d;
+  size_t max_keys = 0;
+  std::vector<HeadPlan> plan(heads);
+  for (size_t hk = 0; hk < heads; ++hk) {
+    plan[hk].keys = call.keys(hk / dims.hkv);
+    max_keys = std::max(max_keys, plan[hk].keys);
+  }
+  const size_t need_blocks = (max_keys + kLanes - 1) / kLanes;
+  const std::shared_ptr<const std::vector<uint32_t>> hash_key = keep_ ? hash_key_for(d) : nullptr;
+  const uint32_t* key = hash_key ? hash_key->data() : nullptr;
+
+  std::shared_ptr<KeyCache> old;
+  if (keep_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    old = std::move(cache_);
+  }
+  const bool compatible = old && old->heads == heads && old->d == d && old->packed_dim == (popcount ? dp : d) &&
+                          old->hash_key == hash_key;
+  // Reuse per head: the leading rows whose stored hash equals this call's row hash. With
+  // centering, the center is the mean of the head's first min(keys, kCenterRows) rows, so a head
+  // is extended only when those rows are all reused and the old cache had at least as many.
+  if (compatible) {
+    const kernels::AttentionKernels& attn = *kernels.attention;
+    const KeyCache* o = old.get();
+    HeadPlan* pl = plan.data();
+    runner.run(heads, [&, o, pl, key](size_t hk) {
+      const size_t b = hk / dims.hkv, h = hk % dims.hkv;
+      const size_t limit = std::min(o->rows[hk], pl[hk].keys);
+      const uint64_t* stored = o->hashes.data() + hk * o->cap_blocks * kLanes * 2;
+      size_t same = 0;
+      uint64_t hash[2];
+      for (; same < limit; ++same) {
+        attn.row_hash(call.k + call.k_rows.at(b, h, same), d, key, hash);
+        if (hash[0] != stored[2 * same] || hash[1] != stored[2 * same + 1]) break;
+      }
+      const size_t center_rows = std::min(pl[hk].keys, kCenterRows);
+      if (center && (same < center_rows || o->rows[hk] < center_rows)) same = 0;
+      pl[hk].reuse = same;
+    });
+  }
+  size_t reused_total = 0;
+  for (const HeadPlan& p : plan) reused_total += p.reuse;
+
+  std::shared_ptr<KeyCache> fresh;
+  if (compatible && reused_total > 0 && old.use_count() == 1 && old->cap_blocks >= need_blocks) {
+    fresh = old;  // no run holds it: extend in place (new rows go to unused lanes / blocks)
+  } else {
+    fresh = std::make_shared<KeyCache>();
+    KeyCache& n = *fresh;
+    n.heads = heads;
+    n.d = d;
+    n.words = popcount ? (dp + 63) / 64 : 0;
+    n.planes = popcount ? pack_planes(summary_.mode) : 0;
+    n.block_words = n.planes * n.words * kLanes;
+    n.packed_dim = popcount ? dp : d;
+    // Headroom so the following decode steps extend in place.
+    n.cap_blocks = keep_ ? need_blocks + need_blocks / 2 + 8 : need_blocks;
+    n.rows.assign(heads, 0);
+    n.bits_set.assign(heads, 0);
+    n.center.assign(center ? heads * d : 0, 0.0f);
+    n.hash_key = hash_key;
+    if (keep_) n.hashes.assign(heads * n.cap_blocks * kLanes * 2, 0);
+    if (popcount) {
+      n.packed.assign(heads * n.cap_blocks * n.block_words, 0);
+      n.gamma.assign(heads * n.cap_blocks * kLanes, 0.0f);
+    } else {
+      n.energy.assign(heads * n.cap_blocks * kLanes, 0.0f);
+    }
+    if (reused_total > 0) {
+      for (size_t hk = 0; hk < heads; ++hk) {
+        const size_t reuse = plan[hk].reuse;
+        if (reuse == 0) continue;
+        const size_t blocks = (reuse + kLanes - 1) / kLanes;
+        if (popcount) {
+          std::copy_n(old->head_packed(hk), blocks * n.block_words, n.packed.data() + hk * n.cap_blocks * n.block_words);
+          std::copy_n(old->head_gamma(hk), reuse, n.gamma.data() + hk * n.cap_blocks * kLanes);
+        } else {
+          std::copy_n(old->head_energy(hk), reuse, n.energy.data() + hk * n.cap_blocks * kLanes);
+        }
+        std::copy_n(old->hashes.data() + hk * old->cap_blocks * kLanes * 2, 2 * reuse,
+                    n.hashes.data() + hk * n.cap_blocks * kLanes * 2);
+        if (center) std::copy_n(old->center.data() + hk * d, d, n.center.data() + hk * d);
+        n.rows[hk] = old->rows[hk];  // the task below recounts bits_set when only a prefix is reused
+        n.bits_set[hk] = old->bits_set[hk];
+      }
+    }
+  }
+  KeyCache& kc = *fresh;
+  std::shared_ptr<const std::vector<float>> proj;
+  if (popcount && summary_.proj_bits > 0) proj = projection_for(d);
+  kc.projection = proj;
+  const float* proj_p = proj ? proj->data() : nullptr;
+  KeyCache* kp = &kc;
+  const HeadPlan* pl = plan.data();
+  const int mode = static_cast<int>(summary_.mode);
+  const float eps = summary_.eps;
+  const bool keep = keep_;
+  runner.run(heads, [&, kp, pl, proj_p, key](size_t hk) {
+    const size_t b = hk / dims.hkv, h = hk % dims.hkv;
+    const size_t keys = pl[hk].keys, reuse = pl[hk].reuse;
+    const kernels::AttentionKernels& attn = *kernels.attention;
+    auto row = [&](size_t j) { return call.k + call.k_rows.at(b, h, j); };
+    // Packing assigns every word of a row's lanes, so rows left over from a longer earlier
+    // sequence need no clearing: no query reads lanes past its head's keys.
+    if (reuse == 0) {
+      kp->bits_set[hk] = 0;
+      if (center) {
+        // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
+        const size_t rows = std::min(keys, kCenterRows);
+        std::vector<double> sum(d, 0.0);
+        for (size_t j = 0; j < rows; ++j)
+          for (size_t i = 0; i < d; ++i) sum[i] += row(j)[i];
+        for (size_t i = 0; i < d; ++i)
+          kp->center[hk * d + i] = rows ? static_cast<float>(sum[i] / static_cast<double>(rows)) : 0.0f;
+      }
+    }
+    if (reuse > 0 && reuse < kp->rows[hk]) {
+      // bits_set counts the summarised rows: recount the reused prefix (a rewound head).
+      uint64_t bits = 0;
+      if (popcount) {
+        const uint64_t* base = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
+        for (size_t j = 0; j < reuse; ++j)
+          for (size_t w = 0; w < kp->planes * kp->words; ++w)
+            bits += static_cast<uint64_t>(__builtin_popcountll(base[(j / kLanes) * kp->block_words + w * kLanes + j % kLanes]));
+      }
+      kp->bits_set[hk] = bits;
+    }
+    std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
+    for (size_t j = reuse; j < keys; ++j) {
+      const float* x = row(j);
+      if (keep) attn.row_hash(x, d, key, kp->hashes.data() + (hk * kp->cap_blocks * kLanes + j) * 2);
+      if (popcount) {
+        if (center) {
+          const float* mu = kp->center.data() + hk * d;
+          for (size_t i = 0; i < d; ++i) centered[i] = x[i] - mu[i];
+          x = centered.data();
+        }
+        if (proj_p) {
+          kernels.matmul->gemv_rows(proj_p, dp, nullptr, x, d, projected.data(), dp, false);
+          x = projected.data();
+        }
+        uint64_t* out = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
+        float* g = kp->gamma.data() + hk * kp->cap_blocks * kLanes;
+        g[j] = attn.pack_row(x, dp, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
+                             &kp->bits_set[hk]);
+      } else {
+        double s = 0.0;
+        for (size_t i = 0; i < d; ++i) s += static_cast<double>(x[i]) * x[i];
+        kp->energy[hk * kp->cap_blocks * kLanes + j] = static_cast<float>(std::sqrt(s));
+      }
+    }
+    kp->rows[hk] = keys;
+  });
+  keys_packed = 0;
+  for (const HeadPlan& p : plan) keys_packed += p.keys - p.reuse;
+  if (keep_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cache_ = fresh;
+  }
+  return fresh;
+}
+
+}  // namespace ortsparse::attention

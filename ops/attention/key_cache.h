@@ -1,0 +1,88 @@
+// The selector's view of the keys: per (batch, kv head), the keys bit-packed for popcount scoring
+// (with their gamma) or their energies ||k||. A decode step adds one key per head, so the kernel
+// keeps the last call's cache and extends it with the new rows only. Reuse is decided per head by
+// comparing a keyed 128-bit hash of every reused K row with the hash stored when it was packed: a
+// new prompt, a rewound or edited cache repacks from the first row that differs, and the answer
+// never depends on a guess about which rows changed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "attention/attention_call.h"
+#include "common/task_runner.h"
+#include "kernels/kernel_set.h"
+
+namespace ortsparse::attention {
+
+enum class PackMode { kSign = 1, kBinary = 2, kTernary = 3 };
+enum class Selector { kNone = 0, kPopcount = 1, kEnergy = 2 };
+
+size_t pack_planes(PackMode mode);
+
+// How keys are summarised for the selector (the PopcountAttention attributes that shape it).
+struct KeySummary {
+  Selector select = Selector::kPopcount;
+  PackMode mode = PackMode::kSign;
+  float eps = 1e-4f;
+  bool center = true;      // popcount: pack k - mean of the first kCenterRows keys of the head
+  int64_t proj_bits = 0;   // popcount: > 0 packs R^T x, R a fixed random Gaussian [D, proj_bits]
+};
+
+// Keys the center is the mean of (the first ones of each head).
+constexpr size_t kCenterRows = 256;
+
+struct KeyCache {
+  size_t heads = 0, d = 0;
+  size_t words = 0, planes = 0, block_words = 0, packed_dim = 0;  // popcount layout (packed_dim: D or proj_bits)
+  size_t cap_blocks = 0;                 // per-head capacity (stride) of packed / gamma / energy, in key blocks
+  std::vector<size_t> rows;              // per head: keys summarised
+  std::vector<uint64_t> packed;          // per head: cap_blocks * block_words
+  std::vector<float> gamma, energy;      // per head: cap_blocks * kLanes
+  std::vector<float> center;             // per head: D
+  std::vector<uint64_t> bits_set;        // per head
+  std::vector<uint64_t> hashes;          // per head: 2 words per key of its capacity
+  std::shared_ptr<const std::vector<float>> projection;
+  std::shared_ptr<const std::vector<uint32_t>> hash_key;
+
+  const uint64_t* head_packed(size_t hk) const { return packed.data() + hk * cap_blocks * block_words; }
+  const float* head_gamma(size_t hk) const { return gamma.data() + hk * cap_blocks * kernels::kLanes; }
+  const float* head_energy(size_t hk) const { return energy.data() + hk * cap_blocks * kernels::kLanes; }
+};
+
+// The kernel's cache: prepare() takes the last call's cache out of the slot (a concurrent call
+// sees none and builds its own), brings it up to this call's keys, and publishes it again.
+class KeyCacheSlot {
+ public:
+  KeyCacheSlot(KeySummary summary, bool keep);
+
+  // Summaries of every key of the call. keys_packed: rows summarised by this call (the rest reused).
+  std::shared_ptr<const KeyCache> prepare(const AttentionCall& call, const kernels::KernelSet& kernels,
+                                          const TaskRunner& runner, uint64_t& keys_packed) const;
+
+ private:
+  std::shared_ptr<const std::vector<float>> projection_for(size_t d) const;
+
+  std::shared_ptr<const std::vector<uint32_t>> hash_key_for(size_t d) const;
+
+  KeySummary summary_;
+  bool keep_;  // false: every call summarises every key (pack_cache = 0)
+  uint64_t hash_seed_;  // random per kernel: the row hashes are keyed
+  mutable std::mutex mutex_;
+  mutable std::shared_ptr<KeyCache> cache_;
+  mutable std::shared_ptr<const std::vector<float>> projection_;
+  mutable std::shared_ptr<const std::vector<uint32_t>> hash_key_;
+};
+
+// The projection matrix of proj_bits (row-major [d, bits], N(0, 1) from a fixed splitmix64 /
+// Box-Muller stream: part of the op's definition, the same in every build).
+std::vector<float> projection_matrix(size_t d, size_t bits);
+
+// Bit packing of one vector (exposed for tests): writes planes x words uint64 at
+// out[(p * words + w) * stride], returns gamma and adds the set bits to *bits_set.
+float pack_vector(const float* x, size_t d, PackMode mode, float eps, uint64_t* out, size_t stride, uint64_t* bits_set);
+
+}  // namespace ortsparse::attention
