@@ -18,8 +18,8 @@ ProcWeights::ProcWeights(size_t k, size_t n, size_t block, size_t fanout, uint64
   index_.resize(n * fanout);
   const size_t delta_size = delta_type == DeltaType::kF16 ? 2 : 4;
   deltas_.resize(n * fanout * block * delta_size + kProcDeltaPad);
-  if (n * fanout) std::memcpy(index_.data(), index, n * fanout * sizeof(uint16_t));
-  if (n * fanout * block) std::memcpy(deltas_.data(), deltas, n * fanout * block * delta_size);
+  if (n * fanout != 0) std::memcpy(index_.data(), index, n * fanout * sizeof(uint16_t));
+  if (n * fanout * block != 0) std::memcpy(deltas_.data(), deltas, n * fanout * block * delta_size);
   std::memset(deltas_.data() + n * fanout * block * delta_size, 0, kProcDeltaPad);
   for (size_t j = 0; j < n; ++j) {
     const uint16_t* row = index_.data() + j * fanout;

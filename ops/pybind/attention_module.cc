@@ -187,6 +187,14 @@ void register_attention(py::module_& m) {
            py::arg("keep_recent") = 0, py::arg("center") = true, py::arg("proj_bits") = 0, py::arg("isa") = "active",
            py::arg("popcnt") = "active")
       .def("__call__", &AttentionOp::call, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none());
+  m.def("row_hash", [](const std::string& isa, FloatArray x, py::array_t<uint32_t, py::array::c_style | py::array::forcecast> key) {
+    const size_t d = static_cast<size_t>(x.size());
+    if (static_cast<size_t>(key.size()) != kernels::row_hash_key_words(d))
+      throw py::value_error("key must have row_hash_key_words(d) words");
+    uint64_t out[2] = {~uint64_t{0}, ~uint64_t{0}};
+    bindings::kernel_set(isa).attention->row_hash(x.data(), d, key.data(), out);
+    return py::make_tuple(out[0], out[1]);
+  }, py::arg("isa"), py::arg("x"), py::arg("key"));
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");
   m.def("popcnt_paths", [] {

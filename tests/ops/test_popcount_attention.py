@@ -580,3 +580,30 @@ def test_long_decode_extends_the_cache_in_place_and_past_its_capacity(select, ex
         assert stats["keys_packed"] == (2 * 40 if n == 40 else 2)
         fresh, _ = _kernels.popcount_attention(q, k[:, :, :n], v[:, :, :n], **kw)
         np.testing.assert_array_equal(y, fresh)
+
+
+def _nh_reference(x: np.ndarray, key: np.ndarray) -> tuple[int, int]:
+    """NH (UMAC) of the row's 32-bit words, twice (the key shifted by two words), in Python ints."""
+    words = [int(w) for w in x.view(np.uint32)]
+    if len(words) % 2:
+        words.append(0)
+    key = [int(k) for k in key]
+    out = []
+    for shift in (0, 2):
+        h = 0
+        for i in range(0, len(words), 2):
+            h += ((words[i] + key[i + shift]) % 2**32) * ((words[i + 1] + key[i + 1 + shift]) % 2**32)
+        out.append(h % 2**64)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_row_hash_every_isa_matches_the_reference(isa, rng):
+    for d in list(range(1, 40)) + [63, 64, 65, 127, 128, 129]:
+        x = rng.standard_normal(d).astype(np.float32)
+        key = rng.integers(0, 2**32, size=(d + 1) // 2 * 2 + 2, dtype=np.uint64).astype(np.uint32)
+        assert _kernels.row_hash(isa, x, key) == _nh_reference(x, key), d
+        # One flipped bit anywhere changes the hash.
+        y = x.copy()
+        y.view(np.uint32)[int(rng.integers(d))] ^= 1 << int(rng.integers(32))
+        assert _kernels.row_hash(isa, y, key) != _kernels.row_hash(isa, x, key)
