@@ -264,6 +264,8 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   const AttentionDims& dims = call.dims;
   const size_t rows_total = dims.b * dims.h * dims.sq;
   if (rows_total == 0 || dims.dv == 0) return stats;
+  // Scores of a 0-dim head are 0 · 1/sqrt(0): undefined, not "every key equal".
+  if (dims.d == 0) fail("Q and K have head dim D = 0; attention needs D >= 1");
   size_t max_keys = 0;
   for (size_t b = 0; b < dims.b; ++b) max_keys = std::max(max_keys, call.keys(b));
   CallPlan plan{&call, &config_, kernels_, ScoreParams{}, nullptr};

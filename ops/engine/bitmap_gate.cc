@@ -97,12 +97,12 @@ GateStats BitmapGate::plan_bitmap(const float* x, size_t m, const kernels::Kerne
     if (kwta_selects && count > 0) {
       // The kwta rule (threshold, then top keep_count by score, ties to the lower block) among
       // the active blocks only.
-      kwta->block_keys(x + t * partition_.k, kernels, keys.data());
+      const bool squared = kwta->block_keys(x + t * partition_.k, kernels, keys.data());
       size_t n = 0;
       const float threshold = kwta->config().threshold;
       for (size_t i = 0; i < count; ++i) {
         const float key = keys[static_cast<size_t>(active[i])];
-        if (threshold > 0.0f && kwta->score_from_key(key) < threshold) continue;  // NaN passes, as in kwta
+        if (threshold > 0.0f && kwta->score_from_key(key, squared) < threshold) continue;  // NaN passes, as in kwta
         kept[n] = active[i];
         survivor_keys[n++] = key;
       }

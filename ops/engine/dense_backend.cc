@@ -1,6 +1,7 @@
 #include "engine/dense_backend.h"
 
 #include "common/copy.h"
+#include "common/scratch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,17 +14,6 @@ namespace ortsparse::engine {
 namespace {
 
 constexpr size_t kSmallM = 2;
-
-uint64_t content_hash(const float* w, size_t count) {
-  uint64_t h = 0x9E3779B97F4A7C15ull ^ count;
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
-  for (size_t i = 0; i < count; ++i) {
-    h ^= words[i];
-    h *= 0x100000001B3ull;
-    h ^= h >> 29;
-  }
-  return h;
-}
 
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -68,17 +58,25 @@ DenseWeights::DenseWeights(const float* w, size_t k, size_t n) : k_(k), n_(n), l
 }
 
 std::shared_ptr<const DenseWeights> DenseWeights::pack_shared(const float* w, size_t k, size_t n) {
-  using Key = std::tuple<const float*, size_t, size_t, uint64_t>;
+  // Keyed by where the initializer lives and its shape; a hit is used only when its contents are
+  // bit-identical (two sessions can place different weights at one address in turn).
+  using Key = std::tuple<const float*, size_t, size_t>;
   static std::mutex mutex;
   static auto* cache = new std::map<Key, std::weak_ptr<const DenseWeights>>();
-  const Key key{w, k, n, content_hash(w, k * n)};
   std::lock_guard<std::mutex> lock(mutex);
   for (auto it = cache->begin(); it != cache->end();) it = it->second.expired() ? cache->erase(it) : std::next(it);
-  auto& slot = (*cache)[key];
-  if (auto existing = slot.lock()) return existing;
+  auto& slot = (*cache)[Key{w, k, n}];
+  if (auto existing = slot.lock())
+    if (existing->same_contents(w)) return existing;
   auto packed = std::make_shared<const DenseWeights>(w, k, n);
   slot = packed;
   return packed;
+}
+
+bool DenseWeights::same_contents(const float* w) const {
+  for (size_t r = 0; r < k_; ++r)
+    if (n_ != 0 && std::memcmp(data_.data() + r * ldw_, w + r * n_, n_ * sizeof(float)) != 0) return false;
+  return true;
 }
 
 std::vector<float> DenseWeights::block_norms(const BlockPartition& partition) const {
@@ -152,14 +150,16 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
     kernels.gemv_rows(wbase, w.ldw(), rows ? rows + begin : nullptr, inputs[t] + begin, end - begin, out, n,
                       chunks == 1 && bias != nullptr);
   });
-  if (chunks == 1) return;
-  for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
-    float* yt = y + t * n;
-    const float* p = partial + t * chunks * n;
-    for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + p[j];
-    for (size_t c = 1; c < chunks; ++c)
-      for (size_t j = 0; j < n; ++j) yt[j] += p[c * n + j];
+  if (chunks > 1) {
+    for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
+      float* yt = y + t * n;
+      const float* p = partial + t * chunks * n;
+      for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + p[j];
+      for (size_t c = 1; c < chunks; ++c)
+        for (size_t j = 0; j < n; ++j) yt[j] += p[c * n + j];
+    }
   }
+  release_if_large(xv_buffer, partial_buffer, input_buffer);
 }
 
 // Prefill: tokens go in tiles of kernels::kTokenTile sharing one row list (the union of their rows, with

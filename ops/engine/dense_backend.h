@@ -21,8 +21,10 @@ class DenseWeights {
   DenseWeights(const float* w, size_t k, size_t n);
 
   // Shared packing: two kernels (one session or several) that see the same initializer — same
-  // data pointer, shape and contents — get one packed copy.
+  // data pointer, shape and bit-identical contents — get one packed copy.
   static std::shared_ptr<const DenseWeights> pack_shared(const float* w, size_t k, size_t n);
+  // W [K, N] (row-major) equals the packed rows bit for bit.
+  bool same_contents(const float* w) const;
 
   size_t k() const { return k_; }
   size_t n() const { return n_; }

@@ -45,6 +45,17 @@ constexpr size_t kDeadlineChunkRows = 256;
 // blocks runs as a dense row (see plan_row).
 constexpr double kDenseAbove = 0.5;
 
+// A stream is recomputed densely once its drift (sum of max|delta product| since its last dense
+// row) exceeds this multiple of max|y|: fp32 delta coding then keeps y within ~512 * 2^-23 ~ 6e-5
+// (worst case) of the dense product. Text decode (deltas ~ |y| every step) resyncs every ~500 rows.
+constexpr double kDriftLimit = 512.0;
+
+float max_abs(const float* v, size_t n) {
+  float m = 0.0f;
+  for (size_t j = 0; j < n; ++j) m = std::max(m, std::fabs(v[j]));
+  return m;
+}
+
 }  // namespace
 
 EventGate::EventGate(BlockPartition partition, EventConfig config, std::unique_ptr<KwtaGate> prior)
@@ -79,6 +90,8 @@ void EventGate::set_dense_state(const float* xr, Stream& s, const float* product
   s.age.assign(partition_.num_blocks, 0);
   s.live = true;
   s.finite = all_finite(s.y.data(), n);
+  s.drift = 0.0;
+  s.resync = false;
 }
 
 void EventGate::write_delta(const float* xr, const Stream& s, const int32_t* blocks, size_t count, float* d) const {
@@ -107,7 +120,7 @@ void EventGate::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const
   for (size_t r = 0; r < k; ++r) diff[r] = xr[r] - s.x_ref[r];
   kernels.matmul->block_sumsq(diff, k, partition_.block, sq_delta_.data());
   const bool use_prior = prior_ && prior_->keep_count() < nb;
-  const bool need_energy = config_.delta_theta > 0.0f || use_prior;
+  const bool need_energy = config_.delta_theta > 0.0f;
   if (need_energy) kernels.matmul->block_sumsq(xr, k, partition_.block, energy_.data());
 
   // KWTA prior: the candidates are the blocks the kwta rule keeps by energy (squared l2: its
@@ -115,7 +128,8 @@ void EventGate::plan_row(const float* xr, size_t wave_rows, RowPlan& plan, const
   // block the ordering does not pick).
   if (use_prior) {
     std::fill(candidate_.begin(), candidate_.end(), uint8_t{0});
-    const size_t count = prior_->select(kernels, energy_.data(), kept_.data(), select_scratch_);
+    const bool squared = prior_->block_keys(xr, kernels, prior_keys_.data());
+    const size_t count = prior_->select(kernels, prior_keys_.data(), squared, kept_.data(), select_scratch_);
     for (size_t i = 0; i < count; ++i) candidate_[kept_[i]] = 1;
   }
   const bool use_age = config_.age_max > 0;
@@ -210,6 +224,8 @@ void EventGate::commit_row(const float* xr, const RowPlan& plan, size_t done, co
     }
   }
   s.finite = all_finite(s.y.data(), n);
+  s.drift += max_abs(delta_product, n);
+  s.resync = s.finite && s.drift > kDriftLimit * static_cast<double>(max_abs(s.y.data(), n));
   for (uint32_t& a : s.age) a = a == UINT32_MAX ? a : a + 1;
   const int32_t* blocks = order_.data() + plan.order_begin;
   for (size_t i = 0; i < done; ++i) {
@@ -265,6 +281,7 @@ void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float
       product(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n);
       if (need_fresh) product(xr, 1, gated_, nullptr, fresh_out_.data() + i * n);
     }
+    resync_rows_.clear();
     for (size_t i = 0; i < m; ++i) {
       RowPlan& plan = wave[i];
       const float* xr = x + plan.row * k;
@@ -273,9 +290,14 @@ void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float
       } else {
         commit_row(xr, plan, plan.order_count, out_.data() + i * n, need_fresh ? fresh_out_.data() + i * n : nullptr);
         stats.blocks_kept += plan.order_count;
+        if (plan.stream->resync) {
+          resync_rows_.push_back(i);
+          continue;
+        }
       }
       finish_row(plan);
     }
+    resync_rows(x, wave, resync_rows_, bias, y, product, stats);
   } else {
     // Deadline: row by row, the refreshed blocks in delta order in chunks; the clock is read
     // between chunks only, and the first quorum_count blocks run whatever it says.
@@ -323,6 +345,10 @@ void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float
       }
       commit_row(xr, plan, done, acc, fresh_acc);
       stats.blocks_kept += done;
+      if (plan.stream->resync) {
+        resync_rows(x, wave, {static_cast<size_t>(&plan - wave.data())}, bias, y, product, stats);
+        continue;
+      }
       finish_row(plan);
     }
   }
@@ -359,6 +385,27 @@ void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float
     }
     set_dense_state(x + plan.row * k, *plan.stream, dense);
     finish_row(plan);
+  }
+}
+
+void EventGate::resync_rows(const float* x, const std::vector<RowPlan>& wave, const std::vector<size_t>& rows,
+                            const float* bias, float* y, const WeightProduct& product, GateStats& stats) {
+  if (rows.empty()) return;
+  const size_t k = partition_.k, n = n_;
+  std::vector<float> inputs(rows.size() * k), out(rows.size() * n);
+  GatedRows every;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    copy_floats(inputs.data() + i * k, x + wave[rows[i]].row * k, k);
+    every.add_dense_token();
+  }
+  product(inputs.data(), rows.size(), every, nullptr, out.data());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const RowPlan& plan = wave[rows[i]];
+    stats.blocks_kept += partition_.num_blocks - plan.order_count;
+    ++stats.resyncs;
+    set_dense_state(x + plan.row * k, *plan.stream, out.data() + i * n);
+    float* yr = y + plan.row * n;
+    for (size_t j = 0; j < n; ++j) yr[j] = plan.stream->y[j] + (bias ? bias[j] : 0.0f);
   }
 }
 
@@ -409,6 +456,7 @@ GateStats EventGate::apply(const GateCall& call, const WeightProduct& product, c
   inputs_.resize(std::max(inputs_.size(), k));
   sq_delta_.resize(nb);
   energy_.resize(nb);
+  prior_keys_.resize(nb);
   masked_.resize(nb);
   candidate_.resize(nb);
   kept_.resize(nb + kernels::kIndexSlack);

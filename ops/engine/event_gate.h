@@ -65,6 +65,11 @@ class EventGate final : public InputGate {
     std::vector<uint32_t> age;  // [blocks] rows since the block was last refreshed
     bool live = false;
     bool finite = true;         // y has no NaN/Inf (else the next row is dense: delta coding would keep it)
+    // Sum of max|delta product| since y was last computed densely: y's accumulated rounding error
+    // is at most ~eps * drift, so when drift outgrows max|y| (a spike came and went: y carries
+    // +big - big) the row is recomputed densely instead of carrying the error.
+    double drift = 0.0;
+    bool resync = false;        // this row's drift went over the limit: recompute it densely
   };
   // One row of a wave (rows of a wave are independent, so they share one backend run).
   struct RowPlan {
@@ -86,6 +91,9 @@ class EventGate final : public InputGate {
   // The stream update after its refreshed blocks order_[begin, begin + done) were computed.
   void commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
                   const float* fresh_product);
+  // Recomputes densely the rows of `wave` (indices `rows`) whose stream drifted, and writes their y.
+  void resync_rows(const float* x, const std::vector<RowPlan>& wave, const std::vector<size_t>& rows,
+                   const float* bias, float* y, const WeightProduct& product, GateStats& stats);
   void set_dense_state(const float* xr, Stream& s, const float* product);
   // Delta inputs of the refreshed blocks of a row: x - c * x_ref with c the weight the block would
   // have had if reused (1 in exact mode).
@@ -106,13 +114,13 @@ class EventGate final : public InputGate {
   std::vector<std::vector<Stream>> streams_;  // [batch][position] (sequence axis: position 0)
 
   // Scratch reused across calls (guarded by mutex_).
-  std::vector<float> sq_delta_, energy_, masked_;
+  std::vector<float> sq_delta_, energy_, prior_keys_, masked_;
   std::vector<uint8_t> candidate_;
   std::vector<int32_t> kept_, forced_;
   std::vector<uint32_t> select_scratch_;
   std::vector<int32_t> order_;
   std::vector<float> inputs_, out_, fresh_out_, dense_out_;
-  std::vector<size_t> dense_rows_;
+  std::vector<size_t> dense_rows_, resync_rows_;
   GatedRows gated_;
 };
 

@@ -79,6 +79,7 @@ GateStats RowGate::apply(const GateCall& call, const WeightProduct& product, con
   GateStats stats = plan(call.x, m, call.dense, kernels, rows);
   stats.rows = m;
   product(call.x, m, rows, call.bias, call.y);
+  rows.release_if_large();
   return stats;
 }
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/scratch.h"
+
 namespace ortsparse::engine {
 
 // The K-dim partition shared by every gate, so masks of different gates line up.
@@ -54,6 +56,8 @@ struct GatedRows {
     offset.push_back(rows.size());
   }
   size_t row_count(size_t m, size_t k) const { return dense[m] ? k : offset[m + 1] - offset[m]; }
+  // After a large call: drops buffers grown past kKeepScratchBytes (common/scratch.h).
+  void release_if_large() { ortsparse::release_if_large(rows, offset, dense, scale); }
 };
 
 }  // namespace ortsparse::engine

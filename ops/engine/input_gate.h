@@ -30,6 +30,7 @@ struct GateStats {
   uint64_t blocks_forced = 0;   // refreshed because of age_max
   uint64_t deadline_stops = 0;  // event rows cut short by budget_ms (after the quorum)
   uint64_t gap_checks = 0;
+  uint64_t resyncs = 0;         // rows recomputed densely because delta coding drifted (a spike)
   uint64_t disables = 0;        // gap checks that switched the gate to dense
   uint64_t gate_ns = 0;         // time spent on event rows (gate + refresh)
   double last_gap = -1.0;       // gap of the last check of this call, -1 if none

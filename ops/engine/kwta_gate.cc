@@ -62,33 +62,60 @@ KwtaGate::KwtaGate(BlockPartition partition, KwtaConfig config, std::vector<floa
     keep_count_ = static_cast<size_t>(std::ceil(config_.k_frac * static_cast<double>(nb) * (1.0 - 1e-6)));
   }
   keep_count_ = std::max<size_t>(1, std::min(keep_count_, nb));
-  threshold_key_ = config_.score == KwtaScore::kMeanAbs ? config_.threshold : config_.threshold * config_.threshold;
+  threshold_key_ = config_.threshold * config_.threshold;  // squared keys (l2, l2_weighted)
 }
 
-void KwtaGate::block_keys(const float* x, const kernels::KernelSet& kernels, float* keys) const {
+bool KwtaGate::block_keys(const float* x, const kernels::KernelSet& kernels, float* keys) const {
   const size_t nb = partition_.num_blocks;
-  if (config_.score == KwtaScore::kMeanAbs) {
+  bool squared = config_.score != KwtaScore::kMeanAbs;
+  if (squared) {
+    kernels.matmul->block_sumsq(x, partition_.k, partition_.block, keys);  // squared l2: same order, no sqrt
+    if (config_.score == KwtaScore::kL2Weighted)
+      for (size_t b = 0; b < nb; ++b) keys[b] *= weight_norms_sq_[b];
+  } else {
     kernels.matmul->block_sumabs(x, partition_.k, partition_.block, keys);
     if (!inv_block_len_.empty())
       for (size_t b = 0; b < nb; ++b) keys[b] *= inv_block_len_[b];
-    return;
   }
-  kernels.matmul->block_sumsq(x, partition_.k, partition_.block, keys);  // squared l2: same order, no sqrt
-  if (config_.score == KwtaScore::kL2Weighted)
-    for (size_t b = 0; b < nb; ++b) keys[b] *= weight_norms_sq_[b];
+  bool overflow = false;
+  for (size_t b = 0; b < nb; ++b) overflow |= keys[b] == std::numeric_limits<float>::infinity();
+  if (!overflow) return squared;
+  // A float sum overflowed (|x| above ~1.8e19 for l2): then overflowed blocks would all tie at +inf
+  // and the lower index would win over the larger one. Recompute this token's scores themselves
+  // (not squared) in double; they fit a float unless the input itself is infinite.
+  const double* norms_sq = nullptr;
+  std::vector<double> weighted;
+  if (config_.score == KwtaScore::kL2Weighted) {
+    weighted.assign(weight_norms_sq_.begin(), weight_norms_sq_.end());
+    norms_sq = weighted.data();
+  }
+  for (size_t b = 0; b < nb; ++b) {
+    double sum = 0.0;
+    for (size_t r = partition_.begin(b); r < partition_.end(b); ++r) {
+      const double v = x[r];
+      sum += config_.score == KwtaScore::kMeanAbs ? std::fabs(v) : v * v;
+    }
+    double score;
+    if (config_.score == KwtaScore::kMeanAbs) {
+      score = sum / static_cast<double>(partition_.end(b) - partition_.begin(b));
+    } else {
+      score = std::sqrt(norms_sq ? sum * norms_sq[b] : sum);
+    }
+    keys[b] = static_cast<float>(score);
+  }
+  return false;
 }
 
-float KwtaGate::score_from_key(float key) const {
-  return config_.score == KwtaScore::kMeanAbs ? key : std::sqrt(key);
-}
+float KwtaGate::score_from_key(float key, bool squared) const { return squared ? std::sqrt(key) : key; }
 
-size_t KwtaGate::select(const kernels::KernelSet& kernels, const float* keys, int32_t* kept,
+size_t KwtaGate::select(const kernels::KernelSet& kernels, const float* keys, bool squared, int32_t* kept,
                         std::vector<uint32_t>& scratch) const {
   const size_t nb = partition_.num_blocks;
   if (config_.threshold > 0.0f) {
+    const float limit = squared ? threshold_key_ : config_.threshold;
     size_t count = 0;
     for (size_t b = 0; b < nb; ++b)
-      if (!(keys[b] < threshold_key_)) kept[count++] = static_cast<int32_t>(b);  // NaN is kept
+      if (!(keys[b] < limit)) kept[count++] = static_cast<int32_t>(b);  // NaN is kept
     if (count <= keep_count_) return count;
   }
   return kernels::select_top_k(*kernels.select, keys, nb, keep_count_, kept, scratch);
@@ -118,8 +145,8 @@ GateStats KwtaGate::plan(const float* x, size_t m, bool dense, const kernels::Ke
   float* keys = scratch.keys.data();
   int32_t* kept = scratch.kept.data();
   for (size_t t = 0; t < m; ++t) {
-    block_keys(x + t * partition_.k, kernels, keys);
-    const size_t count = select(kernels, keys, kept, scratch.select);
+    const bool squared = block_keys(x + t * partition_.k, kernels, keys);
+    const size_t count = select(kernels, keys, squared, kept, scratch.select);
     const float scale = config_.renorm && count > 0 ? static_cast<float>(nb) / static_cast<float>(count) : 1.0f;
     out.add_token_blocks(partition_, kept, count, scale);
     stats.blocks_kept += count;
@@ -131,57 +158,75 @@ GateStats KwtaGate::plan(const float* x, size_t m, bool dense, const kernels::Ke
 // duty-th call the mask becomes the top-K blocks of the mean p over that window (the threshold,
 // if set, limits the candidates to blocks whose score on this call reaches it); in between, each
 // token position reuses its held mask. temp shapes how strongly a brief spike moves the mean.
+// The sums are kept as log-sum-exp in double, so neither a tiny temp (p underflowing to 0 for all
+// but one block) nor a huge score (exp overflowing) collapses the ranking into ties; a block with
+// a NaN score has NaN mean p and ranks highest (it is kept and the NaN reaches the output).
 GateStats KwtaGate::plan_hold(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out,
                               bool recompute) {
   const size_t nb = partition_.num_blocks;
   GateStats stats;
   stats.blocks_total = static_cast<uint64_t>(m) * nb;
   stats.gated = recompute;
-  std::vector<float> keys(nb), p(nb);
+  constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+  std::vector<float> keys(nb);
+  std::vector<double> log_p(nb), rank(nb);
   std::vector<int32_t> kept(nb + kernels::kIndexSlack);
-  std::vector<uint32_t> scratch;
-  const float inv_temp = 1.0f / config_.temp;
+  const double inv_temp = 1.0 / static_cast<double>(config_.temp);
   std::lock_guard<std::mutex> lock(hold_mutex_);
   if (held_blocks_.size() < m) {
     held_blocks_.resize(m);
-    p_sum_.resize(m, std::vector<float>(nb, 0.0f));
-    p_count_.resize(m, 0);
+    log_p_sum_.resize(m, std::vector<double>(nb, kNegInfD));
   }
   for (size_t t = 0; t < m; ++t) {
-    block_keys(x + t * partition_.k, kernels, keys.data());
-    float max_score = -std::numeric_limits<float>::infinity();
+    const bool squared = block_keys(x + t * partition_.k, kernels, keys.data());
+    // log p_b = s_b - logsumexp(s), s = score / temp, over the finite scores; +inf scores share p = 1.
+    double top = kNegInfD;
+    size_t infinite = 0;
     for (size_t b = 0; b < nb; ++b) {
-      p[b] = score_from_key(keys[b]) * inv_temp;
-      max_score = std::max(max_score, p[b]);
+      log_p[b] = static_cast<double>(score_from_key(keys[b], squared)) * inv_temp;
+      if (std::isinf(log_p[b]) && log_p[b] > 0) ++infinite;
+      if (std::isfinite(log_p[b])) top = std::max(top, log_p[b]);
     }
-    float total = 0.0f;
-    for (size_t b = 0; b < nb; ++b) {
-      p[b] = std::exp(p[b] - max_score);
-      total += p[b];
+    if (infinite > 0) {
+      const double share = -std::log(static_cast<double>(infinite));
+      for (size_t b = 0; b < nb; ++b)
+        if (!std::isnan(log_p[b])) log_p[b] = std::isinf(log_p[b]) && log_p[b] > 0 ? share : kNegInfD;
+    } else {
+      double total = 0.0;
+      for (size_t b = 0; b < nb; ++b)
+        if (std::isfinite(log_p[b])) total += std::exp(log_p[b] - top);
+      const double lse = top + std::log(total);
+      for (size_t b = 0; b < nb; ++b) log_p[b] -= lse;
     }
-    std::vector<float>& sum = p_sum_[t];
-    for (size_t b = 0; b < nb; ++b) sum[b] += p[b] / total;
-    ++p_count_[t];
+    std::vector<double>& sum = log_p_sum_[t];
+    for (size_t b = 0; b < nb; ++b) {  // log(exp(sum) + exp(log_p)), NaN sticks
+      const double a = sum[b], c = log_p[b];
+      if (std::isnan(a) || std::isnan(c)) {
+        sum[b] = std::numeric_limits<double>::quiet_NaN();
+      } else if (a != kNegInfD || c != kNegInfD) {
+        const double hi = std::max(a, c);
+        sum[b] = hi + std::log1p(std::exp(std::min(a, c) - hi));
+      }
+    }
     const bool fresh = held_blocks_[t].empty();
     if (recompute || fresh) {
-      for (size_t b = 0; b < nb; ++b) p[b] = sum[b] / static_cast<float>(p_count_[t]);
       size_t limit = keep_count_;
+      for (size_t b = 0; b < nb; ++b) rank[b] = sum[b];
       if (config_.threshold > 0.0f) {
         size_t candidates = 0;
         for (size_t b = 0; b < nb; ++b) {
-          if (keys[b] < threshold_key_) {
-            p[b] = -1.0f;
+          if (score_from_key(keys[b], squared) < config_.threshold) {
+            rank[b] = kNegInfD;
           } else {
-            ++candidates;
+            ++candidates;  // NaN scores stay candidates
           }
         }
         limit = std::min(limit, candidates);
       }
-      const size_t count = kernels::select_top_k(*kernels.select, p.data(), nb, limit, kept.data(), scratch);
+      const size_t count = kernels::select_top_k(rank.data(), nb, limit, kept.data());
       held_blocks_[t].assign(kept.begin(), kept.begin() + count);
       if (held_blocks_[t].empty()) held_blocks_[t].push_back(-1);  // "held, nothing kept"
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      p_count_[t] = 0;
+      std::fill(sum.begin(), sum.end(), kNegInfD);
     }
     const std::vector<int32_t>& held = held_blocks_[t];
     const size_t count = held.size() == 1 && held[0] < 0 ? 0 : held.size();

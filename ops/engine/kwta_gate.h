@@ -45,12 +45,15 @@ class KwtaGate final : public RowGate {
   // a mutex). A dense call counts as a step of the duty schedule.
   GateStats plan(const float* x, size_t m, bool dense, const kernels::KernelSet& kernels, GatedRows& out) override;
 
-  // Selection keys of one token's blocks (monotone in the score; see scores_from_keys).
-  void block_keys(const float* x, const kernels::KernelSet& kernels, float* keys) const;
+  // Selection keys of one token's blocks, monotone in the score: the squared score for l2 and
+  // l2_weighted (no sqrt needed to rank), the score for mean_abs — and the score itself, computed
+  // in double, for a token whose squared keys overflow float. Returns whether the keys are squared.
+  bool block_keys(const float* x, const kernels::KernelSet& kernels, float* keys) const;
   // The published score (||x_b||, mean|x_b|, ||x_b||·||W_b||) from a key.
-  float score_from_key(float key) const;
+  float score_from_key(float key, bool squared) const;
   // Kept blocks of one token from its keys (threshold and top-K rules); returns the count.
-  size_t select(const kernels::KernelSet& kernels, const float* keys, int32_t* kept, std::vector<uint32_t>& scratch) const;
+  size_t select(const kernels::KernelSet& kernels, const float* keys, bool squared, int32_t* kept,
+                std::vector<uint32_t>& scratch) const;
 
  private:
   GateStats plan_hold(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out, bool recompute);
@@ -58,15 +61,14 @@ class KwtaGate final : public RowGate {
   KwtaConfig config_;
   std::vector<float> weight_norms_sq_;
   std::vector<float> inv_block_len_;
-  float threshold_key_ = 0.0f;
+  float threshold_key_ = 0.0f;  // threshold^2, compared with squared keys
   size_t keep_count_ = 1;
   std::atomic<uint64_t> step_{0};
 
-  // hold mode: per token position, the held mask and the sum of p since the last recompute.
+  // hold mode: per token position, the held mask and log(sum of p) since the last recompute.
   std::mutex hold_mutex_;
   std::vector<std::vector<int32_t>> held_blocks_;
-  std::vector<std::vector<float>> p_sum_;
-  std::vector<uint32_t> p_count_;
+  std::vector<std::vector<double>> log_p_sum_;
 };
 
 }  // namespace ortsparse::engine

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/scratch.h"
 
 namespace ortsparse::engine {
 
@@ -159,6 +160,7 @@ BackendStats ProcBackend::run(const float* x, size_t m, const GatedRows& gated, 
   });
   for (size_t task = 0; task < tasks; ++task) stats.blocks += counts[task];
   stats.unit_passes = static_cast<uint64_t>(tiles) * n;
+  release_if_large(xv_buffer, mask_buffer, input_buffer, count_buffer, tile_masked);
   return stats;
 }
 

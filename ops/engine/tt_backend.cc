@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "common/scratch.h"
 
 namespace ortsparse::engine {
 namespace {
@@ -18,6 +19,9 @@ constexpr size_t kGemvRows = 2;
 constexpr size_t kGemvMinSpan = 256;
 // From this many tokens up, tasks take whole token chunks through every core (no barrier per core).
 constexpr size_t kTokenChunkMin = 4;
+// Scratch of one pass over the rows of a call (floats): 64 MiB; and the most one row may need.
+constexpr size_t kScratchBudgetFloats = size_t{16} << 20;
+constexpr size_t kMaxRowScratchFloats = size_t{64} << 20;
 
 size_t checked_product(const std::vector<size_t>& v, const char* what) {
   size_t p = 1;
@@ -26,6 +30,12 @@ size_t checked_product(const std::vector<size_t>& v, const char* what) {
     p *= x;
   }
   return p;
+}
+
+std::string shape_string(const std::vector<size_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
 }
 
 std::string list_string(const std::vector<int64_t>& v) {
@@ -150,6 +160,12 @@ TTBackend::TTBackend(TTShape shape, const float* cores, int right_to_left)
             const size_t row_b = right_to_left_ ? i * r1 + x1 : x0 * kt + i;
             dst[row_b * s.a + col_a] = g[((x0 * kt + i) * nt + j) * r1 + x1];
           }
+    const double intermediate = static_cast<double>(s.rows_per_token) * static_cast<double>(s.a);
+    if (intermediate > static_cast<double>(kMaxRowScratchFloats))
+      fail("the TT contraction of one input row needs an intermediate of ", intermediate, " floats (core ", t,
+           " of in_modes ", shape_string(shape_.in_modes), ", out_modes ", shape_string(shape_.out_modes),
+           ", ranks ", shape_string(shape_.ranks), "); at most ", kMaxRowScratchFloats,
+           " are allowed: choose modes with smaller partial products (e.g. balanced modes)");
     scratch_per_token_ = std::max(scratch_per_token_, s.rows_per_token * s.a);
     steps_.push_back(s);
   }
@@ -237,22 +253,36 @@ void TTBackend::run_chunk(const float* x, size_t count, float* y, float* s0, flo
 BackendStats TTBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                             const kernels::KernelSet& kernels, const TaskRunner& runner) const {
   if (m == 0 || n_ == 0) return {};
+  // Rows go in passes whose scratch (two intermediates per row) stays within kScratchBudget.
+  const size_t per_row = 2 * scratch_per_token_ + k_;
+  const size_t rows_per_pass = std::max<size_t>(1, kScratchBudgetFloats / std::max<size_t>(1, per_row));
+  for (size_t t0 = 0; t0 < m; t0 += rows_per_pass)
+    run_rows(x, t0, std::min(m, t0 + rows_per_pass), gated, bias, y, kernels, runner);
+  return {};
+}
+
+void TTBackend::run_rows(const float* x_all, size_t t0, size_t t1, const GatedRows& gated, const float* bias,
+                         float* y_all, const kernels::KernelSet& kernels, const TaskRunner& runner) const {
+  const size_t m = t1 - t0;
+  const float* x = x_all + t0 * k_;
+  float* y = y_all + t0 * n_;
   // Reused per calling thread; pool tasks only see the raw pointers taken here.
   thread_local std::vector<float> xin_buffer;
   thread_local std::vector<float> scratch_buffer;
   const float* xin = x;
   bool plain = true;
-  for (size_t t = 0; t < m && plain; ++t) plain = gated.dense[t] && gated.scale[t] == 1.0f;
+  for (size_t t = 0; t < m && plain; ++t) plain = gated.dense[t0 + t] && gated.scale[t0 + t] == 1.0f;
   if (!plain) {
     xin_buffer.assign(m * k_, 0.0f);
     for (size_t t = 0; t < m; ++t) {
-      const float s = gated.scale[t];
+      const size_t g = t0 + t;  // the row's token in `gated`
+      const float s = gated.scale[g];
       const float* xt = x + t * k_;
       float* dst = xin_buffer.data() + t * k_;
-      if (gated.dense[t]) {
+      if (gated.dense[g]) {
         for (size_t r = 0; r < k_; ++r) dst[r] = xt[r] * s;
       } else {
-        for (size_t i = gated.offset[t]; i < gated.offset[t + 1]; ++i) dst[gated.rows[i]] = xt[gated.rows[i]] * s;
+        for (size_t i = gated.offset[g]; i < gated.offset[g + 1]; ++i) dst[gated.rows[i]] = xt[gated.rows[i]] * s;
       }
     }
     xin = xin_buffer.data();
@@ -273,14 +303,15 @@ BackendStats TTBackend::run(const float* x, size_t m, const GatedRows& gated, co
         for (size_t t = t0; t < t1; ++t)
           for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
     });
-    return {};
+    release_if_large(xin_buffer, scratch_buffer);
+    return;
   }
   // Few tokens (decode): one chain, each core's GEMM split over rows or columns when big enough.
   run_chunk(xin, m, y, s0, s1, kernels, &runner);
   if (bias)
     for (size_t t = 0; t < m; ++t)
       for (size_t j = 0; j < n; ++j) y[t * n + j] += bias[j];
-  return {};
+  release_if_large(xin_buffer, scratch_buffer);
 }
 
 }  // namespace ortsparse::engine

@@ -65,6 +65,9 @@ class TTBackend final : public WeightBackend {
     size_t tr_r, tr_c;        // transpose after: R = tr_r or C = tr_c (the other = total / it); 0, 0 = none
   };
   // Whole chain for `count` tokens: x [count, K] -> y [count, N], with two scratch buffers.
+  // Rows [t0, t1) of the call (run() splits a call into passes of bounded scratch).
+  void run_rows(const float* x, size_t t0, size_t t1, const GatedRows& gated, const float* bias, float* y,
+                const kernels::KernelSet& kernels, const TaskRunner& runner) const;
   void run_chunk(const float* x, size_t count, float* y, float* s0, float* s1, const kernels::KernelSet& kernels,
                  const TaskRunner* step_runner) const;
 

@@ -1,6 +1,7 @@
 #include "kernels/top_k.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 namespace ortsparse::kernels {
@@ -71,6 +72,24 @@ size_t select_top_k(const SelectKernels& kernels, const float* values, size_t n,
     }
   }
   return out;
+}
+
+size_t select_top_k(const double* values, size_t n, size_t k, int32_t* kept) {
+  k = std::min(k, n);
+  std::vector<int32_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
+  // Larger first, NaN above everything, then the lower index.
+  const auto before = [values](int32_t a, int32_t b) {
+    const double va = values[a], vb = values[b];
+    const bool na = std::isnan(va), nb = std::isnan(vb);
+    if (na != nb) return na;
+    if (!na && va != vb) return va > vb;
+    return a < b;
+  };
+  if (k < n) std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(), before);
+  std::sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k));
+  std::copy_n(order.begin(), k, kept);
+  return k;
 }
 
 }  // namespace ortsparse::kernels

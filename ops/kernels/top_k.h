@@ -17,4 +17,8 @@ namespace ortsparse::kernels {
 size_t select_top_k(const SelectKernels& kernels, const float* values, size_t n, size_t k, int32_t* kept,
                     std::vector<uint32_t>& scratch);
 
+// The same contract on doubles (ranks that float would collapse into ties, e.g. log-probabilities
+// far apart); a scalar nth_element, for paths that are not per-token hot (the kwta hold mode).
+size_t select_top_k(const double* values, size_t n, size_t k, int32_t* kept);
+
 }  // namespace ortsparse::kernels

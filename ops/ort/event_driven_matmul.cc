@@ -18,7 +18,7 @@ namespace {
 
 enum Counter {
   kCalls, kRows, kEventRows, kBlocksTotal, kBlocksRefreshed, kBlocksForced, kDeadlineStops, kGapChecks,
-  kDisables, kGateNs, kResets
+  kDisables, kGateNs, kResets, kResyncs
 };
 enum Constant { kEnabled, kLastGap, kTopk };
 
@@ -42,6 +42,7 @@ std::vector<std::pair<std::string, double>> describe_event(const uint64_t* c, co
       {"gap_checks", static_cast<double>(c[kGapChecks])},
       {"disables", static_cast<double>(c[kDisables])},
       {"resets", static_cast<double>(c[kResets])},
+      {"resyncs", static_cast<double>(c[kResyncs])},
   };
 }
 
@@ -131,6 +132,7 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
     metrics_->add(kGapChecks, stats.gap_checks);
     metrics_->add(kDisables, stats.disables);
     metrics_->add(kGateNs, stats.gate_ns);
+    metrics_->add(kResyncs, stats.resyncs);
     if (reset) metrics_->add(kResets, 1);
     if (stats.last_gap >= 0.0) metrics_->set_constant(kLastGap, stats.last_gap);
     metrics_->set_constant(kEnabled, event_->enabled() ? 1.0 : 0.0);

@@ -1,5 +1,6 @@
 #include "ort/op_adapter.h"
 
+#include <cmath>
 #include <sstream>
 
 namespace ortsparse::ort {
@@ -26,16 +27,29 @@ const char* other_type_of(const OrtKernelInfo* info, const char* name, const cha
   return nullptr;
 }
 
+// A list where one value is expected (k_frac=[0.9]) would otherwise read as "missing".
+const char* list_type_of(const OrtKernelInfo* info, const char* name) {
+  const OrtApi& api = Ort::GetApi();
+  size_t size = 0;
+  if (succeeded(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &size))) return "a list of floats";
+  if (succeeded(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size))) return "a list of ints";
+  return nullptr;
+}
+
 void check_missing(const OrtKernelInfo* info, const char* name, const char* wanted) {
   if (const char* other = other_type_of(info, name, wanted))
     fail("attribute ", name, " must be of type ", wanted, ", not ", other);
+  if (const char* list = list_type_of(info, name)) fail("attribute ", name, " must be a single ", wanted, ", not ", list);
 }
 
 }  // namespace
 
 float Attributes::get_float(const char* name, float fallback) const {
   float value = 0.0f;
-  if (succeeded(Ort::GetApi().KernelInfoGetAttribute_float(info_, name, &value))) return value;
+  if (succeeded(Ort::GetApi().KernelInfoGetAttribute_float(info_, name, &value))) {
+    if (!std::isfinite(value)) fail("attribute ", name, "=", value, " must be a finite number");
+    return value;
+  }
   int64_t integer = 0;  // k_frac=1 written as an int attribute means 1.0: accept it
   if (succeeded(Ort::GetApi().KernelInfoGetAttribute_int64(info_, name, &integer))) return static_cast<float>(integer);
   check_missing(info_, name, "float");
@@ -59,6 +73,16 @@ std::string Attributes::get_string(const char* name, const std::string& fallback
   if (!succeeded(Ort::GetApi().KernelInfoGetAttribute_string(info_, name, value.data(), &size))) return fallback;
   if (!value.empty() && value.back() == '\0') value.pop_back();
   return value;
+}
+
+std::vector<int64_t> Attributes::get_ints(const char* name) const {
+  size_t size = 0;
+  if (!succeeded(Ort::GetApi().KernelInfoGetAttributeArray_int64(info_, name, nullptr, &size)))
+    fail("attribute ", name, " is required and must be a list of ints");
+  std::vector<int64_t> out(size);
+  if (size > 0 && !succeeded(Ort::GetApi().KernelInfoGetAttributeArray_int64(info_, name, out.data(), &size)))
+    fail("attribute ", name, " could not be read as ints");
+  return out;
 }
 
 std::string node_name(const OrtKernelInfo* info) {

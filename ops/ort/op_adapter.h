@@ -29,6 +29,8 @@ class Attributes {
   float get_float(const char* name, float fallback) const;
   int64_t get_int(const char* name, int64_t fallback) const;
   std::string get_string(const char* name, const std::string& fallback) const;
+  // A required list of ints (throws naming the attribute when it is missing or not ints).
+  std::vector<int64_t> get_ints(const char* name) const;
 
  private:
   const OrtKernelInfo* info_;

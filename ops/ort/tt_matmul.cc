@@ -38,24 +38,6 @@ std::vector<std::pair<std::string, double>> describe_tt(const uint64_t* c, const
   };
 }
 
-std::vector<int64_t> get_ints(const OrtKernelInfo* info, const char* name) {
-  size_t size = 0;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    fail("attribute ", name, " is required and must be a list of ints");
-  }
-  std::vector<int64_t> out(size);
-  if (size > 0) {
-    status = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out.data(), &size);
-    if (status != nullptr) {
-      Ort::GetApi().ReleaseStatus(status);
-      fail("attribute ", name, " could not be read as ints");
-    }
-  }
-  return out;
-}
-
 bool input_present(const OrtKernelInfo* info, size_t index) {
   Ort::ConstKernelInfo kinfo(info);
   return index < kinfo.GetInputCount() && !kinfo.GetInputName(index).empty();
@@ -75,9 +57,9 @@ class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
   TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
     kernel_set_or_fail();
-    const std::vector<int64_t> in_modes = get_ints(info, "in_modes");
-    const std::vector<int64_t> out_modes = get_ints(info, "out_modes");
-    const std::vector<int64_t> ranks = get_ints(info, "ranks");
+    const std::vector<int64_t> in_modes = attrs.get_ints("in_modes");
+    const std::vector<int64_t> out_modes = attrs.get_ints("out_modes");
+    const std::vector<int64_t> ranks = attrs.get_ints("ranks");
     const float gap = attrs.get_float("gap", -1.0f);
     const int64_t nan_guard = attrs.get_int("nan_guard", 1);
     if (nan_guard != 0 && nan_guard != 1) fail("attribute nan_guard=", nan_guard, " must be 0 or 1");
