@@ -205,3 +205,35 @@ def test_flags_are_data_and_round_trip_through_argparse():
     assert len(names) == len(set(names))
     assert {"--kwta", "--kwta-k", "--tt-rank", "--state-pack", "--proc-sparse", "--event-driven", "--attn",
             "--attn-proj-bits"} <= set(names)
+
+
+# The rewrite flags of rewrite-onnx as they were when each technique hand-wrote its argparse calls:
+# declaring them as data must not lose, rename or add one.
+HISTORICAL_FLAGS = """
+--attn --attn-candidates --attn-center --attn-density-max --attn-eps --attn-keep-first --attn-keep-recent
+--attn-min-keys --attn-mode --attn-pack-cache --attn-proj-bits --attn-topk --event-age-max --event-axis
+--event-block --event-budget-ms --event-delta-theta --event-driven --event-gap-every --event-gap-tol
+--event-max-gated-rows --event-quorum --event-stale-beta --event-stale-lambda --event-target --event-topk --kwta
+--kwta-block --kwta-duty --kwta-duty-mode --kwta-k --kwta-k-abs --kwta-max-gated-rows --kwta-renorm --kwta-score
+--kwta-target --kwta-temp --kwta-threshold --proc-base-scale --proc-block --proc-delta-dtype --proc-fanout
+--proc-fanout-frac --proc-score --proc-seed --proc-shed-eps --proc-sparse --proc-target --proc-watermark
+--state-pack --state-pack-block --state-pack-density-max --state-pack-eps --state-pack-max-gated-rows
+--state-pack-popcnt --state-pack-target --tt --tt-d --tt-gap --tt-keep-dense --tt-layout --tt-maxvol-k --tt-method
+--tt-min-flop-ratio --tt-rank --tt-target
+""".split()
+
+
+def test_rewrite_onnx_help_lists_the_same_flags():
+    import re
+
+    from ortsparse.cli import add_rewrite_arguments
+
+    parser = argparse.ArgumentParser(prog="rewrite-onnx")
+    add_rewrite_arguments(parser)
+    declared = {flag.name for group in flag_groups() for flag in group.flags}
+    assert declared == set(HISTORICAL_FLAGS)
+    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", parser.format_help()))
+    assert declared <= listed
+    config = config_from_args(parser.parse_args(["in.onnx", "--state-pack=ternary", "--kwta-k=0.25", "--tt-rank=0"]))
+    assert config.choice("pack").settings.mode == "ternary" and config.choice("kwta").settings.k_frac == 0.25
+    assert config.choice("tt").settings.rank == 0 and not config.choice("tt").enabled
