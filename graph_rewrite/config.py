@@ -219,8 +219,8 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
     ``vars(args)`` of a parser built from ``techniques.flag_groups()``; absent flags take their
     defaults).
 
-    ``--attn`` not given: seed 000's ``--kwta-target=attn|both`` with KWTA on means
-    ``--attn=energy`` (KWTA then stays on next to the attention it implies)."""
+    ``--attn`` not given: ``--kwta-target=attn|both`` with KWTA on means ``--attn=energy`` (KWTA's
+    attention side, low-energy keys dropped; KWTA then stays on next to the attention it implies)."""
     from .compose import check_attention
 
     choices = {name: technique.choice_from_flags(values) for name, technique in TECHNIQUES.items()}

@@ -11,8 +11,8 @@ Seed mapping (documented in docs/rewriter.md):
   key mask for K and V);
 - ``--attn=none`` -> ``select="none"``: the op computes exact attention (used to check a rewrite);
 - ``--attn=off`` (default) -> no attention rewrite;
-- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and ``--kwta=on``, also turns
-  attention on as ``energy``: the seed's "filter low-energy keys, same mask for K/V" is exactly
+- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and KWTA is on (``--kwta=on``
+  or its ``auto`` default), also turns attention on as ``energy`` (``config.config_from_flags``): the seed's "filter low-energy keys, same mask for K/V" is exactly
   ``select="energy"``; the q/k/v/out projections keep their KWTA meaning.
 
 Composition (seed 001): popcount-approximate scores (``select="popcount"`` with ``topk = 0``, no exact
@@ -117,7 +117,7 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 _D = AttentionSettings()
 
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
-# RewriteConfig's caller (config_from_flags) then applies seed 000's --kwta-target=attn|both rule.
+# config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
 ATTENTION_FLAGS = FlagGroup(
     "attention (PopcountAttention); seed 000's --kwta-target=attn|both means --attn=energy when --attn is not given",
     (
