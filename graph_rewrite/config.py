@@ -155,6 +155,8 @@ class RewriteConfig:
                 raise ConfigError(f"{name} target {choice.target!r} must be one of {', '.join(TARGETS)}")
             if choice.enabled not in (True, False, AUTO):
                 raise ConfigError(f"techniques[{name!r}].enabled must be True, False or {AUTO!r}")
+            if choice.enabled != AUTO:
+                techniques[name] = dataclasses.replace(choice, enabled=bool(choice.enabled))
         object.__setattr__(self, "techniques", techniques)
         object.__setattr__(self, "overrides", tuple(overrides))
         object.__setattr__(self, "attention", attention)
