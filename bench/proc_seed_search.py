@@ -20,8 +20,7 @@ BLOCK = 32
 def main() -> None:
     model = ir.load(str(model_path("smollm2", "full.torchscript")))
     layer = [x for x in survey(model).layers if x.role == "down" and x.rule is not None][5]
-    w = layer.operands.weight.const_value.numpy()
-    w = (w.T if layer.operands.weight_is_transposed else w).astype(np.float64)  # [K, N]
+    w = layer.operands.weight.matrix().astype(np.float64)  # [K, N]
     k, n = w.shape
     blocks = w[: k // BLOCK * BLOCK].reshape(k // BLOCK, BLOCK, n).transpose(2, 0, 1).reshape(-1, BLOCK)
     energy = (blocks ** 2).sum(1)

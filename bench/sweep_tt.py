@@ -61,11 +61,7 @@ def layer_weight(model, layer_name: str) -> tuple[np.ndarray, np.ndarray | None]
     found = survey(ir.from_proto(model))
     for layer in found.layers:
         if layer.name == layer_name:
-            ops = layer.operands
-            w = ops.weight.const_value.numpy()
-            w = np.ascontiguousarray(w.T if ops.weight_is_transposed else w, dtype=np.float32)
-            b = None if ops.bias is None else ops.bias.const_value.numpy().reshape(-1).astype(np.float32)
-            return w, b
+            return layer.operands.weight.matrix(), layer.operands.bias_vector()
     raise KeyError(layer_name)
 
 

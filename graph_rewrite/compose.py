@@ -54,6 +54,6 @@ def check_attention(config) -> None:
     ``event`` technique when it exists."""
     from .techniques.popcount import check_composition
 
-    event = config.techniques.get("event")
+    event = config.choice("event") if "event" in TECHNIQUES else None
     on_attention = bool(event and event.enabled and event.target in ("attn", "both", "all"))
     check_composition(config.attention, on_attention)

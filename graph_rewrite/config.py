@@ -1,15 +1,17 @@
 """What to rewrite and how: global settings per technique, plus per-layer overrides.
 
-Each technique (graph_rewrite/techniques/) has its own settings dataclass and its own key in
-override entries (``"kwta": {...}``, ``"tt": {...}``, ...). KWTA keeps its historical fields on
-:class:`RewriteConfig` (``kwta``, ``kwta_enabled``, ``kwta_target``); the others live in
-``techniques``. See docs/rewriter.md for the override file format.
+Each technique (graph_rewrite/techniques/) has its own settings dataclass, its own key in
+override entries (``"kwta": {...}``, ``"tt": {...}``, ...) and its global choice in
+``RewriteConfig.techniques[name]``; KWTA is one of them. ``TechniqueChoice.enabled`` may be
+``"auto"`` (KWTA's default): on unless another technique or attention is on, resolved here for
+the CLI and library callers alike. See docs/rewriter.md for the override file format.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,63 +19,81 @@ from typing import Any
 import tomllib
 
 from .errors import ConfigError
-from .techniques.popcount import AttentionSettings
 from .targets import LAYER_CLASSES, LAYER_ROLES, TARGETS, target_includes
 from .techniques import (
+    AUTO,
     KWTA_DUTY_MODES,
     KWTA_SCORES,
     TECHNIQUES,
     KwtaSettings,
     TechniqueChoice,
 )
+from .techniques.popcount import ATTENTION_FLAGS, AttentionSettings, attention_from_flags
+
+_UNSET: Any = object()
 
 
-@dataclasses.dataclass(frozen=True)
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
+                  DeprecationWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class LayerOverride:
     """One entry of the override file. ``match`` is a glob on the node name, ``layer:<index>``,
     ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``.
 
-    ``off`` keeps the layer dense whatever the techniques say. Per technique (``kwta``, and the
-    names in ``techniques`` for the others): ``None`` (entry does not touch it), ``"off"``, or a
-    mapping of its settings that also switches it on for the layer.
+    ``off`` keeps the layer dense whatever the techniques say. ``techniques[name]`` per technique
+    (``kwta`` included): absent (entry does not touch it), ``"off"``, or a mapping of its settings
+    that also switches it on for the layer. ``kwta=`` is the deprecated spelling of
+    ``techniques={"kwta": ...}``.
     """
 
     match: str
     off: bool = False
-    kwta: Mapping[str, Any] | str | None = None
     source: str = ""
     techniques: Mapping[str, Mapping[str, Any] | str] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        where = f"{self.source}: " if self.source else ""
-        if not isinstance(self.match, str) or not self.match:
-            raise ConfigError(f"{where}'match' must be a non-empty string")
-        kind, _, arg = self.match.partition(":")
-        if kind == "layer" and not (arg.isdigit()):
-            raise ConfigError(f"{where}match {self.match!r}: expected layer:<index>, e.g. layer:3")
-        if kind == "class" and arg not in LAYER_CLASSES:
-            raise ConfigError(f"{where}match {self.match!r}: class must be one of {', '.join(LAYER_CLASSES)}")
-        if kind == "role" and arg not in LAYER_ROLES:
-            raise ConfigError(f"{where}match {self.match!r}: role must be one of {', '.join(LAYER_ROLES)}")
-        techniques = dict(self.techniques)
-        if "kwta" in techniques:
-            if self.kwta is not None:
+    def __init__(self, match: str, off: bool = False, kwta: Mapping[str, Any] | str | None = None,
+                 source: str = "", techniques: Mapping[str, Mapping[str, Any] | str] | None = None) -> None:
+        where = f"{source}: " if source else ""
+        techniques = dict(techniques or {})
+        if kwta is not None:
+            _deprecated("LayerOverride(kwta=...)", "LayerOverride(techniques={'kwta': ...})")
+            if "kwta" in techniques:
                 raise ConfigError(f"{where}'kwta' given twice")
-            object.__setattr__(self, "kwta", techniques.pop("kwta"))
+            techniques["kwta"] = kwta
+        object.__setattr__(self, "match", match)
+        object.__setattr__(self, "off", off)
+        object.__setattr__(self, "source", source)
         object.__setattr__(self, "techniques", techniques)
-        for name in [*techniques, "kwta"]:
+        if not isinstance(match, str) or not match:
+            raise ConfigError(f"{where}'match' must be a non-empty string")
+        kind, _, arg = match.partition(":")
+        if kind == "layer" and not (arg.isdigit()):
+            raise ConfigError(f"{where}match {match!r}: expected layer:<index>, e.g. layer:3")
+        if kind == "class" and arg not in LAYER_CLASSES:
+            raise ConfigError(f"{where}match {match!r}: class must be one of {', '.join(LAYER_CLASSES)}")
+        if kind == "role" and arg not in LAYER_ROLES:
+            raise ConfigError(f"{where}match {match!r}: role must be one of {', '.join(LAYER_ROLES)}")
+        for name, value in techniques.items():
             if name not in TECHNIQUES:
                 raise ConfigError(f"{where}unknown technique {name!r}; valid: {', '.join(TECHNIQUES)}")
-            value = self.setting(name)
             if value is None or value == "off":
                 continue
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}'{name}' must be \"off\" or a table of settings, not {value!r}")
             TECHNIQUES[name].settings_type().updated(value, where)  # fail early on bad names or values
 
+    @property
+    def kwta(self) -> Mapping[str, Any] | str | None:
+        """Deprecated: ``setting("kwta")``."""
+        _deprecated("LayerOverride.kwta", "LayerOverride.setting('kwta')")
+        return self.setting("kwta")
+
     def setting(self, name: str) -> Mapping[str, Any] | str | None:
         """This entry's value for technique ``name``: None, "off" or a settings mapping."""
-        return self.kwta if name == "kwta" else self.techniques.get(name)
+        return self.techniques.get(name)
 
     def matches(self, index: int, name: str, layer_class: str, role: str) -> bool:
         kind, _, arg = self.match.partition(":")
@@ -86,48 +106,142 @@ class LayerOverride:
         return fnmatch.fnmatchcase(name, self.match)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RewriteConfig:
     """Global settings (the CLI flags) and the per-layer overrides (the ``--config`` file).
 
-    KWTA's choice is ``kwta`` / ``kwta_enabled`` / ``kwta_target``; every other technique's is
-    ``techniques[name]`` (absent: its defaults, off). :meth:`choice` reads either uniformly."""
+    ``techniques[name]`` is technique ``name``'s global choice (absent: its defaults, i.e. its
+    flags' defaults: KWTA ``auto``, the others off); :meth:`choice` reads it with ``auto``
+    resolved. ``attention``: attention cores -> PopcountAttention (techniques/popcount.py), None =
+    off; not a per-layer technique (it replaces attention cores, not linear layers).
 
-    kwta: KwtaSettings = dataclasses.field(default_factory=KwtaSettings)
-    kwta_enabled: bool = True
-    kwta_target: str = "mlp"
-    overrides: tuple[LayerOverride, ...] = ()
+    ``kwta=``, ``kwta_enabled=``, ``kwta_target=`` (and the attributes of those names) are the
+    deprecated spelling of ``techniques["kwta"]``; given without ``kwta_enabled`` they mean KWTA
+    on, as they did.
+    """
+
     techniques: Mapping[str, TechniqueChoice] = dataclasses.field(default_factory=dict)
-    # Attention cores -> PopcountAttention (techniques/popcount.py); None = off. Not a per-layer
-    # technique: it replaces attention cores, not linear layers, so it is not in ``techniques``.
+    overrides: tuple[LayerOverride, ...] = ()
     attention: AttentionSettings | None = None
     attention_why: str = "--attn=off"
 
-    def __post_init__(self) -> None:
-        if self.attention is not None and not isinstance(self.attention, AttentionSettings):
+    def __init__(self, *, techniques: Mapping[str, TechniqueChoice] | None = None,
+                 overrides: Sequence[LayerOverride] = (), attention: AttentionSettings | None = None,
+                 attention_why: str = "--attn=off", kwta: KwtaSettings = _UNSET, kwta_enabled: bool = _UNSET,
+                 kwta_target: str = _UNSET) -> None:
+        techniques = dict(techniques or {})
+        legacy = {k: v for k, v in (("kwta", kwta), ("kwta_enabled", kwta_enabled), ("kwta_target", kwta_target))
+                  if v is not _UNSET}
+        if legacy:
+            _deprecated(f"RewriteConfig({', '.join(f'{k}=' for k in legacy)})",
+                        "RewriteConfig(techniques={'kwta': TechniqueChoice(settings, enabled, target)})")
+            if "kwta" in techniques:
+                raise ConfigError("KWTA given twice: in techniques and as kwta/kwta_enabled/kwta_target")
+            techniques["kwta"] = TechniqueChoice(settings=legacy.get("kwta", KwtaSettings()),
+                                                 enabled=legacy.get("kwta_enabled", True),
+                                                 target=legacy.get("kwta_target", "mlp"))
+        if attention is not None and not isinstance(attention, AttentionSettings):
             raise ConfigError("RewriteConfig.attention must be an AttentionSettings or None")
-        if self.kwta_target not in TARGETS:
-            raise ConfigError(f"kwta target {self.kwta_target!r} must be one of {', '.join(TARGETS)}")
-        object.__setattr__(self, "overrides", tuple(self.overrides))
-        techniques = dict(self.techniques)
         for name, choice in techniques.items():
-            if name == "kwta" or name not in TECHNIQUES:
-                others = ", ".join(n for n in TECHNIQUES if n != "kwta") or "none yet"
-                raise ConfigError(f"unknown technique {name!r} in RewriteConfig.techniques (valid: {others}; "
-                                  "KWTA has its own fields)")
+            if name not in TECHNIQUES:
+                raise ConfigError(f"unknown technique {name!r} in RewriteConfig.techniques (valid: "
+                                  f"{', '.join(TECHNIQUES)})")
+            if not isinstance(choice, TechniqueChoice):
+                raise ConfigError(f"techniques[{name!r}] must be a TechniqueChoice")
             if not isinstance(choice.settings, TECHNIQUES[name].settings_type):
                 raise ConfigError(f"techniques[{name!r}].settings must be a "
                                   f"{TECHNIQUES[name].settings_type.__name__}")
             if choice.target not in TARGETS:
                 raise ConfigError(f"{name} target {choice.target!r} must be one of {', '.join(TARGETS)}")
+            if choice.enabled not in (True, False, AUTO):
+                raise ConfigError(f"techniques[{name!r}].enabled must be True, False or {AUTO!r}")
+            if choice.enabled != AUTO:
+                techniques[name] = dataclasses.replace(choice, enabled=bool(choice.enabled))
         object.__setattr__(self, "techniques", techniques)
+        object.__setattr__(self, "overrides", tuple(overrides))
+        object.__setattr__(self, "attention", attention)
+        object.__setattr__(self, "attention_why", attention_why)
+
+    def _given(self, name: str) -> TechniqueChoice:
+        return self.techniques.get(name) or TECHNIQUES[name].default_choice()
+
+    def _switched_on(self, but: str) -> list[str]:
+        """What is explicitly on besides technique ``but``, as the CLI spells it."""
+        on = [TECHNIQUES[name].flag_summary(self._given(name)) for name in TECHNIQUES
+              if name != but and self._given(name).enabled is True]
+        if self.attention is not None:
+            on.append(f"{ATTENTION_FLAGS.flags[0].name}={self.attention.select}")
+        return on
 
     def choice(self, name: str) -> TechniqueChoice:
-        """The global choice of technique ``name`` (KeyError for an unknown name)."""
-        if name == "kwta":
-            return TechniqueChoice(settings=self.kwta, enabled=self.kwta_enabled, target=self.kwta_target)
-        technique = TECHNIQUES[name]
-        return self.techniques.get(name) or technique.default_choice()
+        """The global choice of technique ``name`` with ``auto`` resolved (KeyError for an
+        unknown name): ``auto`` is on unless another technique or attention is on."""
+        choice = self._given(name)
+        if choice.enabled == AUTO:
+            choice = dataclasses.replace(choice, enabled=not self._switched_on(but=name))
+        return choice
+
+    def switched_on(self, name: str) -> bool:
+        """Whether technique ``name`` was switched on or left to ``auto`` (as opposed to off): its
+        reasons are then worth reporting for every layer."""
+        return self._given(name).enabled in (True, AUTO)
+
+    def off_reason(self, name: str) -> str:
+        """Why technique ``name`` is off globally, as the CLI would say it (``--kwta=off``,
+        ``--kwta=auto (off: --tt=on)``)."""
+        given = self._given(name)
+        summary = TECHNIQUES[name].flag_summary(given)
+        if given.enabled == AUTO:
+            return f"{summary} (off: {', '.join(self._switched_on(but=name))})"
+        return summary
+
+    # -- deprecated: KWTA's fields from before it was an ordinary technique ----------------------
+
+    @property
+    def kwta(self) -> KwtaSettings:
+        """Deprecated: ``choice("kwta").settings``."""
+        _deprecated("RewriteConfig.kwta", "RewriteConfig.choice('kwta').settings")
+        return self.choice("kwta").settings
+
+    @property
+    def kwta_enabled(self) -> bool:
+        """Deprecated: ``choice("kwta").enabled``."""
+        _deprecated("RewriteConfig.kwta_enabled", "RewriteConfig.choice('kwta').enabled")
+        return self.choice("kwta").enabled
+
+    @property
+    def kwta_target(self) -> str:
+        """Deprecated: ``choice("kwta").target``."""
+        _deprecated("RewriteConfig.kwta_target", "RewriteConfig.choice('kwta').target")
+        return self.choice("kwta").target
+
+
+def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverride] = ()) -> RewriteConfig:
+    """The config that command-line flag values describe (``values``: flag dest -> value, e.g.
+    ``vars(args)`` of a parser built from ``techniques.flag_groups()``; absent flags take their
+    defaults).
+
+    ``--attn`` not given: ``--kwta-target=attn|both`` with KWTA on means ``--attn=energy`` (KWTA's
+    attention side, low-energy keys dropped; KWTA then stays on next to the attention it implies)."""
+    from .compose import check_attention
+
+    choices = {name: technique.choice_from_flags(values) for name, technique in TECHNIQUES.items()}
+    switch = ATTENTION_FLAGS.flags[0]
+    attn = values.get(switch.dest)
+    attention, why = None, "--attn not given (default off)"
+    if attn is not None:
+        why = f"{switch.name}={attn}"
+        if switch.enabled(attn):
+            attention = attention_from_flags(values)
+    else:
+        kwta = RewriteConfig(techniques=choices, overrides=overrides).choice("kwta")
+        if kwta.enabled and kwta.target in ("attn", "both"):
+            attention = attention_from_flags(values, select="energy")
+            why = f"--kwta-target={kwta.target} (seed 000: low-energy keys dropped -> select=energy)"
+            choices["kwta"] = kwta
+    config = RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
+    check_attention(config)
+    return config
 
 
 _ENTRY_KEYS = {"match", "off"}
@@ -156,9 +270,8 @@ def parse_overrides(data: Any, source: str = "overrides") -> tuple[LayerOverride
         off = raw.get("off", False)
         if not isinstance(off, bool):
             raise ConfigError(f"{where}: 'off' must be true or false")
-        techniques = {name: raw[name] for name in TECHNIQUES if name != "kwta" and name in raw}
-        entries.append(LayerOverride(match=raw["match"], off=off, kwta=raw.get("kwta"), source=where,
-                                     techniques=techniques))
+        techniques = {name: raw[name] for name in TECHNIQUES if name in raw}
+        entries.append(LayerOverride(match=raw["match"], off=off, source=where, techniques=techniques))
     return tuple(entries)
 
 
@@ -181,5 +294,5 @@ def load_overrides(path: str | Path) -> tuple[LayerOverride, ...]:
 
 __all__ = [
     "KWTA_DUTY_MODES", "KWTA_SCORES", "LAYER_CLASSES", "LAYER_ROLES", "TARGETS", "KwtaSettings", "LayerOverride",
-    "RewriteConfig", "TechniqueChoice", "load_overrides", "parse_overrides", "target_includes",
+    "RewriteConfig", "TechniqueChoice", "config_from_flags", "load_overrides", "parse_overrides", "target_includes",
 ]

@@ -1,22 +1,23 @@
-"""Survey a graph: every candidate linear layer, its class, and which rule can replace it (or why
-none can). Nothing is modified here."""
+"""Survey a graph, matching once: every candidate linear layer with its class and the operands the
+first fitting rule found (or every rule's reason for not fitting), and every attention core as the
+recogniser analysed it. Nothing is modified here; the replacement works from these records.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchingTracer, MatchStatus
 
-from .attention import AttentionCores, find_attention_cores
+from .attention import AttentionCores, recognise_attention
 from .classify import LayerClass, classify_layers
 from .graph_utils import dims_of, is_onnx_op, op_name, single_consumer
-from .rules import LinearRule, Operands, make_rules
+from .rules import RULES, LinearOperands
 
 
 @dataclasses.dataclass
 class LinearLayer:
-    """One candidate linear layer of the input graph (``index`` = position in topological order)."""
+    """One candidate linear layer of the input graph (``index`` = position in topological order)
+    and, when a rule fits, its operands (``x``, weight, bias, ``y`` and the nodes to replace)."""
 
     index: int
     node: ir.Node
@@ -28,8 +29,8 @@ class LinearLayer:
     k: int | None
     n: int | None
     weight_name: str
-    rule: str | None = None  # the rule that can replace it, None if no rule can
-    operands: Operands | None = None
+    rule: str | None = None  # the rule that fits it, None if no rule does
+    operands: LinearOperands | None = None
     near_misses: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (rule, why)
 
     @property
@@ -38,18 +39,6 @@ class LinearLayer:
         if self.near_misses:
             return self.near_misses[0][1]
         return "no rule pattern matches this layer"
-
-
-class _LastResult(MatchingTracer):
-    """Keeps the outcome of the single match attempt it is handed (reason included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.status: MatchStatus | None = None
-        self.result = None
-
-    def log(self, rule, container, node, match_result, status) -> None:
-        self.status, self.result = status, match_result
 
 
 def _weight_input(node: ir.Node) -> ir.Value | None:
@@ -96,52 +85,37 @@ def _weight_shape(node: ir.Node) -> tuple[int | None, int | None, str]:
     return (k if isinstance(k, int) else None), (n if isinstance(n, int) else None), weight.name or ""
 
 
-def _anchors(node: ir.Node) -> list[ir.Node]:
+def _match(model: ir.Model, layer: LinearLayer) -> None:
+    """The first rule that fits ``layer`` (in priority order) gives its operands; the reasons of
+    the rules tried before it are kept as near-misses."""
     # A pattern is rooted at its last node: the layer itself, or its bias Add.
-    consumer = single_consumer(node.outputs[0])
-    return [node] + ([consumer] if consumer is not None else [])
-
-
-def _near_miss_reason(tracer: _LastResult) -> str | None:
-    """The check's reason when the pattern's shape matched; structural mismatches (a MatMul is
-    not a Gemm) are not near-misses, except a match blocked by outside uses of its inner values."""
-    if tracer.result is None or not tracer.result.reason:
-        return None
-    if tracer.status in (MatchStatus.CONDITION_FAILED, MatchStatus.REPLACEMENT_FAILED):
-        return tracer.result.reason
-    if tracer.status == MatchStatus.NO_MATCH and "other uses" in tracer.result.reason:
-        return "an inner value of the pattern is also used elsewhere, so its nodes cannot be replaced"
-    return None
-
-
-def _survey_rules(model: ir.Model, layer: LinearLayer, rules: list[tuple[type[LinearRule], Any]]) -> None:
-    graph = model.graph
-    for rule_class, rule in rules:
-        for anchor in _anchors(layer.node):
-            tracer = _LastResult()
-            match = rule.match(model, graph, anchor, tracer=tracer)
-            if match and layer.node in match.nodes:
-                layer.rule = rule_class.rule_name
-                layer.operands = rule_class().operands(layer.node, match.bindings)
-                return
-            reason = _near_miss_reason(tracer)
-            if reason and layer.node in tracer.result.nodes and (rule_class.rule_name, reason) not in layer.near_misses:
-                layer.near_misses.append((rule_class.rule_name, reason))
+    consumer = single_consumer(layer.node.outputs[0])
+    anchors = [layer.node] + ([consumer] if consumer is not None else [])
+    for rule in RULES:
+        found = rule.try_layer(model, layer.node, anchors)
+        if found.operands is not None:
+            layer.rule, layer.operands = rule.rule_name, found.operands
+            return
+        layer.near_misses.extend((rule.rule_name, why) for why in found.near_misses)
 
 
 @dataclasses.dataclass
 class Survey:
     layers: list[LinearLayer]
-    attention_cores: int
+    attention: AttentionCores
+
+    @property
+    def attention_cores(self) -> int:
+        return self.attention.count
 
 
 def survey(model: ir.Model) -> Survey:
-    """Candidate linear layers of the main graph in topological order, classified and matched."""
+    """Candidate linear layers of the main graph in topological order, classified and matched,
+    and the attention cores."""
     graph = model.graph
-    cores = find_attention_cores(graph)
+    cores = recognise_attention(model)
     linears = [node for node in graph if _looks_like_linear(node, cores)]
     classes: dict[int, LayerClass] = classify_layers(linears, cores)
-    rules = make_rules(plan=None)
     layers = []
     for index, node in enumerate(linears):
         k, n, weight_name = _weight_shape(node)
@@ -149,6 +123,6 @@ def survey(model: ir.Model) -> Survey:
         layer = LinearLayer(index=index, node=node, name=node.name or "", op_type=op_name(node),
                             layer_class=layer_class.layer_class, role=layer_class.role,
                             class_reason=layer_class.why, k=k, n=n, weight_name=weight_name)
-        _survey_rules(model, layer, rules)
+        _match(model, layer)
         layers.append(layer)
-    return Survey(layers, cores.count)
+    return Survey(layers, cores)

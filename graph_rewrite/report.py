@@ -61,6 +61,39 @@ class LayerRecord:
 
 
 @dataclasses.dataclass
+class AttentionRecord:
+    """One attention core: the rule that can replace it and what the rewrite did (or why not)."""
+
+    index: int
+    anchor: str  # name of the node the rule replaces (context MatMul or fused op)
+    form: str  # "eager" or the fused op's name
+    rule: str | None
+    decision: str
+    reason: str
+    new_op: str | None = None
+    node_name: str | None = None
+    settings: Any = None  # AttentionSettings when rewritten
+    detail: str = ""
+    near_misses: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def rewritten(self) -> bool:
+        return self.decision == REWRITTEN
+
+    @property
+    def exact(self) -> bool:
+        return not self.rewritten or self.settings is None or self.settings.exact
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["settings"] = self.settings.attributes() if self.settings else None
+        data["near_misses"] = [{"rule": r, "reason": why} for r, why in self.near_misses]
+        data["exact"] = self.exact
+        return data
+
+
+@dataclasses.dataclass
 class RewriteReport:
     layers: list[LayerRecord]
     config: RewriteConfig
@@ -68,7 +101,7 @@ class RewriteReport:
     added_initializers: list[str] = dataclasses.field(default_factory=list)
     removed_initializers: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    attention: list[Any] = dataclasses.field(default_factory=list)  # AttentionRecord per attention core
+    attention: list[AttentionRecord] = dataclasses.field(default_factory=list)  # per candidate core
     preview: bool = False  # True: a plan (``--list-layers``), nothing was changed
 
     @property
@@ -145,10 +178,6 @@ class RewriteReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        config = dataclasses.asdict(self.config)
-        config["kwta"] = self.config.kwta.attributes()
-        config["overrides"] = [dataclasses.asdict(o) for o in self.config.overrides]
-        config["attention"] = self.config.attention.attributes() if self.config.attention else None
         return {
             "layers": [r.to_dict() for r in self.layers],
             "counts": self.counts(),
@@ -159,8 +188,35 @@ class RewriteReport:
             "added_initializers": self.added_initializers,
             "removed_initializers": self.removed_initializers,
             "notes": self.notes,
-            "config": config,
+            "config": config_dict(self.config),
         }
+
+
+def config_dict(config: RewriteConfig) -> dict[str, Any]:
+    """The config as JSON data: every technique's global choice (``auto`` resolved), the
+    overrides, attention. ``kwta``/``kwta_enabled``/``kwta_target`` (and ``kwta`` in override
+    entries) repeat KWTA's choice under its names from before it was an ordinary technique; they go
+    in the next release."""
+    from .techniques import TECHNIQUES
+
+    techniques = {}
+    for name in TECHNIQUES:
+        choice = config.choice(name)
+        techniques[name] = {"settings": dataclasses.asdict(choice.settings), "enabled": choice.enabled,
+                            "target": choice.target}
+    overrides = []
+    for entry in config.overrides:
+        data = dataclasses.asdict(entry)
+        data["kwta"] = entry.setting("kwta")
+        overrides.append(data)
+    kwta = config.choice("kwta")
+    return {
+        "techniques": techniques,
+        "overrides": overrides,
+        "attention": config.attention.attributes() if config.attention else None,
+        "attention_why": config.attention_why,
+        "kwta": kwta.settings.attributes(), "kwta_enabled": kwta.enabled, "kwta_target": kwta.target,
+    }
 
 
 def _generic(reason: str) -> str:

@@ -1,5 +1,6 @@
-"""The rewrite pass: survey the layers, decide per layer, let the onnxscript rules replace the
-selected ones, and report every candidate layer."""
+"""The rewrite pass: survey once (rules -> layer records, attention cores), decide per layer
+(decide/compose), let the chosen technique build its op, and replace the matched nodes with it;
+then the attention cores. Every candidate layer and core is reported."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -7,29 +8,23 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRuleSet
 
-from .attention_rules import list_attention, rewrite_attention
+from .attention import AttentionCore, default_opset
 from .compose import check_attention
 from .config import RewriteConfig
-from .layers import LinearLayer, survey
-from .plan import WeightPreparer, decide_layer
-from .report import REWRITTEN, SKIPPED, LayerRecord, RewriteReport
-from .rules import DOMAIN, DOMAIN_VERSION, LayerPlan, make_rules
-from .techniques import BIAS, TECHNIQUES, WEIGHT, LayerWeights
-
-
-def _record(layer: LinearLayer, decision: str, reason: str, **extra) -> LayerRecord:
-    return LayerRecord(index=layer.index, name=layer.name, op_type=layer.op_type,
-                       layer_class=layer.layer_class, role=layer.role, k=layer.k, n=layer.n,
-                       weight=layer.weight_name, rule=layer.rule, decision=decision, reason=reason,
-                       near_misses=list(layer.near_misses), class_reason=layer.class_reason, **extra)
+from .decide import decide_layer
+from .layers import LinearLayer, Survey, survey
+from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
+from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
+from .rules import DOMAIN, DOMAIN_VERSION
+from .techniques import TECHNIQUES, LayerWeights
+from .techniques.popcount import OP_TYPE, AttentionSettings
 
 
 def list_layers(model: onnx.ModelProto | ir.Model, config: RewriteConfig | None = None) -> RewriteReport:
     """The report a rewrite would produce, without changing anything."""
     ir_model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
-    return _plan_and_apply(ir_model, config or RewriteConfig(), apply=False)
+    return _run(ir_model, config or RewriteConfig(), apply=False)
 
 
 def rewrite_model(
@@ -39,7 +34,8 @@ def rewrite_model(
     on_stage: Callable[[str], None] | None = None,
     calibration: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
-    """Replace the selected linear layers by ortsparse ops.
+    """Replace the selected linear layers (and, with ``config.attention``, the attention cores) by
+    ortsparse ops.
 
     A ``ModelProto`` is left untouched and a new ``ModelProto`` is returned; an ``ir.Model`` is
     rewritten in place and returned. ``on_stage`` is called with the name of each stage (progress).
@@ -48,118 +44,117 @@ def rewrite_model(
     """
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
-        report = _plan_and_apply(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage,
-                                 calibration=calibration)
+        report = _run(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage, calibration=calibration)
         return ir.to_proto(ir_model), report
     if isinstance(model, ir.Model):
-        return model, _plan_and_apply(model, config or RewriteConfig(), apply=True, on_stage=on_stage,
-                                      calibration=calibration)
+        return model, _run(model, config or RewriteConfig(), apply=True, on_stage=on_stage,
+                           calibration=calibration)
     raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
 
 
-def _layer_weights(layer: LinearLayer, operands, calibration) -> LayerWeights:
-    def weight() -> np.ndarray:
-        array = operands.weight.const_value.numpy()
-        return np.ascontiguousarray(array.T if operands.weight_is_transposed else array, dtype=np.float32)
+def _record(layer: LinearLayer, decision: str, reason: str, **extra) -> LayerRecord:
+    return LayerRecord(index=layer.index, name=layer.name, op_type=layer.op_type,
+                       layer_class=layer.layer_class, role=layer.role, k=layer.k, n=layer.n,
+                       weight=layer.weight_name, rule=layer.rule, decision=decision, reason=reason,
+                       near_misses=list(layer.near_misses), class_reason=layer.class_reason, **extra)
 
-    def bias() -> np.ndarray | None:
-        if operands.bias is None:
-            return None
-        flat = operands.bias.const_value.numpy().reshape(-1).astype(np.float32)
-        return np.ascontiguousarray(np.broadcast_to(flat, (layer.n,)))
 
+def _skip(record: LayerRecord, reason: str) -> None:
+    record.decision, record.new_op, record.settings, record.partners = SKIPPED, None, None, {}
+    record.attributes, record.is_exact, record.reason = None, True, reason
+
+
+def _layer_weights(layer: LinearLayer, calibration: Mapping[str, np.ndarray] | None) -> LayerWeights:
+    operands = layer.operands
     samples = calibration.get(layer.name) if calibration else None
-    return LayerWeights(name=layer.name, k=layer.k, n=layer.n, weight=weight, bias=bias, calibration=samples)
+    return LayerWeights(name=layer.name, k=operands.k, n=operands.n, weight=operands.weight.matrix,
+                        bias=operands.bias_vector, calibration=samples, weight_form=operands.weight.form)
 
 
-def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
-                    on_stage: Callable[[str], None] | None = None,
-                    calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
+def _linear_layers(found: Survey, config: RewriteConfig, editor: GraphEditor | None, preparer: WeightPreparer | None,
+                   calibration: Mapping[str, np.ndarray] | None, stage: Callable[[str], None]) -> list[LayerRecord]:
+    """One record per candidate layer; with an ``editor``, each selected layer is replaced."""
+    records = []
+    for layer in found.layers:
+        decision = decide_layer(layer, config)
+        if decision.op_type is None:
+            records.append(_record(layer, SKIPPED, decision.why))
+            continue
+        if layer.rule is None:
+            records.append(_record(layer, SKIPPED, layer.blocker))
+            continue
+        chosen = (decision.settings, *decision.partners.values())
+        exact = all(s.for_layer(layer.k).is_exact(layer.k or 0) for s in chosen)
+        record = _record(layer, REWRITTEN, decision.why, new_op=decision.op_type,
+                         settings=decision.settings.for_layer(layer.k), partners=dict(decision.partners),
+                         is_exact=exact)
+        records.append(record)
+        if editor is None:
+            continue
+        if not editor.alive(layer.operands.nodes):
+            _skip(record, "its nodes were consumed by an overlapping rewrite")
+            continue
+        stage(f"build {layer.name}")
+        built = TECHNIQUES[decision.lead].build(_layer_weights(layer, calibration), decision.settings,
+                                                decision.partners)
+        record.notes.extend(built.notes)
+        if built.op_type is None:  # the technique kept the layer dense (e.g. TT's gap check)
+            _skip(record, f"{decision.lead}: " + ("; ".join(built.notes) or "kept dense"))
+            continue
+        record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
+        emit_linear(editor, preparer, layer.name, layer.rule, layer.operands, built)
+    return records
+
+
+def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, why_off: str,
+               editor: GraphEditor | None, opset: int) -> list[AttentionRecord]:
+    """One record per candidate core; with an ``editor`` and settings, each core a rule takes is
+    replaced."""
+    records = []
+    for index, core in enumerate(cores):
+        record = AttentionRecord(index=index, anchor=core.anchor_name, form=core.form,
+                                 rule=core.rule.rule_name if core.rule else None, decision=SKIPPED, reason="",
+                                 near_misses=list(core.near_misses))
+        records.append(record)
+        if core.rule is None:
+            record.reason = core.near_misses[0][1] if core.near_misses else "no attention rule matches this core"
+            continue
+        record.detail = core.operands.describe()
+        if settings is None:
+            record.reason = why_off
+            continue
+        record.decision, record.new_op, record.settings = REWRITTEN, OP_TYPE, settings
+        record.reason, record.notes = f"rule {core.rule.rule_name}", list(core.operands.notes)
+        if editor is None:
+            continue
+        if not editor.alive(core.operands.nodes[:1]):
+            record.decision, record.new_op, record.settings = SKIPPED, None, None
+            record.reason = "its nodes were consumed by an overlapping rewrite"
+            continue
+        record.node_name = emit_attention(editor, core, settings, opset)
+    return records
+
+
+def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Callable[[str], None] | None = None,
+         calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
     stage = on_stage or (lambda _: None)
     check_attention(config)
     stage("analyse")
     found = survey(model)
-    layers = found.layers
-    records: dict[int, LayerRecord] = {}
-    metadata: dict[str, dict[str, str]] = {}
-    plans: dict[int, LayerPlan] = {}
-    preparer = WeightPreparer(model.graph)
-    for layer in layers:
-        decision = decide_layer(layer, config)
-        if decision.op_type is None:
-            records[layer.index] = _record(layer, SKIPPED, decision.why)
-            continue
-        if layer.rule is None:
-            records[layer.index] = _record(layer, SKIPPED, layer.blocker)
-            continue
-        technique = TECHNIQUES[decision.lead]
-        exact = all(s.for_layer(layer.k).is_exact(layer.k or 0)
-                    for s in (decision.settings, *decision.partners.values()))
-        record = _record(layer, REWRITTEN, decision.why, new_op=decision.op_type,
-                         settings=decision.settings.for_layer(layer.k), partners=dict(decision.partners),
-                         is_exact=exact)
-        records[layer.index] = record
-        if not apply:
-            continue
-        stage(f"build {layer.name}")
-        operands = layer.operands
-        built = technique.build(_layer_weights(layer, operands, calibration), decision.settings,
-                                decision.partners)
-        record.notes.extend(built.notes)
-        if built.op_type is None:  # the technique kept the layer dense (e.g. TT's gap check)
-            record.decision, record.new_op, record.settings, record.partners = SKIPPED, None, None, {}
-            record.is_exact = True
-            record.reason = f"{decision.lead}: " + ("; ".join(built.notes) or "kept dense")
-            continue
-        record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
-        inputs = []
-        for position, entry in enumerate(built.inputs):
-            if isinstance(entry, str) and entry == WEIGHT:
-                inputs.append(preparer.weight(operands))
-            elif isinstance(entry, str) and entry == BIAS:
-                inputs.append(preparer.bias(operands, layer.n))
-            elif entry is None:
-                inputs.append(None)
-            else:
-                inputs.append(preparer.new_initializer(f"{layer.name or 'layer'}_{built.op_type}_{position}", entry))
-        if WEIGHT not in [e for e in built.inputs if isinstance(e, str)]:
-            preparer.replaced(operands)
-        plans[id(layer.node)] = LayerPlan(rule=layer.rule, op_type=built.op_type, node_name=layer.name,
-                                          inputs=tuple(inputs), attributes=built.attributes)
-        if built.metadata:
-            metadata[layer.name] = built.metadata
-
-    report = RewriteReport(layers=[records[layer.index] for layer in layers], config=config,
-                           attention_cores=found.attention_cores, preview=not apply)
-    if apply and plans:
-        _apply_plans(model, layers, records, plans, metadata, preparer, report, stage)
-    # Attention last: the linear rules never touch attention cores, and the cores' survey must see
-    # the q/k/v values as the linear rewrite left them.
+    editor = GraphEditor(model) if apply else None
+    preparer = WeightPreparer(model.graph) if apply else None
+    layers = _linear_layers(found, config, editor, preparer, calibration, stage)
+    report = RewriteReport(layers=layers, config=config, attention_cores=found.attention_cores, preview=not apply)
+    if apply and config.attention is not None:
+        stage("attention")
+    # Attention last: a core's operands may be values the linear replacements took the place of
+    # (the editor maps them), never the other way round.
+    report.attention = _attention(found.attention.candidates, config.attention, config.attention_why, editor,
+                                  default_opset(model))
     if apply:
-        if config.attention is not None:
-            stage("attention")
-        report.attention = rewrite_attention(model, config.attention, config.attention_why)
-    else:
-        report.attention = list_attention(model, config.attention, config.attention_why)
+        preparer.drop_unused()
+        report.added_initializers = list(preparer.added)
+        report.removed_initializers = list(preparer.removed)
+        if report.rewritten or any(a.rewritten for a in report.attention):
+            model.opset_imports[DOMAIN] = DOMAIN_VERSION
     return report
-
-
-def _apply_plans(model, layers, records, plans, metadata, preparer, report, stage) -> None:
-
-    stage("rewrite")
-    RewriteRuleSet([rule for _, rule in make_rules(plans)]).apply_to_model(model)
-    for layer in layers:
-        record = records[layer.index]
-        if record.rewritten and layer.node.graph is not None:
-            # The survey matched, so this means another rewrite consumed part of the pattern.
-            record.decision, record.new_op, record.settings, record.partners = SKIPPED, None, None, {}
-            record.attributes, record.is_exact = None, True
-            record.reason = "pattern no longer matched at rewrite time (overlapping rewrite)"
-    for node in model.graph:
-        if node.domain == DOMAIN and node.name in metadata:
-            node.metadata_props.update(metadata[node.name])
-    preparer.drop_unused()
-    if report.rewritten:
-        model.opset_imports[DOMAIN] = DOMAIN_VERSION
-    report.added_initializers = list(preparer.added)
-    report.removed_initializers = list(preparer.removed)

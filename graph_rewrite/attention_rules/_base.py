@@ -1,32 +1,29 @@
-"""What every attention rule shares: reading the matched form into normalised operands
+"""What every attention rule shares: reading a core of its form into normalised operands
 (Q/K/V as [B, H, S, D] plus pending transposes, scale, masks, GQA) and emitting PopcountAttention.
 
-A rule instance is built without settings (survey: check only, near-misses explain themselves) or
-with the pass's settings and a list that collects what was rewritten (apply). ``check`` and
-``rewrite`` both call the rule's pure ``analyze``; nothing flows from one to the other through
-``self``.
+A rule is stateless: ``takes`` says whether a core's anchor node has the rule's form,
+``analyze`` reads the core once (during the survey, graph_rewrite/attention.py) into a
+:class:`Core` or a ``MatchResult().fail(reason, value)`` near-miss, and ``emit`` builds the
+replacement from that Core (graph_rewrite/replace.py).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter import MatchResult
 
 from ..graph_utils import dims_of, is_onnx_op
+from ..rules import DOMAIN, DOMAIN_VERSION
 from ..techniques.popcount import OP_TYPE, AttentionSettings
 
-DOMAIN = "ai.ortsparse"
-DOMAIN_VERSION = 1
 IDENTITY4 = (0, 1, 2, 3)
 SWAP_LAST2 = (0, 1, 3, 2)
-# Reasons starting with this are not near-misses: the anchor is no attention core at all.
-NOT_ATTENTION = "not an attention core"
 
 
 @dataclasses.dataclass
@@ -63,6 +60,15 @@ class Core:
     name_hint: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    def resolved(self, current: Callable[[ir.Value], ir.Value]) -> Core:
+        """This core with every operand value mapped through ``current`` (values the graph edits
+        made before this core's turn replaced; see replace.GraphEditor)."""
+        def operand(o: Operand) -> Operand:
+            return dataclasses.replace(o, value=current(o.value))
+
+        return dataclasses.replace(self, q=operand(self.q), k=operand(self.k), v=operand(self.v),
+                                   masks=[dataclasses.replace(m, value=current(m.value)) for m in self.masks])
+
     def describe(self) -> str:
         parts = [f"scale={'1/sqrt(D)' if self.scale == 0.0 else f'{self.scale:g}'}"]
         if self.masks:
@@ -75,16 +81,6 @@ class Core:
             if operand.perm is not None:
                 parts.append(f"{name} transposed {list(operand.perm)}")
         return ", ".join(parts)
-
-
-@dataclasses.dataclass
-class Rewritten:
-    """One core the pass replaced."""
-
-    rule: str
-    anchor: str
-    node_name: str
-    core: Core
 
 
 # -- reading constants --------------------------------------------------------------------------
@@ -363,48 +359,23 @@ def emit_attention(op, core: Core, settings: AttentionSettings, name: str | None
                  scale=float(core.scale), is_causal=int(core.is_causal), **settings.attributes())
 
 
-class AttentionRule(RewriteRuleClassBase, abc.ABC):
-    """Base of the rules that turn one attention core into PopcountAttention."""
+class AttentionRule(abc.ABC):
+    """Base of the rules that turn one attention core (of one form) into PopcountAttention."""
 
     rule_name: ClassVar[str]
     before_after: ClassVar[str]
 
-    def __init__(self, settings: AttentionSettings | None = None, done: list[Rewritten] | None = None,
-                 names: Any = None, opset: int = 17) -> None:
-        super().__init__(name=self.rule_name)
-        self._settings = settings
-        self._done = done
-        self._names = names
-        self._opset = opset  # default-domain opset of the model (Split's signature depends on it)
+    @abc.abstractmethod
+    def takes(self, anchor: ir.Node) -> bool:
+        """Whether ``anchor`` (a fused attention op, or an eager core's context MatMul) has this
+        rule's form; only then is :meth:`analyze` asked."""
 
     @abc.abstractmethod
-    def analyze(self, anchor: ir.Node, **bindings: Any) -> tuple[MatchResult, Core | None]:
-        """Whether the matched node is an attention core this rule can replace, and its operands."""
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
+        """Whether the core at ``anchor`` can become PopcountAttention (the reason when not), and
+        its operands. ``opset``: the model's default-domain opset."""
 
-    @abc.abstractmethod
-    def anchor_of(self, **bindings: Any) -> ir.Node:
-        """The node the pattern is rooted at."""
-
-    def check(self, context, **bindings: Any) -> MatchResult:
-        result, _ = self.analyze(self.anchor_of(**bindings), **bindings)
-        return result
-
-    def node_name(self, core: Core, anchor: ir.Node) -> str | None:
-        hint = core.name_hint or anchor.name or ""
-        prefix = hint.rsplit("/", 1)[0] if "/" in hint else hint
-        wanted = f"{prefix}/{OP_TYPE}" if prefix else OP_TYPE
-        return self._names.new(wanted) if self._names is not None else wanted
-
-    def record(self, anchor: ir.Node, core: Core, name: str | None) -> None:
-        if self._done is not None:
-            self._done.append(Rewritten(self.rule_name, anchor.name or "", name or "", core))
-
-    def rewrite(self, op, **bindings: Any):
-        anchor = self.anchor_of(**bindings)
-        _, core = self.analyze(anchor, **bindings)
-        name = self.node_name(core, anchor)
-        self.record(anchor, core, name)
-        return self.emit(op, core, anchor, name, **bindings)
-
-    def emit(self, op, core: Core, anchor: ir.Node, name: str | None, **bindings: Any):
-        return emit_attention(op, core, self._settings, name)
+    def emit(self, op, core: Core, anchor: ir.Node, settings: AttentionSettings, name: str | None,
+             opset: int) -> ir.Value:
+        """The replacement of ``anchor``'s output, built with ``op`` (a node builder)."""
+        return emit_attention(op, core, settings, name)

@@ -19,14 +19,11 @@ Where(IsNaN(P), 0, P) (SDPA's guard for fully masked rows) is dropped: see docs/
 """
 from __future__ import annotations
 
-from typing import Any
-
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
 from ..graph_utils import is_constant_like, is_onnx_op, op_name
 from ._base import (
-    NOT_ATTENTION,
     AttentionRule,
     Core,
     Mask,
@@ -87,18 +84,17 @@ class EagerAttention(AttentionRule):
     rule_name = "attention_eager"
     before_after = "MatMul(Softmax(MatMul(Q, K^T)·scale + mask), V) -> PopcountAttention(Q, K, V, mask)"
 
-    def pattern(self, op, probs, v):
-        return op.MatMul(probs, v, _outputs=["attn_out"])
+    def takes(self, anchor: ir.Node) -> bool:
+        return is_onnx_op(anchor, "MatMul") and len(anchor.inputs) == 2
 
-    def anchor_of(self, attn_out: ir.Value, **_: Any) -> ir.Node:
-        return attn_out.producer()
-
-    def analyze(self, anchor: ir.Node, probs: ir.Value, v: ir.Value, **_: Any) -> tuple[MatchResult, Core | None]:
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
         result = MatchResult()
+        probs, v = anchor.inputs
         nodes: list[ir.Node] = [anchor]
         softmax = _softmax_of(probs, nodes)
         if softmax is None:
-            return result.fail(f"{NOT_ATTENTION}: input 0 of '{anchor.name}' is no Softmax output"), None
+            return result.fail(f"input 0 of '{anchor.name}' reaches the Softmax through ops other than Cast, Identity, "
+                               "Dropout and the IsNaN guard", anchor), None
         nodes.append(softmax)
         axis = softmax.attributes.get_int("axis", -1)
         rank = rank_of(softmax.inputs[0])
@@ -149,8 +145,8 @@ class EagerAttention(AttentionRule):
                 value = producer.inputs[0]
             else:
                 what = "a graph input" if producer is None else f"{op_name(producer)} '{producer.name}'"
-                return result.fail(f"{NOT_ATTENTION}: the Softmax '{softmax.name}' input comes from {what}, "
-                                   "not from MatMul(Q, K^T)"), None
+                return result.fail(f"the Softmax '{softmax.name}' input comes from {what}, which the rule does not "
+                                   "follow back to MatMul(Q, K^T)", softmax), None
             nodes.append(producer)
         if score is None:
             return result.fail(f"no MatMul(Q, K^T) found before Softmax '{softmax.name}'", softmax), None

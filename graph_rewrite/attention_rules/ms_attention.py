@@ -27,11 +27,11 @@ Declined (near-misses): past state, packed QKV, rotary inside the op, 3-D/4-D ma
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
+from ..techniques.popcount import AttentionSettings
 from ._base import (
     AttentionRule,
     Core,
@@ -87,8 +87,10 @@ def _padding_additive(op, mask: ir.Value, key_heads: ir.Value, fill: float) -> i
 
 
 class _FusedRule(AttentionRule):
-    def anchor_of(self, attn_out: ir.Value, **_: Any) -> ir.Node:
-        return attn_out.producer()
+    op_type: str
+
+    def takes(self, anchor: ir.Node) -> bool:
+        return anchor.domain == MS and anchor.op_type == self.op_type
 
     def _common(self, anchor: ir.Node, first_optional: int) -> MatchResult:
         result = MatchResult()
@@ -109,15 +111,16 @@ class _FusedRule(AttentionRule):
 class MsAttention(_FusedRule):
     rule_name = "attention_ms_attention"
     before_after = "com.microsoft.Attention(X, Wqkv, bqkv, mask) -> MatMul+Split+PopcountAttention"
+    op_type = "Attention"
 
-    def pattern(self, op, x, w):
-        return op.Attention(x, w, _domain=MS, _allow_other_inputs=True, _outputs=["attn_out"])
-
-    def analyze(self, anchor: ir.Node, x: ir.Value, w: ir.Value, **_: Any) -> tuple[MatchResult, Core | None]:
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
         result = self._common(anchor, first_optional=6)
         if not result:
             return result, None
         inputs = list(anchor.inputs) + [None] * (6 - len(anchor.inputs))
+        x, w = inputs[0], inputs[1]
+        if x is None or w is None:
+            return result.fail(f"Attention '{anchor.name}' lacks its input or weight", anchor), None
         if inputs[4] is not None:
             return result.fail(f"Attention '{anchor.name}' takes past state: not rewritten", anchor), None
         check = check_float(x, "input")
@@ -144,7 +147,8 @@ class MsAttention(_FusedRule):
             core.notes.append("no bias")
         return result, core
 
-    def emit(self, op, core: Core, anchor: ir.Node, name: str | None, **_: Any):
+    def emit(self, op, core: Core, anchor: ir.Node, settings: AttentionSettings, name: str | None,
+             opset: int) -> ir.Value:
         heads = anchor.attributes.get_int("num_heads", 0)
         x, w = anchor.inputs[0], anchor.inputs[1]
         bias = anchor.inputs[2] if len(anchor.inputs) > 2 else None
@@ -154,28 +158,30 @@ class MsAttention(_FusedRule):
         sizes = tuple(anchor.attributes.get_ints("qkv_hidden_sizes", ()))
         if sizes:
             q, k, v = op.Split(qkv, op.Constant(value_ints=list(sizes)), axis=-1, _outputs=3)
-        elif self._opset >= 18:
+        elif opset >= 18:
             q, k, v = op.Split(qkv, axis=-1, num_outputs=3, _outputs=3)
         else:
             q, k, v = op.Split(qkv, axis=-1, _outputs=3)
         qh, kh, vh = _heads(op, q, heads), _heads(op, k, heads), _heads(op, v, heads)
         masks = [Mask("add", _padding_additive(op, m.value, kh, m.fill)) if m.kind == "padding" else m for m in core.masks]
         core = dataclasses.replace(core, q=Operand(qh), k=Operand(kh), v=Operand(vh), masks=masks)
-        return _merge(op, emit_attention(op, core, self._settings, name))
+        return _merge(op, emit_attention(op, core, settings, name))
 
 
 class MsMultiHeadAttention(_FusedRule):
     rule_name = "attention_ms_mha"
     before_after = "com.microsoft.MultiHeadAttention(Q, K, V, bias, mask) -> PopcountAttention(heads(Q), ...)"
+    op_type = "MultiHeadAttention"
 
-    def pattern(self, op, q, k, v):
-        return op.MultiHeadAttention(q, k, v, _domain=MS, _allow_other_inputs=True, _outputs=["attn_out"])
-
-    def analyze(self, anchor: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value, **_: Any) -> tuple[MatchResult, Core | None]:
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
         result = self._common(anchor, first_optional=6)
         if not result:
             return result, None
         inputs = list(anchor.inputs) + [None] * (6 - len(anchor.inputs))
+        q, k, v = inputs[:3]
+        if q is None or k is None or v is None:
+            return result.fail(f"MultiHeadAttention '{anchor.name}' has no separate key/value (packed QKV): not "
+                               "rewritten", anchor), None
         unknown = []
         for value, what in ((q, "query"), (k, "key"), (v, "value")):
             rank = rank_of(value)
@@ -205,14 +211,16 @@ class MsMultiHeadAttention(_FusedRule):
             core.notes.append(f"rank of {', '.join(unknown)} unknown: taken as 3-D [B, S, H*D]")
         return result, core
 
-    def emit(self, op, core: Core, anchor: ir.Node, name: str | None, q, k, v, **_: Any):
+    def emit(self, op, core: Core, anchor: ir.Node, settings: AttentionSettings, name: str | None,
+             opset: int) -> ir.Value:
         heads = anchor.attributes.get_int("num_heads", 0)
+        q, k, v = core.q.value, core.k.value, core.v.value
         bias = anchor.inputs[3] if len(anchor.inputs) > 3 else None
         if bias is not None:
-            bq, bk, bv = op.Split(bias, axis=0, num_outputs=3, _outputs=3) if self._opset >= 18 \
+            bq, bk, bv = op.Split(bias, axis=0, num_outputs=3, _outputs=3) if opset >= 18 \
                 else op.Split(bias, axis=0, _outputs=3)
             q, k, v = op.Add(q, bq), op.Add(k, bk), op.Add(v, bv)
         qh, kh, vh = _heads(op, q, heads), _heads(op, k, heads), _heads(op, v, heads)
         masks = [Mask("add", _padding_additive(op, m.value, kh, m.fill)) if m.kind == "padding" else m for m in core.masks]
         core = dataclasses.replace(core, q=Operand(qh), k=Operand(kh), v=Operand(vh), masks=masks)
-        return _merge(op, emit_attention(op, core, self._settings, name))
+        return _merge(op, emit_attention(op, core, settings, name))

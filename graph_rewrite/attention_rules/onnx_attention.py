@@ -16,11 +16,10 @@ Declined (near-misses): 3-D inputs, past_key/past_value, softcap, extra outputs 
 """
 from __future__ import annotations
 
-from typing import Any
-
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
+from ..graph_utils import is_onnx_op
 from ._base import (
     AttentionRule,
     Core,
@@ -38,15 +37,15 @@ class OnnxAttention(AttentionRule):
     rule_name = "attention_onnx"
     before_after = "Attention(Q, K, V, mask) -> PopcountAttention(Q, K, V, mask)"
 
-    def pattern(self, op, q, k, v):
-        return op.Attention(q, k, v, _allow_other_inputs=True, _outputs=["attn_out"])
+    def takes(self, anchor: ir.Node) -> bool:
+        return is_onnx_op(anchor, "Attention")
 
-    def anchor_of(self, attn_out: ir.Value, **_: Any) -> ir.Node:
-        return attn_out.producer()
-
-    def analyze(self, anchor: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value, **_: Any) -> tuple[MatchResult, Core | None]:
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
         result = MatchResult()
         inputs = list(anchor.inputs) + [None] * (7 - len(anchor.inputs))
+        q, k, v = inputs[:3]
+        if q is None or k is None or v is None:
+            return result.fail(f"Attention '{anchor.name}' lacks Q, K or V", anchor), None
         if inputs[4] is not None or inputs[5] is not None:
             return result.fail(f"Attention '{anchor.name}' takes past_key/past_value (KV cache inside the op): "
                                "not rewritten", anchor), None

@@ -1,18 +1,22 @@
-"""What every linear-layer rule shares: weight/bias checks and the replacement node.
+"""What every linear-layer rule shares: the operands a match yields, weight/bias checks, matching.
 
-A rule instance is built either without a plan (survey: only the structure is checked, so
-near-misses explain themselves) or with the pass's plan (apply: a match is rewritten only when the
-plan selected this layer for this rule, with the plan's weight, bias and attributes).
+A rule is a pattern (onnxscript pattern syntax) and a ``check`` that returns
+``MatchResult().fail(reason, value)`` so near-misses explain themselves. A rule only *matches*:
+the survey (graph_rewrite/layers.py) runs it once per layer and keeps the :class:`LinearOperands`
+it yields; the replacement (graph_rewrite/replace.py) emits the chosen technique's node from those
+operands. Nothing flows from ``check`` to anywhere else through ``self``.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus
+from onnxscript.rewriter.pattern import Pattern
 
 from ..graph_utils import constant_tensor, dims_of, why_not_constant
 
@@ -21,24 +25,59 @@ DOMAIN_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Operands:
-    """Where a matched layer's operands are in the original graph."""
+class FloatWeight:
+    """A float32 weight initializer: [K, N], or [N, K] when ``transposed`` (Gemm transB=1, a
+    ``Transpose(E)``; the op then takes one [K, N] copy).
 
-    x: ir.Value
-    weight: ir.Value  # the original initializer
-    weight_is_transposed: bool  # True: stored [N, K], the op needs a [K, N] copy
-    bias: ir.Value | None  # the original bias initializer, any shape broadcastable to [N]
+    The weight *forms* a rule can yield; a quantized form (MatMulNBits: packed B, scales, zero
+    points, attributes K, N, bits, block_size) is a sibling dataclass with the same ``form``,
+    ``name``, ``sources`` and ``matrix()`` (dequantized), whose ``sources`` the replacement passes
+    through to a technique that gates the stored form (``WEIGHT`` in ``OpBuild.inputs``)."""
+
+    value: ir.Value
+    transposed: bool = False
+    form: ClassVar[str] = "float32"
+
+    @property
+    def name(self) -> str:
+        return self.value.name or ""
+
+    @property
+    def sources(self) -> tuple[ir.Value, ...]:
+        """The initializers this weight is read from (dropped when nothing uses them afterwards)."""
+        return (self.value,)
+
+    def matrix(self) -> np.ndarray:
+        """W as a contiguous [K, N] float32 array."""
+        array = self.value.const_value.numpy()
+        return np.ascontiguousarray(array.T if self.transposed else array, dtype=np.float32)
+
+
+LayerWeight = FloatWeight  # the union of weight forms (one today)
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """How the pass wants one layer replaced (values already prepared in the graph)."""
+class LinearOperands:
+    """One matched linear layer: ``y = x @ W + bias`` over the last axis.
 
-    rule: str
-    op_type: str
-    node_name: str
-    inputs: tuple[ir.Value | None, ...]  # after X; None = an omitted optional input
-    attributes: Mapping[str, Any]
+    ``x`` and ``y`` are values of the input graph (``y`` is what the op's output replaces: the
+    layer's result after its folded bias), ``nodes`` the matched nodes the op replaces, ``bias``
+    the original constant (any shape broadcastable to [N]) or None."""
+
+    x: ir.Value
+    weight: LayerWeight
+    bias: ir.Value | None
+    y: ir.Value
+    nodes: tuple[ir.Node, ...]
+    k: int
+    n: int
+
+    def bias_vector(self) -> np.ndarray | None:
+        """The bias as a contiguous [N] float32 array (None without a bias)."""
+        if self.bias is None:
+            return None
+        flat = self.bias.const_value.numpy().reshape(-1).astype(np.float32)
+        return np.ascontiguousarray(np.broadcast_to(flat, (self.n,)))
 
 
 def weight_dims(weight: ir.Value, transposed: bool) -> tuple[MatchResult, int, int]:
@@ -92,42 +131,84 @@ def output_rank(x: ir.Value) -> int | None:
     return None if dims is None else max(len(dims), 1)
 
 
-class LinearRule(RewriteRuleClassBase, abc.ABC):
-    """Base of the rules that turn one linear layer into an ortsparse op.
+@dataclasses.dataclass(frozen=True)
+class RuleMatch:
+    """The outcome of trying one rule on one layer: ``operands`` when it matched, else the
+    check's reason when the pattern's shape fitted (a near-miss) or None (a different shape)."""
 
-    Subclasses name the layer's output ``linear_out`` in their pattern, and implement
-    :meth:`check_structure` and :meth:`operands`.
-    """
+    operands: LinearOperands | None
+    near_misses: tuple[str, ...] = ()
+
+
+class _LastResult(MatchingTracer):
+    """Keeps the outcome of the single match attempt it is handed (reason included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.status: MatchStatus | None = None
+        self.result: MatchResult | None = None
+
+    def log(self, rule, container, node, match_result, status) -> None:
+        self.status, self.result = status, match_result
+
+
+class LinearRule(abc.ABC):
+    """Base of the linear-layer rules. Subclasses give ``pattern`` (naming the layer's MatMul or
+    Gemm output ``linear_out``), ``check`` and ``operands``; ``commuted`` patterns are tried as
+    well (an Add's inputs either way round)."""
 
     rule_name: ClassVar[str]
     before_after: ClassVar[str]
 
-    def __init__(self, plan: Mapping[int, LayerPlan] | None = None) -> None:
-        super().__init__(name=self.rule_name)
-        self._plan = plan
+    def __init__(self) -> None:
+        self._patterns = [Pattern(p, self.check, name=self.rule_name) for p in (self.pattern, *self.commuted())]
 
     @abc.abstractmethod
-    def check_structure(self, linear: ir.Node, **bindings: Any) -> MatchResult:
-        """Whether the matched layer can become the op at all (constants, dtypes, attributes)."""
+    def pattern(self, op, *args: Any) -> Any:
+        """The onnxscript pattern this rule matches."""
+
+    def commuted(self) -> Sequence[Callable[..., Any]]:
+        """Further patterns for the same structure (inputs of commutative ops swapped)."""
+        return ()
 
     @abc.abstractmethod
-    def operands(self, linear: ir.Node, bindings: Mapping[str, Any]) -> Operands:
-        """Operands of a match that passed :meth:`check_structure`."""
-
     def check(self, context, linear_out: ir.Value, **bindings: Any) -> MatchResult:
-        linear = linear_out.producer()
-        result = self.check_structure(linear, linear_out=linear_out, **bindings)
-        if not result or self._plan is None:
-            return result
-        plan = self._plan.get(id(linear))
-        if plan is None or plan.rule != self.rule_name:
-            return MatchResult().fail(f"layer '{linear.name}' is not selected for rule {self.rule_name}", linear)
-        return result
+        """Whether the matched layer can become an op at all (constants, dtypes, attributes)."""
 
-    def rewrite(self, op, linear_out: ir.Value, x: ir.Value, **_: Any):
-        plan = self._plan[id(linear_out.producer())]
-        inputs = [x, *plan.inputs]
-        while inputs and inputs[-1] is None:  # trailing optional inputs are simply left out
-            inputs.pop()
-        return op.op(plan.op_type, *inputs, _domain=DOMAIN, _version=DOMAIN_VERSION,
-                     _name=plan.node_name or None, **plan.attributes)
+    @abc.abstractmethod
+    def operands(self, match: MatchResult) -> LinearOperands:
+        """The operands of a match that passed :meth:`check`."""
+
+    def try_layer(self, model: ir.Model, layer: ir.Node, anchors: Sequence[ir.Node]) -> RuleMatch:
+        """Match this rule on ``layer`` (the MatMul/Gemm node), rooted at each of ``anchors`` (the
+        layer itself and its bias Add). Structural mismatches (a MatMul is not a Gemm) are no
+        near-misses, except a match blocked by outside uses of its inner values."""
+        near_misses: list[str] = []
+        for pattern in self._patterns:
+            for anchor in anchors:
+                tracer = _LastResult()
+                match = pattern.match(model, model.graph, anchor, tracer=tracer)
+                if match and layer in match.nodes:
+                    return RuleMatch(self.operands(match))
+                reason = _near_miss(tracer)
+                if reason and layer in tracer.result.nodes and reason not in near_misses:
+                    near_misses.append(reason)
+        return RuleMatch(None, tuple(near_misses))
+
+
+def _near_miss(tracer: _LastResult) -> str | None:
+    """The check's reason when the pattern's shape matched; structural mismatches (a MatMul is
+    not a Gemm) are not near-misses, except a match blocked by outside uses of its inner values."""
+    if tracer.result is None or not tracer.result.reason:
+        return None
+    if tracer.status in (MatchStatus.CONDITION_FAILED, MatchStatus.REPLACEMENT_FAILED):
+        return tracer.result.reason
+    if tracer.status == MatchStatus.NO_MATCH and "other uses" in tracer.result.reason:
+        return "an inner value of the pattern is also used elsewhere, so its nodes cannot be replaced"
+    return None
+
+
+def matched_output(match: MatchResult) -> ir.Value:
+    """The value a match computes (the pattern's single output)."""
+    (output,) = match.outputs
+    return output

@@ -1,11 +1,11 @@
-"""A Gemm with a constant weight (and optional bias C) becomes a KwtaBlockMatMul.
+"""Gemm with a constant weight (and optional bias C): one linear layer.
 
 Before -> After::
 
     Y = Gemm(X, W[, C], transB=0|1)       alpha = 1, beta = 1 (when C is given), transA = 0
         W: constant float32 [K, N] (transB=0) or [N, K] (transB=1); C: constant, broadcastable to [N]
     ->
-    Y = ai.ortsparse.KwtaBlockMatMul(X, W', C', <settings>)
+    Y = ai.ortsparse.<op>(X, W', C', <settings>)       <op>: the chosen technique's (KwtaBlockMatMul...)
 
 W' = W for transB=0, else one transposed [K, N] copy per original initializer (shared by every
 layer that used it; the original is dropped when nothing else uses it). GPT-2's Conv1D,
@@ -13,27 +13,27 @@ layer that used it; the original is dropped when nothing else uses it). GPT-2's 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from ._base import LinearRule, Operands, check_activation, check_bias, weight_dims
+from ._base import FloatWeight, LinearOperands, LinearRule, check_activation, check_bias, matched_output, weight_dims
 
 
 def _gemm_bias(linear: ir.Node) -> ir.Value | None:
     return linear.inputs[2] if len(linear.inputs) > 2 else None
 
 
-class GemmToKwta(LinearRule):
+class GemmRule(LinearRule):
     rule_name = "gemm"
-    before_after = "Gemm(X, W, C, transB=0|1) -> KwtaBlockMatMul(X, W or W^T, C)"
+    before_after = "Gemm(X, W, C, transB=0|1) -> <op>(X, W or W^T, C)"
 
     def pattern(self, op, x, w):
         return op.Gemm(x, w, _allow_other_inputs=True, _outputs=["linear_out"])
 
-    def check_structure(self, linear: ir.Node, x: ir.Value, w: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context, linear_out: ir.Value, x: ir.Value, w: ir.Value, **_: Any) -> MatchResult:
+        linear = linear_out.producer()
         attributes = linear.attributes
         trans_a = attributes.get_int("transA", 0)
         trans_b = attributes.get_int("transB", 0)
@@ -54,7 +54,10 @@ class GemmToKwta(LinearRule):
             return result
         return check_bias(bias, n, output_rank=2, what="Gemm bias C")
 
-    def operands(self, linear: ir.Node, bindings: Mapping[str, Any]) -> Operands:
-        return Operands(x=bindings["x"], weight=bindings["w"],
-                        weight_is_transposed=bool(linear.attributes.get_int("transB", 0)),
-                        bias=_gemm_bias(linear))
+    def operands(self, match: MatchResult) -> LinearOperands:
+        linear = match.bindings["linear_out"].producer()
+        transposed = bool(linear.attributes.get_int("transB", 0))
+        w = match.bindings["w"]
+        _, k, n = weight_dims(w, transposed)
+        return LinearOperands(x=match.bindings["x"], weight=FloatWeight(w, transposed), bias=_gemm_bias(linear),
+                              y=matched_output(match), nodes=tuple(match.nodes), k=k, n=n)

@@ -1,15 +1,20 @@
 """The registry of techniques, in the order the CLI lists them. Adding a technique = one module
-with its settings, flags and build (see base.py) + one line here + its composition rules in
-``graph_rewrite/compose.py``."""
+with its settings, flags (as data) and build (see base.py) + one line here + its composition rules
+in ``graph_rewrite/compose.py``."""
 from __future__ import annotations
 
 from .base import (
+    AUTO,
     BIAS,
     GATE,
+    TARGET,
     WEIGHT,
     WEIGHTS,
+    Flag,
+    FlagGroup,
     LayerWeights,
     OpBuild,
+    Switch,
     Technique,
     TechniqueChoice,
     TechniqueSettings,
@@ -17,6 +22,7 @@ from .base import (
 from .event import EVENT, EVENT_AXES, EventSettings
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 from .pack import PACK, PACK_MODES, PackSettings
+from .popcount import ATTENTION_FLAGS
 from .proc import PROC, ProcSettings
 from .tt import TT_TECHNIQUE, TTSettings
 
@@ -27,8 +33,15 @@ def technique(name: str) -> Technique:
     return TECHNIQUES[name]
 
 
+def flag_groups() -> list[FlagGroup]:
+    """Every rewrite flag, one group per technique (registry order) and attention last: the CLI
+    builds its argparse groups from these."""
+    return [t.flag_group() for t in TECHNIQUES.values()] + [ATTENTION_FLAGS]
+
+
 __all__ = [
-    "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK",
-    "PACK_MODES", "PROC", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings",
-    "ProcSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "technique",
+    "ATTENTION_FLAGS", "AUTO", "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "Flag", "FlagGroup", "GATE", "KWTA",
+    "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES", "PROC", "Switch", "TARGET", "TECHNIQUES", "WEIGHT",
+    "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings", "ProcSettings", "Technique",
+    "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "flag_groups", "technique",
 ]

@@ -1,16 +1,18 @@
 """What every technique module provides, so the pass, the override file and the CLI treat them alike.
 
 A technique = a settings dataclass (attributes of its op, validated on construction), a key in
-override entries (its ``name``), CLI flags, and :meth:`Technique.build`, which turns one layer
-(its [K, N] weight, its bias) plus the settings of every technique chosen for that layer into the
-op node to emit. Which techniques may share a layer is decided in ``graph_rewrite/compose.py``.
+override entries (its ``name``), its command-line flags *as data* (:class:`Switch` + :class:`Flag`
+entries: the CLI builds argparse from them, :meth:`Technique.choice_from_flags` reads them back),
+and :meth:`Technique.build`, which turns one layer (its weight, its bias) plus the settings of
+every technique chosen for that layer into the op node to emit. Which techniques may share a layer
+is decided in ``graph_rewrite/compose.py``.
 """
 from __future__ import annotations
 
 import abc
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -19,6 +21,79 @@ from ..errors import ConfigError
 
 GATE = "gate"  # decides which inputs take part (kwta, event, state-pack bitmap)
 WEIGHTS = "weights"  # replaces the weight representation (proc-sparse, TT); exclusive per layer
+
+# TechniqueChoice.enabled: on unless another technique or attention is on (resolved by RewriteConfig).
+AUTO = "auto"
+# Flag.field of the flag that sets a technique's target (``--kwta-target``...).
+TARGET = "<target>"
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One command-line flag, as data. ``field`` is the settings field it sets (``TARGET``: the
+    technique's target; None: accepted for compatibility, sets nothing). The other fields are
+    argparse's ``add_argument`` options of the same names."""
+
+    name: str  # "--kwta-k"
+    help: str
+    field: str | None = None
+    type: Callable[[str], Any] | None = None
+    choices: Sequence[Any] | None = None
+    default: Any = None
+    metavar: str | None = None
+    action: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the value under (``--kwta-k`` -> ``kwta_k``)."""
+        return self.name.lstrip("-").replace("-", "_")
+
+    def argparse_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``parser.add_argument(self.name, **options)``."""
+        if self.action is not None:
+            return {"action": self.action, "help": self.help}
+        options = {"type": self.type, "choices": tuple(self.choices) if self.choices else None,
+                   "default": self.default, "metavar": self.metavar, "help": self.help}
+        return {key: value for key, value in options.items() if value is not None or key == "default"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch(Flag):
+    """The flag that switches a technique on: ``off`` is the value meaning off, ``auto`` (when a
+    choice) defers to :class:`RewriteConfig` (on unless another technique or attention is on), any
+    other value means on and, when ``field`` is set, is also that setting (``--state-pack=ternary``
+    -> mode ternary)."""
+
+    off: str = "off"
+
+    def enabled(self, value: Any) -> bool | str:
+        if value == AUTO:
+            return AUTO
+        return value is not None and value != self.off
+
+    def spelled(self, enabled: bool | str, settings: Any) -> str:
+        """How this flag spells a choice, for reasons in the report (``--state-pack=binary``)."""
+        if enabled == AUTO:
+            return f"{self.name}={AUTO}"
+        if not enabled:
+            return f"{self.name}={self.off}"
+        return f"{self.name}={getattr(settings, self.field) if self.field else 'on'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagGroup:
+    """The flags of one technique (or of attention), in help order, under one help title."""
+
+    title: str
+    flags: tuple[Flag, ...]
 
 
 class TechniqueSettings:
@@ -70,17 +145,22 @@ class TechniqueSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TechniqueChoice:
-    """A technique's global settings: on/off, which layers (``target``), the settings."""
+    """A technique's global settings: on/off (or ``AUTO``), which layers (``target``), the settings."""
 
     settings: Any
-    enabled: bool = False
+    enabled: bool | str = False
     target: str = "mlp"
 
 
 @dataclasses.dataclass
 class LayerWeights:
-    """What a build sees of one layer: the weight as [K, N] float32 and the bias as [N] (or None),
-    plus calibration inputs X [S, K] of this layer when the caller supplied them."""
+    """What a build sees of one layer: the weight as a [K, N] float32 matrix and the bias as [N]
+    (or None), plus calibration inputs X [S, K] of this layer when the caller supplied them.
+
+    ``weight_form`` names the stored form (``"float32"``: a float initializer). A quantized form
+    (e.g. MatMulNBits' packed B, scales and zero points) gets its own name here; ``weight()`` then
+    dequantizes, and a technique that can gate the stored form as is emits ``WEIGHT`` and the
+    replacement passes those initializers through."""
 
     name: str
     k: int
@@ -88,16 +168,18 @@ class LayerWeights:
     weight: Callable[[], np.ndarray]
     bias: Callable[[], np.ndarray | None]
     calibration: np.ndarray | None = None
+    weight_form: str = "float32"
 
 
 @dataclasses.dataclass
 class OpBuild:
     """The node a technique emits for a layer: ``op_type(X, *inputs)`` with ``attributes``.
 
-    An entry of ``inputs`` is ``WEIGHT`` (the layer's [K, N] weight initializer, shared with other
-    layers that use the same one), ``BIAS`` (its [N] bias, or an omitted input when it has none),
-    ``None`` (an omitted optional input) or a new array stored as an initializer named after the
-    layer. ``metadata`` goes to the node's metadata_props; ``notes`` to the report. ``op_type``
+    An entry of ``inputs`` is ``WEIGHT`` (the layer's weight as stored: for a float32 weight one
+    [K, N] initializer, shared with other layers that use the same one; a quantized form expands to
+    its own initializers, unchanged), ``BIAS`` (its [N] bias, or an omitted input when it has
+    none), ``None`` (an omitted optional input) or a new array stored as an initializer named after
+    the layer. ``metadata`` goes to the node's metadata_props; ``notes`` to the report. ``op_type``
     None: the technique keeps the layer dense after all (``notes`` say why)."""
 
     op_type: str | None
@@ -113,31 +195,49 @@ BIAS = "<bias>"
 
 
 class Technique(abc.ABC):
-    """One technique; subclasses are singletons registered in ``techniques/__init__.py``."""
+    """One technique; subclasses are singletons registered in ``techniques/__init__.py``.
+
+    ``switch`` and ``flags`` are its command-line flags as data (``flags`` holds the target flag,
+    ``field=TARGET``, and one flag per settings field it exposes)."""
 
     name: ClassVar[str]  # override-file key, e.g. "kwta"
     kind: ClassVar[str]  # GATE or WEIGHTS
     op_type: ClassVar[str]  # the op it emits when it leads the layer
     settings_type: ClassVar[type]
     title: ClassVar[str]  # CLI help group title
+    switch: ClassVar[Switch]
+    flags: ClassVar[tuple[Flag, ...]]
+
+    def flag_group(self) -> FlagGroup:
+        return FlagGroup(self.title, (self.switch, *self.flags))
+
+    def _target(self) -> Flag:
+        return next(flag for flag in self.flags if flag.field == TARGET)
 
     def default_choice(self) -> TechniqueChoice:
-        return TechniqueChoice(settings=self.settings_type(), enabled=False, target="mlp")
+        """The choice when nothing is said: the flags' defaults."""
+        return TechniqueChoice(settings=self.settings_type(), enabled=self.switch.enabled(self.switch.default),
+                               target=self._target().default)
 
-    @abc.abstractmethod
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        """Add this technique's flags (an argument group) to ``parser``."""
+    def choice_from_flags(self, values: Mapping[str, Any]) -> TechniqueChoice:
+        """The global choice that flag values describe (``values``: flag dest -> value, e.g.
+        ``vars(args)``; a flag not in ``values`` takes its default)."""
+        def value(flag: Flag) -> Any:
+            return values.get(flag.dest, flag.default)
 
-    @abc.abstractmethod
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        """The global choice the parsed flags describe."""
+        fields = {flag.field: value(flag) for flag in self.flags if flag.field not in (None, TARGET)}
+        switched = value(self.switch)
+        enabled = self.switch.enabled(switched)
+        if self.switch.field and enabled is True:
+            fields[self.switch.field] = switched
+        return TechniqueChoice(settings=self.settings_type(**fields), enabled=enabled, target=value(self._target()))
 
     def flag_summary(self, choice: TechniqueChoice) -> str:
         """How the CLI spells this technique's on/off state, for reasons in the report."""
-        return f"--{self.name}={'on' if choice.enabled else 'off'}"
+        return self.switch.spelled(choice.enabled, choice.settings)
 
     def target_flag(self) -> str:
-        return f"--{self.name}-target"
+        return self._target().name
 
     @abc.abstractmethod
     def build(self, layer: LayerWeights, settings: Any, partners: Mapping[str, Any]) -> OpBuild:

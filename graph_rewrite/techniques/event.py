@@ -7,7 +7,6 @@ one ordering, never a second op.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -15,8 +14,19 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..targets import TARGETS
-from .base import BIAS, GATE, WEIGHT, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
-from .kwta import non_negative_int
+from .base import (
+    BIAS,
+    GATE,
+    TARGET,
+    WEIGHT,
+    Flag,
+    LayerWeights,
+    OpBuild,
+    Switch,
+    Technique,
+    TechniqueSettings,
+    non_negative_int,
+)
 
 EVENT_AXES = ("sequence", "call")
 
@@ -94,58 +104,48 @@ def kwta_prior_fraction(kwta: Any, k: int) -> float:
     return float(kwta.k_frac)
 
 
+_D = EventSettings()
+
+
 class Event(Technique):
     name = "event"
     kind = GATE
     op_type = "EventDrivenMatMul"
     settings_type = EventSettings
     title = "Event-driven (EventDrivenMatMul) global settings; --config entries override per layer"
-
-    def flag_summary(self, choice: TechniqueChoice) -> str:
-        return f"--event-driven={'on' if choice.enabled else 'off'}"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        d = EventSettings()
-        g = parser.add_argument_group(self.title)
-        g.add_argument("--event-driven", choices=("on", "off"), default="off",
-                       help="rewrite with the event gate (default off); with --kwta=on on the same layers, KWTA "
-                            "becomes its candidate prior in the same op")
-        g.add_argument("--event-target", choices=TARGETS, default="mlp",
-                       help="layers: mlp, attn (q/k/v/out projections), both, down, all (default mlp)")
-        g.add_argument("--event-axis", choices=EVENT_AXES, default=d.axis,
-                       help="sequence: a row continues the previous token of its stream (decode); call: row t "
-                            "continues row t of the previous call (re-encoding a slowly changing input)")
-        g.add_argument("--event-topk", type=float, default=d.topk, metavar="FRAC",
-                       help=f"fraction of blocks refreshed per row, (0, 1] (default {d.topk})")
-        g.add_argument("--event-delta-theta", type=float, default=d.delta_theta, metavar="REL",
-                       help=f"refresh only blocks with ||dx_b|| > REL * ||x_b|| (default {d.delta_theta})")
-        g.add_argument("--event-budget-ms", type=float, default=d.budget_ms, metavar="MS",
-                       help="per-row deadline of one op (0 = none, default)")
-        g.add_argument("--event-quorum", type=float, default=d.quorum, metavar="FRAC",
-                       help=f"fraction of the selected blocks computed past the deadline (default {d.quorum})")
-        g.add_argument("--event-gap-tol", type=float, default=d.gap_tol, metavar="REL",
-                       help=f"dense check gap above which an op switches itself to dense (default {d.gap_tol})")
-        g.add_argument("--event-gap-every", type=non_negative_int, default=d.gap_every, metavar="ROWS",
-                       help=f"rows between dense gap checks, 0 = never (default {d.gap_every})")
-        g.add_argument("--event-stale-beta", type=float, default=d.stale_beta, metavar="B",
-                       help="weight of a reused block: B * exp(-lambda * age) (default 1)")
-        g.add_argument("--event-stale-lambda", type=float, default=d.stale_lambda, metavar="L", help="(default 0)")
-        g.add_argument("--event-age-max", type=non_negative_int, default=d.age_max, metavar="ROWS",
-                       help="a block reused this many rows is refreshed regardless (0 = no limit, default)")
-        g.add_argument("--event-block", type=int, default=d.block, metavar="ROWS",
-                       help=f"rows of W per block (default {d.block})")
-        g.add_argument("--event-max-gated-rows", type=non_negative_int, default=d.max_gated_rows, metavar="M",
-                       help="calls with more than M rows of X (prefill) run dense and resync the streams; 0 = gate "
-                            "every call (default)")
-
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        settings = EventSettings(axis=args.event_axis, topk=args.event_topk, delta_theta=args.event_delta_theta,
-                                 stale_beta=args.event_stale_beta, stale_lambda=args.event_stale_lambda,
-                                 age_max=args.event_age_max, budget_ms=args.event_budget_ms,
-                                 quorum=args.event_quorum, gap_every=args.event_gap_every,
-                                 gap_tol=args.event_gap_tol, block=args.event_block,
-                                 max_gated_rows=args.event_max_gated_rows)
-        return TechniqueChoice(settings=settings, enabled=args.event_driven == "on", target=args.event_target)
+    switch = Switch("--event-driven", choices=("on", "off"), default="off",
+                    help="rewrite with the event gate (default off); with --kwta=on on the same layers, KWTA becomes "
+                         "its candidate prior in the same op")
+    flags = (
+        Flag("--event-target", field=TARGET, choices=TARGETS, default="mlp",
+             help="layers: mlp, attn (q/k/v/out projections), both, down, all (default mlp)"),
+        Flag("--event-axis", field="axis", choices=EVENT_AXES, default=_D.axis,
+             help="sequence: a row continues the previous token of its stream (decode); call: row t continues row "
+                  "t of the previous call (re-encoding a slowly changing input)"),
+        Flag("--event-topk", field="topk", type=float, default=_D.topk, metavar="FRAC",
+             help=f"fraction of blocks refreshed per row, (0, 1] (default {_D.topk})"),
+        Flag("--event-delta-theta", field="delta_theta", type=float, default=_D.delta_theta, metavar="REL",
+             help=f"refresh only blocks with ||dx_b|| > REL * ||x_b|| (default {_D.delta_theta})"),
+        Flag("--event-budget-ms", field="budget_ms", type=float, default=_D.budget_ms, metavar="MS",
+             help="per-row deadline of one op (0 = none, default)"),
+        Flag("--event-quorum", field="quorum", type=float, default=_D.quorum, metavar="FRAC",
+             help=f"fraction of the selected blocks computed past the deadline (default {_D.quorum})"),
+        Flag("--event-gap-tol", field="gap_tol", type=float, default=_D.gap_tol, metavar="REL",
+             help=f"dense check gap above which an op switches itself to dense (default {_D.gap_tol})"),
+        Flag("--event-gap-every", field="gap_every", type=non_negative_int, default=_D.gap_every, metavar="ROWS",
+             help=f"rows between dense gap checks, 0 = never (default {_D.gap_every})"),
+        Flag("--event-stale-beta", field="stale_beta", type=float, default=_D.stale_beta, metavar="B",
+             help="weight of a reused block: B * exp(-lambda * age) (default 1)"),
+        Flag("--event-stale-lambda", field="stale_lambda", type=float, default=_D.stale_lambda, metavar="L",
+             help="(default 0)"),
+        Flag("--event-age-max", field="age_max", type=non_negative_int, default=_D.age_max, metavar="ROWS",
+             help="a block reused this many rows is refreshed regardless (0 = no limit, default)"),
+        Flag("--event-block", field="block", type=int, default=_D.block, metavar="ROWS",
+             help=f"rows of W per block (default {_D.block})"),
+        Flag("--event-max-gated-rows", field="max_gated_rows", type=non_negative_int, default=_D.max_gated_rows,
+             metavar="M", help="calls with more than M rows of X (prefill) run dense and resync the streams; 0 = gate "
+                               "every call (default)"),
+    )
 
     def build(self, layer: LayerWeights, settings: EventSettings, partners: Mapping[str, Any]) -> OpBuild:
         emitted = settings.for_layer(layer.k)

@@ -5,7 +5,6 @@ attributes of ProcSparseMatMul; the candidate prior ``kwta_k`` of EventDrivenMat
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -14,25 +13,22 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
+    AUTO,
     BIAS,
     GATE,
+    TARGET,
     WEIGHT,
+    Flag,
     LayerWeights,
     OpBuild,
+    Switch,
     Technique,
-    TechniqueChoice,
     TechniqueSettings,
+    non_negative_int,
 )
 
 KWTA_SCORES = ("l2", "mean_abs", "l2_weighted")
 KWTA_DUTY_MODES = ("dense", "hold")
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,51 +100,41 @@ class KwtaSettings(TechniqueSettings):
         }
 
 
+_D = KwtaSettings()
+
+
 class Kwta(Technique):
     name = "kwta"
     kind = GATE
     op_type = "KwtaBlockMatMul"
     settings_type = KwtaSettings
     title = "KWTA (KwtaBlockMatMul) global settings; --config entries override per layer"
-
-    def default_choice(self) -> TechniqueChoice:
-        # KWTA is the tool's default technique: on for MLP layers unless --kwta=off.
-        return TechniqueChoice(settings=KwtaSettings(), enabled=True, target="mlp")
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        default = KwtaSettings()
-        kwta = parser.add_argument_group(self.title)
-        kwta.add_argument("--kwta", choices=("on", "off", "auto"), default="auto",
-                          help="rewrite with KWTA gating (default auto: on unless another technique is on)")
-        kwta.add_argument("--kwta-target", choices=TARGETS, default="mlp",
-                          help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down "
-                               "projections), all (also head and other) (default mlp)")
-        kwta.add_argument("--kwta-k", type=float, default=default.k_frac, metavar="FRAC",
-                          help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {default.k_frac})")
-        kwta.add_argument("--kwta-k-abs", type=non_negative_int, default=default.k_abs, metavar="N",
-                          help="k_abs: input columns kept per row (overrides --kwta-k when > 0)")
-        kwta.add_argument("--kwta-score", choices=KWTA_SCORES, default=default.score, help="block score (default l2)")
-        kwta.add_argument("--kwta-threshold", type=float, default=default.threshold, metavar="T",
-                          help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)")
-        kwta.add_argument("--kwta-temp", type=float, default=default.temp, metavar="T", help="softmax temperature")
-        kwta.add_argument("--kwta-duty", type=int, default=default.duty, metavar="N", help="gate every N-th call")
-        kwta.add_argument("--kwta-duty-mode", choices=KWTA_DUTY_MODES, default=default.duty_mode,
-                          help="dense: run dense between gated calls; hold: reuse the last mask")
-        kwta.add_argument("--kwta-renorm", type=int, choices=(0, 1), default=default.renorm,
-                          help="scale the gated product by blocks_total/blocks_kept (default 0: off)")
-        kwta.add_argument("--kwta-max-gated-rows", type=non_negative_int, default=default.max_gated_rows,
-                          metavar="M", help="calls with more than M rows of X (prefill) run dense; 0 = gate "
-                                            "every call (default)")
-        kwta.add_argument("--kwta-block", type=int, default=default.block, metavar="ROWS",
-                          help=f"rows of W per block (default {default.block}: single rows)")
-
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        settings = KwtaSettings(k_frac=args.kwta_k, k_abs=args.kwta_k_abs, score=args.kwta_score,
-                                threshold=args.kwta_threshold, temp=args.kwta_temp, duty=args.kwta_duty,
-                                duty_mode=args.kwta_duty_mode, renorm=args.kwta_renorm, block=args.kwta_block,
-                                max_gated_rows=args.kwta_max_gated_rows)
-        # "auto" is resolved by the CLI once every technique's flags are known.
-        return TechniqueChoice(settings=settings, enabled=args.kwta != "off", target=args.kwta_target)
+    # The tool's default technique: "auto" = on for MLP layers unless another technique or
+    # attention is on (RewriteConfig resolves it, for the CLI and library callers alike).
+    switch = Switch("--kwta", choices=("on", "off", AUTO), default=AUTO,
+                    help="rewrite with KWTA gating (default auto: on unless another technique or --attn is on)")
+    flags = (
+        Flag("--kwta-target", field=TARGET, choices=TARGETS, default="mlp",
+             help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down projections), all "
+                  "(also head and other) (default mlp)"),
+        Flag("--kwta-k", field="k_frac", type=float, default=_D.k_frac, metavar="FRAC",
+             help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {_D.k_frac})"),
+        Flag("--kwta-k-abs", field="k_abs", type=non_negative_int, default=_D.k_abs, metavar="N",
+             help="k_abs: input columns kept per row (overrides --kwta-k when > 0)"),
+        Flag("--kwta-score", field="score", choices=KWTA_SCORES, default=_D.score, help="block score (default l2)"),
+        Flag("--kwta-threshold", field="threshold", type=float, default=_D.threshold, metavar="T",
+             help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)"),
+        Flag("--kwta-temp", field="temp", type=float, default=_D.temp, metavar="T", help="softmax temperature"),
+        Flag("--kwta-duty", field="duty", type=int, default=_D.duty, metavar="N", help="gate every N-th call"),
+        Flag("--kwta-duty-mode", field="duty_mode", choices=KWTA_DUTY_MODES, default=_D.duty_mode,
+             help="dense: run dense between gated calls; hold: reuse the last mask"),
+        Flag("--kwta-renorm", field="renorm", type=int, choices=(0, 1), default=_D.renorm,
+             help="scale the gated product by blocks_total/blocks_kept (default 0: off)"),
+        Flag("--kwta-max-gated-rows", field="max_gated_rows", type=non_negative_int, default=_D.max_gated_rows,
+             metavar="M", help="calls with more than M rows of X (prefill) run dense; 0 = gate every call (default)"),
+        Flag("--kwta-block", field="block", type=int, default=_D.block, metavar="ROWS",
+             help=f"rows of W per block (default {_D.block}: single rows)"),
+    )
 
     def build(self, layer: LayerWeights, settings: KwtaSettings, partners: Mapping[str, Any]) -> OpBuild:
         emitted = settings.for_layer(layer.k)

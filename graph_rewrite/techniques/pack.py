@@ -7,7 +7,6 @@ blocks, then KWTA's top-K runs on the survivors (one ordering; see docs/ops.md).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -15,7 +14,7 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..targets import TARGETS
-from .base import BIAS, GATE, WEIGHT, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
+from .base import BIAS, GATE, TARGET, WEIGHT, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
 
 PACK_MODES = ("binary", "ternary")
 
@@ -57,50 +56,34 @@ class PackSettings(TechniqueSettings):
         return {"pack_mode": self.mode, "pack_eps": float(self.eps), "pack_density_max": float(self.density_max)}
 
 
+_D = PackSettings()
+
+
 class Pack(Technique):
     name = "pack"
     kind = GATE
     op_type = "KwtaBlockMatMul"
     settings_type = PackSettings
     title = "State-pack bitmap gate (KwtaBlockMatMul pack_*); --config entries ('pack') override per layer"
-
-    def default_choice(self) -> TechniqueChoice:
-        return TechniqueChoice(settings=PackSettings(), enabled=False, target="down")
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        default = PackSettings()
-        group = parser.add_argument_group(self.title)
-        group.add_argument("--state-pack", choices=("none",) + PACK_MODES, default="none",
-                           help="skip input blocks whose activations are all |x| <= eps (binary and ternary "
-                                "skip the same blocks; default none)")
-        group.add_argument("--state-pack-eps", type=float, default=default.eps, metavar="EPS",
-                           help=f"activity threshold; 0 = exact (default {default.eps})")
-        group.add_argument("--state-pack-density-max", type=float, default=default.density_max, metavar="RHO",
-                           help="a call whose active-block density is above RHO runs without the bitmap "
-                                f"(default {default.density_max}; 1 = never)")
-        group.add_argument("--state-pack-popcnt", action="store_true",
-                           help="accepted for the seed's flag set: the popcount path (VPOPCNTDQ, POPCNT, "
-                                "portable) is always chosen at run time; ORTSPARSE_POPCNT forces one")
-        group.add_argument("--state-pack-block", type=int, default=default.block, metavar="ROWS",
-                           help=f"rows of W per block (default {default.block}; with KWTA on the layer, "
-                                "KWTA's block is used)")
-        group.add_argument("--state-pack-max-gated-rows", type=int, default=default.max_gated_rows, metavar="M",
-                           help="calls with more than M rows (prefill) run dense; 0 = gate every call")
-        group.add_argument("--state-pack-target", choices=TARGETS, default="down",
-                           help="layers to gate (default down: MLP down-projections)")
-
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        mode = getattr(args, "state_pack", "none")
-        settings = PackSettings(mode=mode if mode != "none" else "binary", eps=args.state_pack_eps,
-                                density_max=args.state_pack_density_max, block=args.state_pack_block,
-                                max_gated_rows=args.state_pack_max_gated_rows)
-        return TechniqueChoice(settings=settings, enabled=mode != "none", target=args.state_pack_target)
-
-    def flag_summary(self, choice: TechniqueChoice) -> str:
-        return f"--state-pack={choice.settings.mode if choice.enabled else 'none'}"
-
-    def target_flag(self) -> str:
-        return "--state-pack-target"
+    switch = Switch("--state-pack", field="mode", choices=("none",) + PACK_MODES, default="none", off="none",
+                    help="skip input blocks whose activations are all |x| <= eps (binary and ternary skip the same "
+                         "blocks; default none)")
+    flags = (
+        Flag("--state-pack-eps", field="eps", type=float, default=_D.eps, metavar="EPS",
+             help=f"activity threshold; 0 = exact (default {_D.eps})"),
+        Flag("--state-pack-density-max", field="density_max", type=float, default=_D.density_max, metavar="RHO",
+             help=f"a call whose active-block density is above RHO runs without the bitmap (default "
+                  f"{_D.density_max}; 1 = never)"),
+        Flag("--state-pack-popcnt", action="store_true",
+             help="accepted for the seed's flag set: the popcount path (VPOPCNTDQ, POPCNT, portable) is always "
+                  "chosen at run time; ORTSPARSE_POPCNT forces one"),
+        Flag("--state-pack-block", field="block", type=int, default=_D.block, metavar="ROWS",
+             help=f"rows of W per block (default {_D.block}; with KWTA on the layer, KWTA's block is used)"),
+        Flag("--state-pack-max-gated-rows", field="max_gated_rows", type=int, default=_D.max_gated_rows,
+             metavar="M", help="calls with more than M rows (prefill) run dense; 0 = gate every call"),
+        Flag("--state-pack-target", field=TARGET, choices=TARGETS, default="down",
+             help="layers to gate (default down: MLP down-projections)"),
+    )
 
     def build(self, layer: LayerWeights, settings: PackSettings, partners: Mapping[str, Any]) -> OpBuild:
         kwta = partners.get("kwta")

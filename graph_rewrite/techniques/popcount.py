@@ -11,8 +11,8 @@ Seed mapping (documented in docs/rewriter.md):
   key mask for K and V);
 - ``--attn=none`` -> ``select="none"``: the op computes exact attention (used to check a rewrite);
 - ``--attn=off`` (default) -> no attention rewrite;
-- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and ``--kwta=on``, also turns
-  attention on as ``energy``: the seed's "filter low-energy keys, same mask for K/V" is exactly
+- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and KWTA is on (``--kwta=on``
+  or its ``auto`` default), also turns attention on as ``energy`` (``config.config_from_flags``): the seed's "filter low-energy keys, same mask for K/V" is exactly
   ``select="energy"``; the q/k/v/out projections keep their KWTA meaning.
 
 Composition (seed 001): popcount-approximate scores (``select="popcount"`` with ``topk = 0``, no exact
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from .base import TechniqueSettings
+from .base import Flag, FlagGroup, Switch, TechniqueSettings
 
 OP_TYPE = "PopcountAttention"
 ATTN_CHOICES = ("popcount", "energy", "none", "off")
@@ -103,16 +104,6 @@ class AttentionSettings(TechniqueSettings):
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
 
 
-def resolve_attn_choice(attn: str | None, kwta_on: bool, kwta_target: str) -> tuple[str, str]:
-    """(choice, why): an explicit ``--attn`` wins; otherwise seed 000's ``--kwta-target=attn|both``
-    means ``energy``; otherwise ``off``."""
-    if attn is not None:
-        return attn, f"--attn={attn}"
-    if kwta_on and kwta_target in ("attn", "both"):
-        return "energy", f"--kwta-target={kwta_target} (seed 000: low-energy keys dropped -> select=energy)"
-    return "off", "--attn not given (default off)"
-
-
 def check_composition(settings: AttentionSettings | None, event_on_attention: bool) -> None:
     """Seed 001: no popcount-approximate and event-driven on the same score without refine."""
     if settings is None or not event_on_attention:
@@ -123,51 +114,46 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
                           "--attn-topk > 0 or take attention out of --event-target")
 
 
-def add_arguments(parser) -> None:
-    """The ``--attn*`` flags (see the module docstring for the mapping)."""
-    default = AttentionSettings()
-    group = parser.add_argument_group("attention (PopcountAttention); seed 000's --kwta-target=attn|both "
-                                      "means --attn=energy when --attn is not given")
-    group.add_argument("--attn", choices=ATTN_CHOICES, default=None,
-                       help="rewrite attention cores: popcount (seed 003 selector), energy (seed 000 key "
-                            "filter), none (exact attention in the op, for checking), off (default)")
-    group.add_argument("--attn-mode", choices=MODES, default=default.mode, help=f"bitmap mode (default {default.mode})")
-    group.add_argument("--attn-topk", type=int, default=default.topk, metavar="N",
-                       help=f"keys per query refined exactly; 0 = approximate scores only (default {default.topk})")
-    group.add_argument("--attn-min-keys", type=int, default=default.min_keys, metavar="N",
-                       help=f"below N keys the op computes exact attention (default {default.min_keys})")
-    group.add_argument("--attn-eps", type=float, default=default.eps, metavar="EPS",
-                       help=f"bit set when |x| > EPS (default {default.eps:g})")
-    group.add_argument("--attn-density-max", type=float, default=default.density_max, metavar="RHO",
-                       help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact "
-                            f"(default {default.density_max:g}; 1 = never)")
-    group.add_argument("--attn-candidates", type=float, default=default.candidates, metavar="C",
-                       help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)")
-    group.add_argument("--attn-keep-first", type=int, default=default.keep_first, metavar="N",
-                       help="first N keys (attention sinks) always kept (default 0)")
-    group.add_argument("--attn-keep-recent", type=int, default=default.keep_recent, metavar="N",
-                       help="last N keys of each query's prefix always kept (default 0)")
-    group.add_argument("--attn-pack-cache", type=int, choices=(0, 1), default=default.pack_cache,
-                       help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)")
-    group.add_argument("--attn-center", type=int, choices=(0, 1), default=default.center,
-                       help="pack keys minus the mean of the first 256 keys (default 1; exact ranking unchanged)")
-    group.add_argument("--attn-proj-bits", type=int, default=default.proj_bits, metavar="BITS",
-                       help="> 0: pack BITS random projections of q/k instead of their D signs (default 0; "
-                            "256 measured best on SmolLM2, docs/ops.md)")
+_D = AttentionSettings()
+
+# The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
+# config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
+ATTENTION_FLAGS = FlagGroup(
+    "attention (PopcountAttention); seed 000's --kwta-target=attn|both means --attn=energy when --attn is not given",
+    (
+        Switch("--attn", field="select", choices=ATTN_CHOICES, default=None,
+               help="rewrite attention cores: popcount (seed 003 selector), energy (seed 000 key filter), none "
+                    "(exact attention in the op, for checking), off (default)"),
+        Flag("--attn-mode", field="mode", choices=MODES, default=_D.mode, help=f"bitmap mode (default {_D.mode})"),
+        Flag("--attn-topk", field="topk", type=int, default=_D.topk, metavar="N",
+             help=f"keys per query refined exactly; 0 = approximate scores only (default {_D.topk})"),
+        Flag("--attn-min-keys", field="min_keys", type=int, default=_D.min_keys, metavar="N",
+             help=f"below N keys the op computes exact attention (default {_D.min_keys})"),
+        Flag("--attn-eps", field="eps", type=float, default=_D.eps, metavar="EPS",
+             help=f"bit set when |x| > EPS (default {_D.eps:g})"),
+        Flag("--attn-density-max", field="density_max", type=float, default=_D.density_max, metavar="RHO",
+             help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact (default "
+                  f"{_D.density_max:g}; 1 = never)"),
+        Flag("--attn-candidates", field="candidates", type=float, default=_D.candidates, metavar="C",
+             help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)"),
+        Flag("--attn-keep-first", field="keep_first", type=int, default=_D.keep_first, metavar="N",
+             help="first N keys (attention sinks) always kept (default 0)"),
+        Flag("--attn-keep-recent", field="keep_recent", type=int, default=_D.keep_recent, metavar="N",
+             help="last N keys of each query's prefix always kept (default 0)"),
+        Flag("--attn-pack-cache", field="pack_cache", type=int, choices=(0, 1), default=_D.pack_cache,
+             help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)"),
+        Flag("--attn-center", field="center", type=int, choices=(0, 1), default=_D.center,
+             help="pack keys minus the mean of the first 256 keys (default 1; exact ranking unchanged)"),
+        Flag("--attn-proj-bits", field="proj_bits", type=int, default=_D.proj_bits, metavar="BITS",
+             help="> 0: pack BITS random projections of q/k instead of their D signs (default 0; 256 measured best "
+                  "on SmolLM2, docs/ops.md)"),
+    ),
+)
 
 
-def settings_from_args(args, kwta_on: bool, kwta_target: str) -> tuple[AttentionSettings | None, str]:
-    """(settings or None for off, why) from the flags of :func:`add_arguments` and KWTA's resolved
-    on/off state and target."""
-    choice, why = resolve_attn_choice(getattr(args, "attn", None), kwta_on, kwta_target)
-    settings = None
-    if choice != "off":
-        settings = AttentionSettings(mode=args.attn_mode, select=choice, topk=args.attn_topk,
-                                     min_keys=args.attn_min_keys, eps=args.attn_eps,
-                                     density_max=args.attn_density_max, candidates=args.attn_candidates,
-                                     keep_first=args.attn_keep_first, keep_recent=args.attn_keep_recent,
-                                     pack_cache=args.attn_pack_cache, center=args.attn_center,
-                                     proj_bits=args.attn_proj_bits)
-    event_attn = getattr(args, "event_driven", "off") == "on" and getattr(args, "event_target", "mlp") in ("attn", "both")
-    check_composition(settings, event_attn)
-    return settings, why
+def attention_from_flags(values: Mapping[str, Any], select: str | None = None) -> AttentionSettings:
+    """The settings the ``--attn-*`` flag values describe (``values``: flag dest -> value; absent
+    flags take their defaults), with ``select`` (default: the ``--attn`` value)."""
+    switch, *flags = ATTENTION_FLAGS.flags
+    fields = {flag.field: values.get(flag.dest, flag.default) for flag in flags}
+    return AttentionSettings(select=select or values.get(switch.dest), **fields)

@@ -8,7 +8,6 @@ dropped when nothing else uses it.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -16,7 +15,7 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..targets import TARGETS
-from .base import BIAS, WEIGHTS, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
+from .base import BIAS, TARGET, WEIGHTS, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
 
 PROC_SCORES = ("delta", "wanda")
 PROC_DELTA_DTYPES = ("float16", "float32")
@@ -92,48 +91,37 @@ def kwta_gate_attributes(kwta: Any, k: int) -> dict[str, Any]:
     return {f"kwta_{name}": value for name, value in kwta.for_layer(k).attributes().items()}
 
 
+_D = ProcSettings()
+
+
 class Proc(Technique):
     name = "proc"
     kind = WEIGHTS
     op_type = "ProcSparseMatMul"
     settings_type = ProcSettings
     title = "proc-sparse (ProcSparseMatMul) global settings; --config entries (key \"proc\") override per layer"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        d = ProcSettings()
-        g = parser.add_argument_group(self.title)
-        g.add_argument("--proc-sparse", choices=("on", "off"), default="off",
-                       help="replace weights by hash base + top-fanout block deltas (default off)")
-        g.add_argument("--proc-target", choices=TARGETS, default="mlp", help="layers to replace (default mlp)")
-        g.add_argument("--proc-fanout", type=int, default=d.fanout, metavar="BLOCKS",
-                       help=f"K-blocks kept per output unit (default {d.fanout}; clamped to the layer's blocks)")
-        g.add_argument("--proc-fanout-frac", type=float, default=d.fanout_frac, metavar="FRAC",
-                       help="if > 0: fraction of each layer's blocks kept per unit (overrides --proc-fanout)")
-        g.add_argument("--proc-block", type=int, default=d.block, metavar="ROWS", help=f"rows per block (default {d.block})")
-        g.add_argument("--proc-base-scale", type=float, default=d.base_scale, metavar="S",
-                       help="hash base amplitude (default 0: pure block-sparse)")
-        g.add_argument("--proc-seed", type=int, default=d.seed, help="hash seed (default 0)")
-        g.add_argument("--proc-shed-eps", type=float, default=d.shed_eps, metavar="EPS",
-                       help=f"soft shedding: deltas with |d| < EPS are dropped (default {d.shed_eps})")
-        g.add_argument("--proc-watermark", type=int, default=d.watermark, metavar="N",
-                       help=f"hard cap of stored nonzero deltas per unit, 0 = none (default {d.watermark})")
-        g.add_argument("--proc-score", choices=PROC_SCORES, default=d.score,
-                       help="block selection: delta (seed: ||W_b - base_b||) or wanda (x E||x_b||, needs calibration)")
-        g.add_argument("--proc-delta-dtype", choices=PROC_DELTA_DTYPES, default=d.delta_dtype,
-                       help="stored delta precision (default float16: half the bytes)")
-
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        settings = ProcSettings(fanout=args.proc_fanout, fanout_frac=args.proc_fanout_frac, block=args.proc_block,
-                                base_scale=args.proc_base_scale, seed=args.proc_seed, shed_eps=args.proc_shed_eps,
-                                watermark=args.proc_watermark, score=args.proc_score,
-                                delta_dtype=args.proc_delta_dtype)
-        return TechniqueChoice(settings=settings, enabled=args.proc_sparse == "on", target=args.proc_target)
-
-    def flag_summary(self, choice: TechniqueChoice) -> str:
-        return f"--proc-sparse={'on' if choice.enabled else 'off'}"
-
-    def target_flag(self) -> str:
-        return "--proc-target"
+    switch = Switch("--proc-sparse", choices=("on", "off"), default="off",
+                    help="replace weights by hash base + top-fanout block deltas (default off)")
+    flags = (
+        Flag("--proc-target", field=TARGET, choices=TARGETS, default="mlp", help="layers to replace (default mlp)"),
+        Flag("--proc-fanout", field="fanout", type=int, default=_D.fanout, metavar="BLOCKS",
+             help=f"K-blocks kept per output unit (default {_D.fanout}; clamped to the layer's blocks)"),
+        Flag("--proc-fanout-frac", field="fanout_frac", type=float, default=_D.fanout_frac, metavar="FRAC",
+             help="if > 0: fraction of each layer's blocks kept per unit (overrides --proc-fanout)"),
+        Flag("--proc-block", field="block", type=int, default=_D.block, metavar="ROWS",
+             help=f"rows per block (default {_D.block})"),
+        Flag("--proc-base-scale", field="base_scale", type=float, default=_D.base_scale, metavar="S",
+             help="hash base amplitude (default 0: pure block-sparse)"),
+        Flag("--proc-seed", field="seed", type=int, default=_D.seed, help="hash seed (default 0)"),
+        Flag("--proc-shed-eps", field="shed_eps", type=float, default=_D.shed_eps, metavar="EPS",
+             help=f"soft shedding: deltas with |d| < EPS are dropped (default {_D.shed_eps})"),
+        Flag("--proc-watermark", field="watermark", type=int, default=_D.watermark, metavar="N",
+             help=f"hard cap of stored nonzero deltas per unit, 0 = none (default {_D.watermark})"),
+        Flag("--proc-score", field="score", choices=PROC_SCORES, default=_D.score,
+             help="block selection: delta (seed: ||W_b - base_b||) or wanda (x E||x_b||, needs calibration)"),
+        Flag("--proc-delta-dtype", field="delta_dtype", choices=PROC_DELTA_DTYPES, default=_D.delta_dtype,
+             help="stored delta precision (default float16: half the bytes)"),
+    )
 
     def build(self, layer: LayerWeights, settings: ProcSettings, partners: Mapping[str, Any]) -> OpBuild:
         from ortsparse.proc_sparse import block_importance, build_proc_sparse

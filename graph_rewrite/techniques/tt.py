@@ -9,7 +9,6 @@ i.e. it is the relative weight error ||W - W~||_F / ||W||_F (the report says so)
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -20,7 +19,19 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..targets import TARGETS
-from .base import BIAS, WEIGHT, WEIGHTS, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
+from .base import (
+    BIAS,
+    TARGET,
+    WEIGHT,
+    WEIGHTS,
+    Flag,
+    LayerWeights,
+    OpBuild,
+    Switch,
+    Technique,
+    TechniqueSettings,
+    non_negative_int,
+)
 
 TT_LAYOUTS = ("lowrank", "balanced")
 TT_METHODS = ("auto", "svd", "svd-whitened", "cross")
@@ -87,11 +98,7 @@ class TTSettings(TechniqueSettings):
         return dataclasses.asdict(self)
 
 
-def positive_or_zero(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
+_D = TTSettings()
 
 
 class TT(Technique):
@@ -100,38 +107,29 @@ class TT(Technique):
     op_type = "TTMatMul"
     settings_type = TTSettings
     title = "TT / low-rank factors (TTMatMul) global settings; --config entries override per layer"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        default = TTSettings()
-        group = parser.add_argument_group(self.title)
-        group.add_argument("--tt", choices=("on", "off"), default="off",
-                           help="replace weights by TT-matrix / low-rank cores (default off)")
-        group.add_argument("--tt-target", choices=TARGETS, default="mlp", help="layers to factor (default mlp)")
-        group.add_argument("--tt-rank", type=positive_or_zero, default=default.rank, metavar="R",
-                           help=f"max TT rank; 0 = autotune the smallest rank meeting --tt-gap (default {default.rank})")
-        group.add_argument("--tt-maxvol-k", type=positive_or_zero, default=default.maxvol_k, metavar="K",
-                           help="TT-cross: extra fibres per interface beyond the rank, chosen by maxvol "
-                                f"(default {default.maxvol_k})")
-        group.add_argument("--tt-gap", type=float, default=default.gap, metavar="TOL",
-                           help="output-gap tolerance ||XW - XW~|| / ||XW + b|| on calibration inputs; a layer "
-                                f"over it stays dense; 0 = no check (default {default.gap})")
-        group.add_argument("--tt-layout", choices=TT_LAYOUTS, default=default.layout,
-                           help="lowrank: W = U V (d = 2); balanced: K and N split into --tt-d modes")
-        group.add_argument("--tt-d", type=int, default=default.d, metavar="D", help="cores of the balanced layout")
-        group.add_argument("--tt-method", choices=TT_METHODS, default=default.method,
-                           help="auto: whitened SVD with calibration inputs (lowrank), TT-cross for matrices over "
-                                "2^24 entries, else TT-SVD")
-        group.add_argument("--tt-min-flop-ratio", type=float, default=default.min_flop_ratio, metavar="X",
-                           help="layers whose dense/TT multiply-add ratio is below X stay dense (default "
-                                f"{default.min_flop_ratio}; the kernel reaches >= 0.7 x the FLOP ratio)")
-        group.add_argument("--tt-keep-dense", type=int, choices=(0, 1), default=default.keep_dense,
-                           help="keep W as the NaN guard's dense fallback (memory!) (default 0)")
-
-    def choice_from_args(self, args: argparse.Namespace) -> TechniqueChoice:
-        settings = TTSettings(rank=args.tt_rank, maxvol_k=args.tt_maxvol_k, gap=float(args.tt_gap),
-                              layout=args.tt_layout, d=args.tt_d, method=args.tt_method,
-                              min_flop_ratio=float(args.tt_min_flop_ratio), keep_dense=args.tt_keep_dense)
-        return TechniqueChoice(settings=settings, enabled=args.tt == "on", target=args.tt_target)
+    switch = Switch("--tt", choices=("on", "off"), default="off",
+                    help="replace weights by TT-matrix / low-rank cores (default off)")
+    flags = (
+        Flag("--tt-target", field=TARGET, choices=TARGETS, default="mlp", help="layers to factor (default mlp)"),
+        Flag("--tt-rank", field="rank", type=non_negative_int, default=_D.rank, metavar="R",
+             help=f"max TT rank; 0 = autotune the smallest rank meeting --tt-gap (default {_D.rank})"),
+        Flag("--tt-maxvol-k", field="maxvol_k", type=non_negative_int, default=_D.maxvol_k, metavar="K",
+             help=f"TT-cross: extra fibres per interface beyond the rank, chosen by maxvol (default {_D.maxvol_k})"),
+        Flag("--tt-gap", field="gap", type=float, default=_D.gap, metavar="TOL",
+             help="output-gap tolerance ||XW - XW~|| / ||XW + b|| on calibration inputs; a layer over it stays "
+                  f"dense; 0 = no check (default {_D.gap})"),
+        Flag("--tt-layout", field="layout", choices=TT_LAYOUTS, default=_D.layout,
+             help="lowrank: W = U V (d = 2); balanced: K and N split into --tt-d modes"),
+        Flag("--tt-d", field="d", type=int, default=_D.d, metavar="D", help="cores of the balanced layout"),
+        Flag("--tt-method", field="method", choices=TT_METHODS, default=_D.method,
+             help="auto: whitened SVD with calibration inputs (lowrank), TT-cross for matrices over 2^24 entries, "
+                  "else TT-SVD"),
+        Flag("--tt-min-flop-ratio", field="min_flop_ratio", type=float, default=_D.min_flop_ratio, metavar="X",
+             help=f"layers whose dense/TT multiply-add ratio is below X stay dense (default {_D.min_flop_ratio}; "
+                  "the kernel reaches >= 0.7 x the FLOP ratio)"),
+        Flag("--tt-keep-dense", field="keep_dense", type=int, choices=(0, 1), default=_D.keep_dense,
+             help="keep W as the NaN guard's dense fallback (memory!) (default 0)"),
+    )
 
     def build(self, layer: LayerWeights, settings: TTSettings, partners: Mapping[str, Any]) -> OpBuild | None:
         from ortsparse import tt

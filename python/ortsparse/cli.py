@@ -35,16 +35,15 @@ def _positive_int(text: str) -> int:
 
 
 def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
-    """--config and every technique's flags (--kwta-*, ...): every command that rewrites a model
-    takes these."""
-    from .graph_rewrite.techniques import TECHNIQUES
+    """--config and every technique's flags (--kwta-*, ...), built from the flags each technique
+    declares: every command that rewrites a model takes these."""
+    from .graph_rewrite.techniques import flag_groups
 
     parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
-    for technique in TECHNIQUES.values():
-        technique.add_arguments(parser)
-    from .graph_rewrite.techniques import popcount
-
-    popcount.add_arguments(parser)
+    for group in flag_groups():
+        arguments = parser.add_argument_group(group.title)
+        for flag in group.flags:
+            arguments.add_argument(flag.name, **flag.argparse_options())
 
 
 add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
@@ -77,24 +76,12 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The RewriteConfig of the flags added by add_technique_arguments.
+    """The RewriteConfig of the flags added by add_technique_arguments (``--kwta=auto`` and the
+    other defaults are resolved by the library, as for any caller)."""
+    from .graph_rewrite.config import config_from_flags, load_overrides
 
-    ``--kwta`` defaults to ``auto``: on (the tool's default technique) unless another technique
-    is switched on, so ``--tt=on`` alone does not also gate the same layers with KWTA."""
-    from .graph_rewrite.config import RewriteConfig, load_overrides
-    from .graph_rewrite.techniques import TECHNIQUES, popcount
-
-    choices = {name: technique.choice_from_args(args) for name, technique in TECHNIQUES.items()}
-    kwta = choices.pop("kwta")
-    kwta_enabled = kwta.enabled
-    attn_explicit = getattr(args, "attn", None) not in (None, "off")
-    if getattr(args, "kwta", "on") == "auto":
-        kwta_enabled = not any(choice.enabled for choice in choices.values()) and not attn_explicit
     overrides = load_overrides(args.config) if args.config else ()
-    attention, attention_why = popcount.settings_from_args(args, kwta_on=kwta_enabled, kwta_target=kwta.target)
-    return RewriteConfig(kwta=kwta.settings, kwta_enabled=kwta_enabled, kwta_target=kwta.target,
-                         overrides=overrides, techniques=choices, attention=attention,
-                         attention_why=attention_why)
+    return config_from_flags(vars(args), overrides=overrides)
 
 
 _config_from_args = config_from_args

@@ -74,7 +74,7 @@ def test_list_layers_and_rules(model_file, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [tmp_path / "bert.onnx"]
     assert rewrite_onnx_main(["--list-rules"]) == EXIT_OK
     text = capsys.readouterr().out
-    assert "MatMul(X, Transpose(E)) -> KwtaBlockMatMul(X, E^T)" in text and "gemm" in text
+    assert "MatMul(X, Transpose(E)) -> <op>(X, E^T)" in text and "gemm" in text
 
 
 def test_ortsparse_without_command_is_a_usage_error(capsys):

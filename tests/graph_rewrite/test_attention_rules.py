@@ -15,9 +15,11 @@ import onnx
 import pytest
 import tiny_graphs as tg
 from ort_run import run_ortsparse, run_reference, token_feeds
+from configs import kwta, without_kwta
 from ortsparse.graph_rewrite import (
     ConfigError,
     RewriteConfig,
+    config_from_flags,
     list_layers,
     rewrite_model,
 )
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny"
 TINY_FILES = sorted(p.name for p in TINY.glob("*.onnx")) if TINY.is_dir() else []
 EXACT = AttentionSettings(select="none")
-ATTN_ONLY = RewriteConfig(kwta_enabled=False, attention=EXACT)
+ATTN_ONLY = RewriteConfig(attention=EXACT)  # KWTA's auto steps aside
 ATTRIBUTES = {"scale", "is_causal", "mode", "select", "topk", "min_keys", "eps", "density_max", "candidates",
               "keep_first", "keep_recent", "pack_cache", "center", "proj_bits"}
 
@@ -140,7 +142,7 @@ def test_linear_matmuls_are_no_attention_candidates():
 
 def test_off_by_default_reports_cores_without_rewriting():
     model = ag.eager_core()
-    out, report = rewrite(model, RewriteConfig(kwta_enabled=False))
+    out, report = rewrite(model, without_kwta())
     assert not pop_nodes(out)
     assert report.attention[0].rule == "attention_eager"
     assert report.attention[0].reason == "--attn=off"
@@ -149,7 +151,7 @@ def test_off_by_default_reports_cores_without_rewriting():
 def test_settings_become_attributes():
     settings = AttentionSettings(mode="ternary", select="popcount", topk=7, min_keys=3, eps=0.01, density_max=0.3,
                                  keep_first=1)
-    out, report = rewrite(ag.eager_core(), RewriteConfig(kwta_enabled=False, attention=settings))
+    out, report = rewrite(ag.eager_core(), RewriteConfig(attention=settings))
     a = attrs(pop_nodes(out)[0])
     assert (a["mode"], a["select"], a["topk"], a["min_keys"]) == (b"ternary", b"popcount", 7, 3)
     assert a["eps"] == pytest.approx(0.01) and a["density_max"] == pytest.approx(0.3)
@@ -171,17 +173,10 @@ def test_tiny_graph_families(builder):
 
 def test_attention_and_kwta_together():
     model = tg.llama_like()
-    out, report = rewrite(model, RewriteConfig(kwta_target="all", attention=EXACT,
-                                               kwta=popcount_free_kwta()))
+    out, report = rewrite(model, kwta("all", k_frac=1.0, attention=EXACT))
     assert len(pop_nodes(out)) == 2
     assert len([n for n in out.graph.node if n.op_type == "KwtaBlockMatMul"]) == len(report.layers)
     assert_close(model, out, token_feeds(model), rtol=1e-4)
-
-
-def popcount_free_kwta():
-    from ortsparse.graph_rewrite import KwtaSettings
-
-    return KwtaSettings(k_frac=1.0)
 
 
 # -- ONNX Attention (opset 23) ------------------------------------------------------------------
@@ -288,7 +283,7 @@ def test_cli_flags():
     assert config.attention == AttentionSettings(mode="ternary", select="popcount", topk=16, min_keys=8, eps=0.001,
                                                  density_max=0.2, candidates=2.0, keep_first=4, keep_recent=8,
                                                  pack_cache=0)
-    assert not config.kwta_enabled  # --kwta=auto: off when another technique is chosen
+    assert not config.choice("kwta").enabled  # --kwta=auto: off when attention is chosen
     assert _args([]).attention is None
     assert _args(["--attn=off"]).attention is None
     assert _args(["--attn=none"]).attention.select == "none"
@@ -366,10 +361,10 @@ def test_selection_settings_run_on_the_rewritten_graph(select):
     model = ag.eager_core(masks=("inf",), tail="nanguard", gqa=True)
     feeds = ag.feeds(model)
     wide = AttentionSettings(select=select, topk=ag.S, min_keys=0)
-    out, _ = rewrite(model, RewriteConfig(kwta_enabled=False, attention=wide))
+    out, _ = rewrite(model, RewriteConfig(attention=wide))
     assert_close(model, out, feeds)
     narrow = AttentionSettings(select=select, topk=2, min_keys=0, density_max=1.0)
-    out, report = rewrite(model, RewriteConfig(kwta_enabled=False, attention=narrow))
+    out, report = rewrite(model, RewriteConfig(attention=narrow))
     assert not report.exact
     y = run_ortsparse(out, feeds)[0]
     assert np.isfinite(y).all()
@@ -380,14 +375,10 @@ def test_selection_settings_run_on_the_rewritten_graph(select):
 
 
 def test_center_and_proj_bits_flags_reach_the_settings():
-    import argparse
-
-    from ortsparse.graph_rewrite.techniques import popcount
-
-    parser = argparse.ArgumentParser()
-    popcount.add_arguments(parser)
-    args = parser.parse_args(["--attn", "popcount", "--attn-proj-bits", "256", "--attn-center", "0"])
-    settings, _ = popcount.settings_from_args(args, kwta_on=False, kwta_target="mlp")
+    settings = _args(["--attn", "popcount", "--attn-proj-bits", "256", "--attn-center", "0"]).attention
     assert settings.attributes()["proj_bits"] == 256 and settings.attributes()["center"] == 0
+    # the library reads the same flag values without argparse
+    values = {"attn": "popcount", "attn_proj_bits": 256, "attn_center": 0}
+    assert config_from_flags(values).attention == settings
     with pytest.raises(ConfigError, match="density_max=0.0 must be in \\(0, 1\\]"):
         popcount.AttentionSettings(density_max=0.0)

@@ -5,7 +5,8 @@ import onnx
 import pytest
 
 import tiny_graphs as tg
-from ortsparse.graph_rewrite import RewriteConfig, list_layers
+from configs import kwta
+from ortsparse.graph_rewrite import list_layers
 
 FAMILIES = {
     "gpt2": (tg.gpt2_like, tg.expected_classes("gpt2")),
@@ -46,18 +47,18 @@ def test_rotary_matmul_and_attention_matmuls_are_not_linear_layers():
     ("all", {"mlp", "attn", "head"}),
 ])
 def test_target_selects_classes(target, expected):
-    report = list_layers(tg.llama_like(), RewriteConfig(kwta_target=target))
+    report = list_layers(tg.llama_like(), kwta(target))
     assert {r.layer_class for r in report.rewritten} == expected
     assert {r.layer_class for r in report.skipped} == {"mlp", "attn", "head"} - expected
 
 
 def test_target_down_selects_only_down_projections():
-    report = list_layers(tg.llama_like(), RewriteConfig(kwta_target="down"))
+    report = list_layers(tg.llama_like(), kwta("down"))
     assert [(r.layer_class, r.role) for r in report.rewritten] == [("mlp", "down")] * 2
 
 
 def test_head_is_left_alone_by_default_and_says_so():
-    report = list_layers(tg.gpt2_like(), RewriteConfig(kwta_target="both"))
+    report = list_layers(tg.gpt2_like(), kwta("both"))
     head = report.layers[-1]
     assert head.layer_class == "head" and head.decision == "skipped"
     assert "--kwta-target=all or an override" in head.reason
@@ -65,12 +66,12 @@ def test_head_is_left_alone_by_default_and_says_so():
 
 def test_other_class_only_with_all():
     model = tg.bert_like(pooler=True)
-    assert list_layers(model, RewriteConfig(kwta_target="both")).layers[-1].decision == "skipped"
-    assert list_layers(model, RewriteConfig(kwta_target="all")).layers[-1].decision == "rewritten"
+    assert list_layers(model, kwta("both")).layers[-1].decision == "skipped"
+    assert list_layers(model, kwta("all")).layers[-1].decision == "rewritten"
 
 
 def test_kwta_off_rewrites_nothing():
-    report = list_layers(tg.gpt2_like(), RewriteConfig(kwta_enabled=False, kwta_target="all"))
+    report = list_layers(tg.gpt2_like(), kwta("all", enabled=False))
     assert not report.rewritten
     assert all(r.reason == "--kwta=off" for r in report.layers)
 
@@ -78,7 +79,7 @@ def test_kwta_off_rewrites_nothing():
 def test_list_layers_does_not_modify_the_model():
     model = tg.gpt2_like()
     before = model.SerializeToString()
-    report = list_layers(model, RewriteConfig(kwta_target="all"))
+    report = list_layers(model, kwta("all"))
     assert model.SerializeToString() == before
     assert report.preview and "rewrite" in report.layer_table()
     onnx.checker.check_model(model, full_check=True)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ortsparse.graph_rewrite import (
-    ConfigError, KwtaSettings, LayerOverride, RewriteConfig, load_overrides, parse_overrides,
+    ConfigError, KwtaSettings, LayerOverride, RewriteConfig, TechniqueChoice, load_overrides, parse_overrides,
 )
 
 
@@ -36,7 +36,7 @@ def test_exactness():
 
 def test_unknown_target_rejected():
     with pytest.raises(ConfigError, match="target"):
-        RewriteConfig(kwta_target="everything")
+        RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), target="everything")})
 
 
 def test_override_matching():
@@ -77,11 +77,11 @@ def test_json_and_toml_files_read_the_same(tmp_path):
         '[[layers]]\nmatch = "class:head"\noff = true\n')
     from_json = load_overrides(json_path)
     from_toml = load_overrides(toml_path)
-    strip = [(o.match, o.off, o.kwta) for o in from_json]
-    assert strip == [(o.match, o.off, o.kwta) for o in from_toml]
+    strip = [(o.match, o.off, o.setting("kwta")) for o in from_json]
+    assert strip == [(o.match, o.off, o.setting("kwta")) for o in from_toml]
     assert from_json[0].source.endswith("overrides.json entry 0")
     assert load_overrides(tmp_path / "overrides.json") == from_json
-    assert KwtaSettings().updated(from_json[0].kwta).renorm == 1
+    assert KwtaSettings().updated(from_json[0].setting("kwta")).renorm == 1
 
 
 def test_a_bare_list_is_accepted(tmp_path):

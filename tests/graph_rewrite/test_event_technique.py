@@ -3,6 +3,7 @@ settings verified in ORT, overrides."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -68,8 +69,7 @@ def test_exact_settings_rewrite_runs_like_the_original():
 
 def test_override_entries_and_bad_settings():
     entries = parse_overrides([{"match": "*down*", "event": {"topk": 0.2, "axis": "call"}}])
-    cfg = config()
-    cfg = type(cfg)(kwta_enabled=False, overrides=entries, techniques=cfg.techniques)
+    cfg = dataclasses.replace(config("--kwta=off"), overrides=entries)
     out, report = rewrite_model(tg.llama_like(), cfg)
     assert report.rewritten and all("down" in r.name and r.new_op == "EventDrivenMatMul" for r in report.rewritten)
     with pytest.raises(ConfigError, match="topk=0"):

@@ -10,11 +10,12 @@ import onnx_ir as ir
 import pytest
 
 import tiny_graphs as tg
+from configs import kwta
 from ort_run import assert_same_outputs, kwta_nodes, token_feeds
-from ortsparse.graph_rewrite import KwtaSettings, ModelFileError, RewriteConfig, rewrite_file
+from ortsparse.graph_rewrite import ModelFileError, rewrite_file
 from ortsparse.graph_rewrite import files as files_module
 
-EXACT = RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all")
+EXACT = kwta("all", k_frac=1.0)
 
 
 def digest(path: Path) -> str:

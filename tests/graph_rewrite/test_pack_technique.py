@@ -6,6 +6,7 @@ import argparse
 import onnx
 import pytest
 import tiny_graphs as tg
+from configs import kwta, without_kwta
 from ort_run import assert_same_outputs, kwta_nodes, token_feeds
 from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, KwtaSettings, RewriteConfig, parse_overrides, rewrite_model
@@ -29,7 +30,7 @@ def test_flags():
     choice = config.choice("pack")
     assert choice.enabled and choice.target == "down"
     assert choice.settings == PackSettings(mode="ternary", eps=0.0, density_max=0.5)
-    assert not config.kwta_enabled  # --kwta=auto steps aside
+    assert not config.choice("kwta").enabled  # --kwta=auto steps aside
     assert not parse([]).choice("pack").enabled
 
 
@@ -43,7 +44,7 @@ def test_bad_settings(bad, message):
 
 def test_exact_rewrite_of_down_projections():
     model = tg.llama_like()
-    config = RewriteConfig(kwta_enabled=False, techniques={
+    config = RewriteConfig(techniques={  # KWTA's auto steps aside for the library caller too
         "pack": TechniqueChoice(PackSettings(eps=0.0, density_max=1.0), enabled=True, target="down")})
     out, report = rewrite_model(model, config)
     onnx.checker.check_model(out, full_check=True)
@@ -60,7 +61,7 @@ def test_composed_with_kwta_in_one_op():
     assert compose_module.compose("l", {"kwta": KwtaSettings(), "pack": PackSettings()}) == (
         "pack", {"kwta": KwtaSettings()})
     model = tg.llama_like()
-    config = RewriteConfig(kwta=KwtaSettings(k_frac=0.5), kwta_target="down", techniques={
+    config = kwta("down", k_frac=0.5, techniques={
         "pack": TechniqueChoice(PackSettings(eps=0.0), enabled=True, target="down")})
     out, report = rewrite_model(model, config)
     nodes = kwta_nodes(out)
@@ -69,11 +70,11 @@ def test_composed_with_kwta_in_one_op():
     assert a["k_frac"] == 0.5 and a["pack_mode"] == b"binary"
     assert not report.exact
     with pytest.raises(ConfigError, match="duty=1"):
-        rewrite_model(model, RewriteConfig(kwta=KwtaSettings(duty=2), kwta_target="down", techniques={
+        rewrite_model(model, kwta("down", duty=2, techniques={
             "pack": TechniqueChoice(PackSettings(), enabled=True, target="down")}))
 
 
 def test_override_entry():
     entries = parse_overrides([{"match": "*down*", "pack": {"mode": "ternary", "eps": 0.01}}])
-    _, report = rewrite_model(tg.llama_like(), RewriteConfig(kwta_enabled=False, overrides=entries))
+    _, report = rewrite_model(tg.llama_like(), without_kwta(overrides=entries))
     assert report.rewritten and all(r.settings.mode == "ternary" for r in report.rewritten)

@@ -10,6 +10,7 @@ import onnx
 import pytest
 
 import tiny_graphs as tg
+from configs import without_kwta
 from ort_run import assert_same_outputs, relative_l2, token_feeds
 from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, RewriteConfig, parse_overrides, rewrite_model
@@ -34,7 +35,7 @@ def test_flags_build_settings_and_turn_auto_kwta_off():
     c = config("--proc-sparse=on", "--proc-fanout=3", "--proc-block=8", "--proc-base-scale=0.05",
                "--proc-watermark=100", "--proc-shed-eps=1e-4", "--proc-target=down")
     choice = c.choice("proc")
-    assert choice.enabled and choice.target == "down" and not c.kwta_enabled
+    assert choice.enabled and choice.target == "down" and not c.choice("kwta").enabled
     assert choice.settings == ProcSettings(fanout=3, block=8, base_scale=0.05, watermark=100, shed_eps=1e-4)
 
 
@@ -86,7 +87,7 @@ def test_kwta_on_the_same_layer_becomes_the_gate():
 
 def test_override_switches_proc_per_layer():
     entries = parse_overrides([{"match": "role:down", "proc": {"fanout": 1, "block": 8}}])
-    out, report = rewrite_model(tg.llama_like(), RewriteConfig(kwta_enabled=False, overrides=entries))
+    out, report = rewrite_model(tg.llama_like(), without_kwta(overrides=entries))
     assert report.rewritten and all(r.new_op == "ProcSparseMatMul" and r.role == "down" for r in report.rewritten)
     assert all(attrs(n)["fanout"] == 1 for n in proc_nodes(out))
     with pytest.raises(ConfigError, match="unknown proc-sparse setting"):
@@ -102,7 +103,7 @@ def test_bad_settings_are_config_errors():
 
 def test_wanda_score_uses_calibration_when_given():
     model = tg.llama_like()
-    c = RewriteConfig(kwta_enabled=False, techniques={
+    c = RewriteConfig(techniques={
         "proc": TechniqueChoice(ProcSettings(fanout_frac=0.5, block=8, score="wanda"), enabled=True, target="down")})
     _, report = rewrite_model(model, c)
     assert all(any("without calibration" in n for n in r.notes) for r in report.rewritten)

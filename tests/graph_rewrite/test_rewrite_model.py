@@ -8,8 +8,9 @@ import onnx_ir as ir
 import pytest
 
 import tiny_graphs as tg
+from configs import kwta, without_kwta
 from ort_run import assert_same_outputs, kwta_nodes, relative_l2, token_feeds
-from ortsparse.graph_rewrite import KwtaSettings, LayerOverride, RewriteConfig, rewrite_model
+from ortsparse.graph_rewrite import LayerOverride, RewriteConfig, rewrite_model
 
 BUILDERS = {"gpt2": tg.gpt2_like, "bert": tg.bert_like, "llama": tg.llama_like, "bert_fused": tg.bert_fused_like}
 # (mlp, attn, head) layer counts of the 2-layer tiny models
@@ -20,7 +21,7 @@ COUNTS = {"gpt2": (4, 4, 1), "bert": (4, 8, 0), "llama": (6, 8, 1), "bert_fused"
 @pytest.mark.parametrize("target", ["mlp", "both", "all"])
 def test_counts_checker_and_exact_numerics(family, target):
     model = BUILDERS[family]()
-    out, report = rewrite_model(model, RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target=target))
+    out, report = rewrite_model(model, kwta(target, k_frac=1.0))
     onnx.checker.check_model(out, full_check=True)
     mlp, attn, head = COUNTS[family]
     expected = {"mlp": mlp, "both": mlp + attn, "all": mlp + attn + head}[target]
@@ -35,7 +36,7 @@ def test_counts_checker_and_exact_numerics(family, target):
 @pytest.mark.parametrize("family", BUILDERS)
 def test_gating_changes_the_result(family):
     model = BUILDERS[family]()
-    out, report = rewrite_model(model, RewriteConfig(kwta=KwtaSettings(k_frac=0.3), kwta_target="all"))
+    out, report = rewrite_model(model, kwta("all", k_frac=0.3))
     assert not report.exact
     error = relative_l2(model, out, token_feeds(model))
     assert 1e-3 < error < 10
@@ -44,7 +45,7 @@ def test_gating_changes_the_result(family):
 def test_model_proto_input_is_not_modified():
     model = tg.gpt2_like()
     before = model.SerializeToString()
-    out, _ = rewrite_model(model, RewriteConfig(kwta_target="all"))
+    out, _ = rewrite_model(model, kwta("all"))
     assert model.SerializeToString() == before
     assert isinstance(out, onnx.ModelProto)
 
@@ -59,7 +60,7 @@ def test_ir_model_is_rewritten_in_place():
 
 def test_nothing_selected_leaves_model_valid_and_says_so():
     model = tg.bert_like()
-    out, report = rewrite_model(model, RewriteConfig(kwta_enabled=False))
+    out, report = rewrite_model(model, without_kwta())
     assert not kwta_nodes(out) and not report.rewritten
     assert "no layer matched the selection" in report.summary()
     assert not any(o.domain == "ai.ortsparse" for o in out.opset_import)
@@ -69,14 +70,14 @@ def test_nothing_selected_leaves_model_valid_and_says_so():
 def test_overrides_glob_layer_index_class_and_off():
     model = tg.llama_like()
     overrides = (
-        LayerOverride("*down_proj*", kwta={"k_frac": 0.9}),
-        LayerOverride("layer:0", kwta={"k_frac": 0.6, "score": "mean_abs"}),
-        LayerOverride("class:head", kwta={}),
-        LayerOverride("/model.layers.1.mlp.up_proj/MatMul", kwta="off"),
-        LayerOverride("role:down", kwta={"block": 2}),  # later entries win, and accumulate
+        LayerOverride("*down_proj*", techniques={"kwta": {"k_frac": 0.9}}),
+        LayerOverride("layer:0", techniques={"kwta": {"k_frac": 0.6, "score": "mean_abs"}}),
+        LayerOverride("class:head", techniques={"kwta": {}}),
+        LayerOverride("/model.layers.1.mlp.up_proj/MatMul", techniques={"kwta": "off"}),
+        LayerOverride("role:down", techniques={"kwta": {"block": 2}}),  # later entries win, and accumulate
         LayerOverride("layer:4", off=True),
     )
-    out, report = rewrite_model(model, RewriteConfig(kwta=KwtaSettings(k_frac=0.5), overrides=overrides))
+    out, report = rewrite_model(model, kwta(k_frac=0.5, overrides=overrides))
     by_name = {r.name: r for r in report.layers}
     assert by_name["/model.layers.0.self_attn.q_proj/MatMul"].settings.score == "mean_abs"  # layer:0 selects attn
     assert by_name["/model.layers.0.mlp.gate_proj/MatMul"].decision == "skipped"  # layer:4 off

@@ -6,10 +6,11 @@ import onnx
 import pytest
 
 import tiny_graphs as tg
+from configs import kwta
 from ort_run import assert_same_outputs, kwta_nodes, op_types, token_feeds
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, describe_rules, list_layers, rewrite_model
+from ortsparse.graph_rewrite import RewriteConfig, describe_rules, list_layers, rewrite_model
 
-EXACT_ALL = RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all")
+EXACT_ALL = kwta("all", k_frac=1.0)
 ALL_ATTRIBUTES = {"k_frac", "k_abs", "score", "threshold", "temp", "duty", "duty_mode", "renorm", "block",
                   "max_gated_rows"}
 
@@ -34,7 +35,7 @@ def test_rules_have_before_after_docstrings():
 
 def test_matmul_becomes_kwta_with_every_attribute():
     model = tg.matmul_model()
-    out, report = rewrite(model, RewriteConfig(kwta=KwtaSettings(k_frac=0.75, score="mean_abs"), kwta_target="all"))
+    out, report = rewrite(model, kwta("all", k_frac=0.75, score="mean_abs"))
     assert op_types(out) == ["KwtaBlockMatMul"]
     node = kwta_nodes(out)[0]
     assert list(node.input) == ["X", "W"]
@@ -149,7 +150,7 @@ def test_gemm_near_misses_explain_themselves(gemm_kwargs, reason):
 
 def test_block_larger_than_k_is_clamped():
     model = tg.matmul_model()
-    out, report = rewrite(model, RewriteConfig(kwta=KwtaSettings(block=64), kwta_target="all"))
+    out, report = rewrite(model, kwta("all", block=64))
     block = next(a for a in kwta_nodes(out)[0].attribute if a.name == "block")
     assert block.i == tg.K_IN
     assert "block set to K" in report.layers[0].detail()

@@ -10,8 +10,9 @@ import onnx
 import onnx_ir as ir
 import pytest
 
+from configs import kwta
 from ort_run import kwta_nodes
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, load_model, rewrite_model
+from ortsparse.graph_rewrite import load_model, rewrite_model
 from ortsparse.verify import EXACT_BUDGET, verify_models
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -41,7 +42,7 @@ def manifest() -> dict:
 def test_tiny_export(name, manifest):
     entry = manifest[name]
     model = load_model(TINY / name)
-    model, report = rewrite_model(model, RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all"))
+    model, report = rewrite_model(model, kwta("all", k_frac=1.0))
     counts = collections.Counter((r.layer_class, r.role) for r in report.layers)
     assert dict(counts) == _expected(entry)
     assert not report.skipped, report.layer_table()

@@ -20,8 +20,7 @@ from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings
 
 
 def tt_config(target="mlp", **settings):
-    return RewriteConfig(kwta_enabled=False,
-                         techniques={"tt": TechniqueChoice(TTSettings(**settings), enabled=True, target=target)})
+    return RewriteConfig(techniques={"tt": TechniqueChoice(TTSettings(**settings), enabled=True, target=target)})
 
 
 def test_full_rank_tt_is_exact_end_to_end():
@@ -83,7 +82,7 @@ def test_flags_and_settings():
     config = config_from_args(parser.parse_args(["--tt=on", "--tt-rank=0", "--tt-gap=0.05", "--tt-maxvol-k=4",
                                                  "--tt-target=both"]))
     choice = config.choice("tt")
-    assert choice.enabled and choice.target == "both" and not config.kwta_enabled
+    assert choice.enabled and choice.target == "both" and not config.choice("kwta").enabled
     assert choice.settings.rank == 0 and choice.settings.gap == 0.05 and choice.settings.maxvol_k == 4
     assert not config_from_args(parser.parse_args([])).choice("tt").enabled
     with pytest.raises(ConfigError, match="autotune.*gap"):
