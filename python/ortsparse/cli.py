@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .rewrite_flags import add_technique_arguments, config_from_args
+
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
@@ -32,22 +34,6 @@ def _positive_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
     return value
-
-
-def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
-    """--config and every technique's flags (--kwta-*, ...): every command that rewrites a model
-    takes these."""
-    from .graph_rewrite.techniques import TECHNIQUES
-
-    parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
-    for technique in TECHNIQUES.values():
-        technique.add_arguments(parser)
-    from .graph_rewrite.techniques import popcount
-
-    popcount.add_arguments(parser)
-
-
-add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
 
 
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,30 +60,6 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("--report", metavar="FILE", help="also write the per-layer report as JSON")
     info.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     info.add_argument("--version", action="version", version=_version())
-
-
-def config_from_args(args: argparse.Namespace):
-    """The RewriteConfig of the flags added by add_technique_arguments.
-
-    ``--kwta`` defaults to ``auto``: on (the tool's default technique) unless another technique
-    is switched on, so ``--tt=on`` alone does not also gate the same layers with KWTA."""
-    from .graph_rewrite.config import RewriteConfig, load_overrides
-    from .graph_rewrite.techniques import TECHNIQUES, popcount
-
-    choices = {name: technique.choice_from_args(args) for name, technique in TECHNIQUES.items()}
-    kwta = choices.pop("kwta")
-    kwta_enabled = kwta.enabled
-    attn_explicit = getattr(args, "attn", None) not in (None, "off")
-    if getattr(args, "kwta", "on") == "auto":
-        kwta_enabled = not any(choice.enabled for choice in choices.values()) and not attn_explicit
-    overrides = load_overrides(args.config) if args.config else ()
-    attention, attention_why = popcount.settings_from_args(args, kwta_on=kwta_enabled, kwta_target=kwta.target)
-    return RewriteConfig(kwta=kwta.settings, kwta_enabled=kwta_enabled, kwta_target=kwta.target,
-                         overrides=overrides, techniques=choices, attention=attention,
-                         attention_why=attention_why)
-
-
-_config_from_args = config_from_args
 
 
 def _print_rules() -> None:

@@ -17,6 +17,7 @@ from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, KwtaSettings, RewriteConfig, rewrite_model
 from ortsparse.graph_rewrite import compose as compose_module
 from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings
+from ortsparse.harness.calibrate import layer_calibration
 
 
 def tt_config(target="mlp", **settings):
@@ -105,7 +106,7 @@ def test_layer_calibration_collects_each_layers_input():
 
     model = tg.llama_like()
     feeds = token_feeds(model)
-    calib = tt.layer_calibration(model, "mlp", [feeds], max_rows=7, feeds=lambda session, batch: batch)
+    calib = layer_calibration(model, "mlp", [feeds], max_rows=7, feeds=lambda session, batch: batch)
     mlp = [r for r in rewrite_model(model, tt_config(rank=16, gap=0.0, min_flop_ratio=0.0))[1].rewritten]
     assert sorted(calib) == sorted(r.name for r in mlp)
     for record in mlp:
