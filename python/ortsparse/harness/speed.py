@@ -126,9 +126,9 @@ def markdown(payload: dict, command: str, title: str) -> str:
     lines = report_header(title, command, payload["machine"], payload["bandwidth"],
                           matvec_note="numpy matvec; used for the bound")
     lines += ["Medians of alternated runs; speedup vs the first model; 2 threads with allow_spinning=0. "
-             "Bound = read bandwidth / linear-weight bytes per token (kept bytes for gated layers).", "",
-             "| phase | context | threads | model | tokens/s | speedup | weight MB/token | bound tok/s | achieved/bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
+              "Bound = read bandwidth / linear-weight bytes per token (kept bytes for gated layers).", "",
+              "| phase | context | threads | model | tokens/s | speedup | weight MB/token | bound tok/s | achieved/bound |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         extra = (f"{r['weight_mb_per_token']:.1f} | {r['bound_tokens_per_s']:.0f} | {r['achieved_over_bound']:.2f}"
                  if r["phase"] == "decode" else " | | ")
