@@ -125,8 +125,6 @@ def test_layer_calibration_collects_each_layers_input():
 def test_tt_and_proc_sparse_are_exclusive_weight_backends():
     from ortsparse.graph_rewrite.techniques import TECHNIQUES
 
-    if "proc" not in TECHNIQUES:
-        pytest.skip("proc-sparse not registered in this build")
     settings = TECHNIQUES["proc"].settings_type()
     with pytest.raises(ConfigError, match="layer 'mlp.0'.*one weight backend"):
         compose_module.compose("mlp.0", {"proc": settings, "tt": TTSettings()})
