@@ -2,16 +2,18 @@
 (perplexity, embedding cosine, output error), speed (prefill / decode tokens/s), zoo validation,
 sweeps and calibration. The protocol is summarised in docs/measure.md.
 
-Layout (each module imports only those listed before it, and the package below: runtime, the
-rewriter, verify, benchmarking, rewrite_flags):
+Layers (top to bottom; a module imports only from rows below its own, and from the package below
+the harness: runtime, graph_rewrite, verify, benchmarking, rewrite_flags; pyproject.toml's
+[tool.importlinter] enforces it):
 
-- data and the cache: ``cache`` (paths, atomic writes), ``export_smollm2`` / ``export_minilm``
-  (torch exporters), ``baselines`` (MatMulNBits int4/int8), ``models`` (``ortsparse models``:
-  the registry, ``model_path``), ``corpus`` (token windows, sentence sets);
-- measurements: ``op_metrics`` (keep ratios from the op counters), ``perplexity``, ``embeddings``,
-  ``output_error``, ``speed`` (``ortsparse bench``);
-- commands and studies: ``quality``, ``zoo`` (``validate``), ``sweep``, ``calibrate``,
-  ``event_workloads``.
+- studies: ``calibrate``, ``event_workloads``, ``sweep``, ``zoo`` (``ortsparse validate``);
+- commands that are libraries too: ``quality``, ``speed`` (``ortsparse bench``);
+- measurements: ``perplexity``, ``embeddings``, ``output_error``;
+- data: ``corpus`` (token windows, sentence sets), ``op_metrics`` (keep ratios from the counters);
+- ``models`` (``ortsparse models``: the registry, ``model_path``, ``quantized_model``);
+- ``baselines`` (MatMulNBits int4/int8);
+- ``export_smollm2``, ``export_minilm`` (torch exporters);
+- ``cache`` (where files live, atomic writes, build errors).
 
 Heavy optional dependencies (torch, transformers, matplotlib) are imported inside the functions
 that need them, so `ortsparse --help` and the fast tests do not load them.
