@@ -12,7 +12,6 @@ import pytest
 import tiny_graphs as tg
 from ort_run import assert_same_outputs, op_types, token_feeds
 
-from ortsparse import tt
 from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, KwtaSettings, RewriteConfig, rewrite_model
 from ortsparse.graph_rewrite import compose as compose_module

@@ -217,10 +217,10 @@ def test_cli_missing_corpus_is_a_usage_error(tmp_path):
 @pytest.mark.slow
 def test_smollm2_dense_perplexity_on_britannica():
     model = models.real_model_path("smollm2", "full.torchscript.onnx")
-    corpus = corpus.default_corpus()
-    assert model.is_file() and corpus.is_file(), "SmolLM2 cache missing (run `ortsparse models`)"
-    result = perplexity(model, corpus.load_corpus_tokens(corpus), windows=8, window_len=512,
-                                session_options={"intra_op_num_threads": 2})
+    tokens = corpus.default_corpus()
+    assert model.is_file() and tokens.is_file(), "SmolLM2 cache missing (run `ortsparse models`)"
+    result = perplexity(model, corpus.load_corpus_tokens(tokens), windows=8, window_len=512,
+                        session_options={"intra_op_num_threads": 2})
     assert result["tokens"] == 8 * 511
     assert result["ppl"] == pytest.approx(26.14, rel=0.05)
 

@@ -96,7 +96,7 @@ class BuildContext:
 
 
 # --------------------------------------------------------------------------------------------
-# Small pieces (no heavy imports): atomic writes, hashing, package access, manifests
+# Small pieces (no heavy imports): hashing, package access, manifests (atomic writes: cache.py)
 
 
 def sha256(path: Path) -> str:

@@ -99,7 +99,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def markdown(results, command: str, png: str) -> str:
-    lines = [f"# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
+    lines = ["# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
              "| scope | keep | block | score | dppl | top-1 agree | mean keep | decode tok/s | dense tok/s | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["target"], r["block"], r["score"], -r["k_frac"])):
