@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ortsparse import tt
+
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import BIAS, WEIGHT, WEIGHTS, LayerWeights, OpBuild, Technique, TechniqueChoice, TechniqueSettings
@@ -134,8 +136,6 @@ class TT(Technique):
         return TechniqueChoice(settings=settings, enabled=args.tt == "on", target=args.tt_target)
 
     def build(self, layer: LayerWeights, settings: TTSettings, partners: Mapping[str, Any]) -> OpBuild | None:
-        from ortsparse import tt
-
         w = layer.weight()
         bias = layer.bias()
         x = layer.calibration
