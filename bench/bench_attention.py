@@ -29,11 +29,9 @@ import math
 import sys
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
-import ortsparse
-from ortsparse.benchmarking import alternate, machine_info, median, write_report
+from ortsparse.benchmarking import machine_info, median, session, time_sessions, write_report
 
 MS = "com.microsoft"
 
@@ -105,11 +103,6 @@ def pop_model(layers, h, hkv, d, **attrs):
     return helper.make_model(helper.make_graph(nodes, "pop", inputs, outputs), opset_imports=opsets())
 
 
-def session(model, threads):
-    options = ortsparse.session_options(intra_op_num_threads=threads, allow_spinning=False if threads > 1 else None)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def cosine(a, b):
     a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
@@ -158,11 +151,10 @@ def run_context(ctx, threads, args, rng):
     feeds_kv = {}
     for i in range(layers):
         feeds_kv[f"K{i}"], feeds_kv[f"V{i}"] = ks[i], vs[i]
-    runners, outputs = {}, {}
+    sessions, feeds = {}, {}
 
-    s_dec = session(decomposed_model(layers, h, hkv, d, scale), threads)
-    f_dec = dict(feeds_kv, Q=q)
-    runners["ort_decomposed"] = lambda: s_dec.run(None, f_dec)
+    sessions["ort_decomposed"] = session(decomposed_model(layers, h, hkv, d, scale), threads)
+    feeds["ort_decomposed"] = dict(feeds_kv, Q=q)
 
     if not args.no_contrib:
         g = h // hkv
@@ -170,28 +162,25 @@ def run_context(ctx, threads, args, rng):
         for i in range(layers):
             f_mha[f"KE{i}"] = np.repeat(ks[i], g, axis=1)
             f_mha[f"VE{i}"] = np.repeat(vs[i], g, axis=1)
-        s_mha = session(mha_model(layers, h, d), threads)
-        runners["ort_mha"] = lambda: s_mha.run(None, f_mha)
+        sessions["ort_mha"], feeds["ort_mha"] = session(mha_model(layers, h, d), threads), f_mha
         f_gqa = {"Q3": q3, "seqlens_k": np.array([ctx - 1], np.int32), "total_len": np.array(ctx, np.int32)}
         for i in range(layers):
             f_gqa[f"Knew{i}"] = ks[i][:, :, -1:].transpose(0, 2, 1, 3).reshape(1, 1, hkv * d).copy()
             f_gqa[f"Vnew{i}"] = vs[i][:, :, -1:].transpose(0, 2, 1, 3).reshape(1, 1, hkv * d).copy()
             f_gqa[f"PK{i}"] = np.ascontiguousarray(ks[i][:, :, :-1])
             f_gqa[f"PV{i}"] = np.ascontiguousarray(vs[i][:, :, :-1])
-        s_gqa = session(gqa_model(layers, h, hkv, d), threads)
-        runners["ort_gqa"] = lambda: s_gqa.run(None, f_gqa)
+        sessions["ort_gqa"], feeds["ort_gqa"] = session(gqa_model(layers, h, hkv, d), threads), f_gqa
 
     f_pop = dict(feeds_kv, Q=q)
     for name, attrs in pop_variants(args).items():
-        s = session(pop_model(layers, h, hkv, d, **attrs), threads)
-        runners[name] = (lambda s=s: s.run(None, f_pop))
+        sessions[name], feeds[name] = session(pop_model(layers, h, hkv, d, **attrs), threads), f_pop
 
-    for name, fn in runners.items():
-        outputs[name] = fn()[0]
+    outputs = {name: s.run(None, feeds[name])[0] for name, s in sessions.items()}
     reference = outputs["ort_decomposed"].reshape(1, h, 1, d)
-    times = alternate(runners, repeats=args.repeats, warmup=2, min_seconds=args.min_seconds)
+    times = time_sessions(sessions, feeds, repeats=args.repeats, warmup=2, min_seconds=args.min_seconds,
+                          per_session=True)
     rows = []
-    for name in runners:
+    for name in sessions:
         y = outputs[name]
         y = y.reshape(1, 1, h, d).transpose(0, 2, 1, 3) if name in ("ort_mha", "ort_gqa") else y.reshape(1, h, 1, d)
         rows.append({"ctx": ctx, "threads": threads, "candidate": name,

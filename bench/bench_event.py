@@ -18,11 +18,13 @@ import argparse
 import sys
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import ortsparse
-from ortsparse.benchmarking import alternate, machine_info, median, write_report
+from ortsparse.benchmarking import alternate, machine_info, median, session, write_report
+from ortsparse.harness import event_workloads as ew
+from ortsparse.harness.models import real_model_path
+from ortsparse.runtime import open_session, thread_options
 
 SHAPES = [(384, 1536), (1536, 384), (576, 1536), (1536, 576)]
 CHANGES = [0.05, 0.25, 0.5, 1.0]
@@ -47,11 +49,6 @@ def kernel_model(k, n, copies, op, rng):
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
                               outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortsparse", 1)])
-
-
-def session(model, threads):
-    options = ortsparse.session_options(intra_op_num_threads=threads, allow_spinning=False if threads > 1 else None)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def input_cycle(rows, k, change, calls, rng):
@@ -100,12 +97,7 @@ def run_kernel(args, rng):
 
 
 def run_workloads(args):
-    from ortsparse.harness import event_workloads as ew
-    from ortsparse.harness.quality import open_session, real_model_path
-
-    options = {"intra_op_num_threads": args.threads}
-    if args.threads > 1:
-        options["allow_spinning"] = False
+    options = thread_options(args.threads)
     results = []
     for workload in args.workloads:
         dense_model = ew.dense_model_for(workload)

@@ -14,12 +14,11 @@ import math
 import sys
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-import ortsparse
-from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info, median,
-                                    read_bandwidth_gbs, write_report)
+from ortsparse.benchmarking import (command_line, kernel_bench_parser, kernel_bench_repeats, kernel_bench_shapes,
+                                    machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
+                                    write_report)
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
 SETTINGS = [  # (keep ratio, block)
@@ -45,12 +44,6 @@ def build(k, n, copies, distinct, op, rng, **attrs):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortsparse", 1)])
 
 
-def session(model, threads):
-    options = ortsparse.session_options(intra_op_num_threads=threads,
-                                        allow_spinning=False if threads > 1 else None)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def run_case(k, n, m, regime, threads, settings, repeats, rng):
     layer_bytes = k * n * 4
     if regime == "out-of-cache":
@@ -67,8 +60,7 @@ def run_case(k, n, m, regime, threads, settings, repeats, rng):
         attrs = dict(k_frac=float(keep), block=int(block))
         sessions[f"kwta_{keep}_b{block}"] = session(
             build(k, n, copies, distinct, "Kwta", np.random.default_rng(0), **attrs), threads)
-    runners = {name: (lambda s=s: s.run(None, feeds)) for name, s in sessions.items()}
-    times = alternate(runners, repeats=repeats, warmup=2)
+    times = time_sessions(sessions, feeds, repeats=repeats, warmup=2)
     base = median(times["ort_matmul"]) / copies
     rows = []
     for keep, block in settings:
@@ -84,15 +76,11 @@ def run_case(k, n, m, regime, threads, settings, repeats, rng):
 
 
 def markdown(rows, info, bandwidth, command):
-    lines = ["# KwtaBlockMatMul vs ORT MatMul (kernel level)", "",
-             f"Command: `{command}`  ", f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, "
-             f"onnxruntime {info['onnxruntime']}, {info['date']}  ",
-             f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
-             f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
-             "Per-layer medians; speedup = ORT time / ours (>1 is faster). 2 threads run with "
-             "allow_spinning=0. GB/s = kept weight bytes / time (M = 1).", "",
-             "| K x N | M | regime | thr | keep | block | ORT us | ours us | speedup | target | ours GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = report_header("KwtaBlockMatMul vs ORT MatMul (kernel level)", command, info, bandwidth)
+    lines += ["Per-layer medians; speedup = ORT time / ours (>1 is faster). 2 threads run with "
+              "allow_spinning=0. GB/s = kept weight bytes / time (M = 1).", "",
+              "| K x N | M | regime | thr | keep | block | ORT us | ours us | speedup | target | ours GB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gbs = f"{r['ours_gbs']:.1f}" if "ours_gbs" in r else ""
         lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['regime']} | {r['threads']} | {r['keep']} | {r['block']} | "
@@ -114,16 +102,15 @@ def main(argv=None):
         for k, n in shapes:
             for m in args.ms:
                 for regime in ("in-cache", "out-of-cache"):
-                    big = k * n * m > 576 * 1536 * 128
-                    repeats = args.repeats or (5 if args.quick else (7 if big else 25 if m > 1 else 60))
+                    repeats = kernel_bench_repeats(args, k, n, m, quick=5)
                     new = run_case(k, n, m, regime, threads, SETTINGS, repeats, rng)
                     for r in new:
                         print(f"{k}x{n} M={m} {regime} thr={threads} keep={r['keep']} block={r['block']}: "
                               f"ORT {r['ort_us']:.1f}us ours {r['ours_us']:.1f}us x{r['speedup']:.2f}", flush=True)
                     rows.extend(new)
-    command = "python bench/bench_kwta_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = dict(machine=info, bandwidth=bandwidth, command=command.strip(), rows=rows)
-    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command.strip()))
+    command = command_line("python bench/bench_kwta_kernel.py", argv)
+    payload = dict(machine=info, bandwidth=bandwidth, command=command, rows=rows)
+    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command))
     print("wrote", *paths)
     return 0
 

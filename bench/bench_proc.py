@@ -17,12 +17,11 @@ import math
 import sys
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-import ortsparse
-from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info, median,
-                                    read_bandwidth_gbs, write_report)
+from ortsparse.benchmarking import (command_line, kernel_bench_parser, kernel_bench_repeats, kernel_bench_shapes,
+                                    machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
+                                    write_report)
 from ortsparse.proc_sparse import build_proc_sparse
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
@@ -82,12 +81,6 @@ def packed_bytes(k, n, setting):
     return n * f * (2 + block * (2 if dtype == "float16" else 4))
 
 
-def session(model, threads):
-    options = ortsparse.session_options(intra_op_num_threads=threads,
-                                        allow_spinning=False if threads > 1 else None)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def run_case(k, n, m, regime, threads, settings, repeats, rng):
     layer_bytes = k * n * 4
     if regime == "in-cache" and layer_bytes > 24 * 1024 * 1024:
@@ -105,8 +98,7 @@ def run_case(k, n, m, regime, threads, settings, repeats, rng):
         name = setting_name(s)
         copies[name] = copies_for(packed_bytes(k, n, s))
         sessions[name] = session(proc_model(k, n, copies[name], distinct, s), threads)
-    runners = {name: (lambda s=s: s.run(None, feeds)) for name, s in sessions.items()}
-    times = alternate(runners, repeats=repeats, warmup=2)
+    times = time_sessions(sessions, feeds, repeats=repeats, warmup=2)
     base = median(times["ort_matmul"]) / copies["ort_matmul"]
     rows = []
     for s in settings:
@@ -124,16 +116,12 @@ def run_case(k, n, m, regime, threads, settings, repeats, rng):
 
 
 def markdown(rows, info, bandwidth, command):
-    lines = ["# ProcSparseMatMul vs ORT MatMul (kernel level)", "",
-             f"Command: `{command}`  ", f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, "
-             f"onnxruntime {info['onnxruntime']}, {info['date']}  ",
-             f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
-             f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
-             "Per-layer medians; speedup = ORT time / ours (>1 is faster). 2 threads run with allow_spinning=0. "
-             "mem = packed bytes / dense fp32 bytes. GB/s = packed bytes / time (M = 1). h = fp16 deltas, "
-             "s = fp32; hash = base_scale 0.05 (base hashed in the kernel).", "",
-             "| K x N | M | regime | thr | fanout | block | deltas | base | mem | ORT us | ours us | speedup | ours GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = report_header("ProcSparseMatMul vs ORT MatMul (kernel level)", command, info, bandwidth)
+    lines += ["Per-layer medians; speedup = ORT time / ours (>1 is faster). 2 threads run with allow_spinning=0. "
+              "mem = packed bytes / dense fp32 bytes. GB/s = packed bytes / time (M = 1). h = fp16 deltas, "
+              "s = fp32; hash = base_scale 0.05 (base hashed in the kernel).", "",
+              "| K x N | M | regime | thr | fanout | block | deltas | base | mem | ORT us | ours us | speedup | ours GB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gbs = f"{r['ours_gbs']:.1f}" if "ours_gbs" in r else ""
         lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['regime']} | {r['threads']} | {r['fanout_frac']} | "
@@ -159,17 +147,16 @@ def main(argv=None):
         for k, n in shapes:
             for m in args.ms:
                 for regime in regimes:
-                    big = k * n * m > 576 * 1536 * 128
-                    repeats = args.repeats or (3 if args.quick else (7 if big else 25 if m > 1 else 60))
+                    repeats = kernel_bench_repeats(args, k, n, m, quick=3)
                     new = run_case(k, n, m, regime, threads, settings, repeats, rng)
                     for r in new:
                         print(f"{k}x{n} M={m} {regime} thr={threads} fanout={r['fanout_frac']} b{r['block']} "
                               f"{r['delta_dtype']} base={r['base_scale']}: ORT {r['ort_us']:.1f}us ours "
                               f"{r['ours_us']:.1f}us x{r['speedup']:.2f} mem {r['mem_ratio']:.3f}", flush=True)
                     rows.extend(new)
-    command = "python bench/bench_proc.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = dict(machine=info, bandwidth=bandwidth, command=command.strip(), rows=rows)
-    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command.strip()))
+    command = command_line("python bench/bench_proc.py", argv)
+    payload = dict(machine=info, bandwidth=bandwidth, command=command, rows=rows)
+    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command))
     print("wrote", *paths)
     return 0
 

@@ -19,15 +19,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-import ortsparse  # noqa: E402
 from ortsparse import tt  # noqa: E402
-from ortsparse.benchmarking import (alternate, kernel_bench_parser, kernel_bench_shapes, machine_info,  # noqa: E402
-                                    median, read_bandwidth_gbs, write_report)
+from ortsparse.benchmarking import (command_line, kernel_bench_parser, kernel_bench_repeats,  # noqa: E402
+                                    kernel_bench_shapes, machine_info, median, read_bandwidth_gbs, report_header,
+                                    session, time_sessions, write_report)
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
 LOWRANK_RANKS = [16, 32, 64, 128, 256]
@@ -73,11 +72,6 @@ def build(k, n, copies, distinct, rng, tt_shape=None):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortsparse", 1)])
 
 
-def session(model, threads):
-    options = ortsparse.session_options(intra_op_num_threads=threads, allow_spinning=False if threads > 1 else None)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def run_case(k, n, m, regime, threads, cases, repeats, rng):
     layer_bytes = k * n * 4
     if regime == "out-of-cache":
@@ -91,8 +85,7 @@ def run_case(k, n, m, regime, threads, cases, repeats, rng):
     for label, in_modes, out_modes, ranks in cases:
         sessions[label] = session(build(k, n, copies, distinct, np.random.default_rng(1),
                                         (in_modes, out_modes, ranks)), threads)
-    runners = {name: (lambda s=s: s.run(None, feeds)) for name, s in sessions.items()}
-    times = alternate(runners, repeats=repeats, warmup=2)
+    times = time_sessions(sessions, feeds, repeats=repeats, warmup=2)
     base = median(times["ort_matmul"]) / copies
     rows = []
     for label, in_modes, out_modes, ranks in cases:
@@ -109,15 +102,11 @@ def run_case(k, n, m, regime, threads, cases, repeats, rng):
 
 
 def markdown(rows, info, bandwidth, command):
-    lines = ["# TTMatMul vs ORT MatMul (kernel level)", "", f"Command: `{command}`  ",
-             f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, onnxruntime {info['onnxruntime']}, "
-             f"{info['date']}  ",
-             f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
-             f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
-             f"Per-layer medians; speedup = ORT time / TT time; efficiency = speedup / FLOP ratio (target >= "
-             f"{TARGET_EFFICIENCY}). 2 threads run with allow_spinning=0.", "",
-             "| K x N | M | regime | thr | config | mem | FLOP ratio | ORT us | TT us | speedup | efficiency | target met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = report_header("TTMatMul vs ORT MatMul (kernel level)", command, info, bandwidth)
+    lines += [f"Per-layer medians; speedup = ORT time / TT time; efficiency = speedup / FLOP ratio (target >= "
+              f"{TARGET_EFFICIENCY}). 2 threads run with allow_spinning=0.", "",
+              "| K x N | M | regime | thr | config | mem | FLOP ratio | ORT us | TT us | speedup | efficiency | target met |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['regime']} | {r['threads']} | {r['config']} | "
                      f"{r['mem_ratio']:.1%} | {r['flop_ratio']:.1f} | {r['ort_us']:.1f} | {r['tt_us']:.1f} | "
@@ -141,18 +130,17 @@ def main(argv=None):
             cases = configs(k, n, args.quick)
             for m in args.ms:
                 for regime in args.regimes:
-                    big = k * n * m > 576 * 1536 * 128
-                    repeats = args.repeats or (3 if args.quick else (7 if big else 25 if m > 1 else 60))
+                    repeats = kernel_bench_repeats(args, k, n, m, quick=3)
                     new = run_case(k, n, m, regime, threads, cases, repeats, rng)
                     for r in new:
                         print(f"{k}x{n} M={m} {regime} thr={threads} {r['config']}: ORT {r['ort_us']:.1f}us "
                               f"TT {r['tt_us']:.1f}us x{r['speedup']:.2f} (FLOP ratio {r['flop_ratio']:.1f}, "
                               f"efficiency {r['efficiency']:.2f})", flush=True)
                     rows.extend(new)
-    command = "python bench/bench_tt.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = dict(machine=info, bandwidth=bandwidth, command=command.strip(), rows=rows,
+    command = command_line("python bench/bench_tt.py", argv)
+    payload = dict(machine=info, bandwidth=bandwidth, command=command, rows=rows,
                    target_efficiency=TARGET_EFFICIENCY)
-    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command.strip()))
+    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command))
     print("wrote", *paths)
     return 0
 

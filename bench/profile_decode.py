@@ -12,19 +12,14 @@ import json
 import tempfile
 
 import onnx
-import onnxruntime as ort
 
-import ortsparse
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
-from ortsparse.harness import speed
 from ortsparse.harness.models import model_path
+from ortsparse.runtime import decode_feeds, open_session, vocab_size
 
 
 def profile(model, feeds, runs: int, prefix: str) -> collections.Counter:
-    options = ortsparse.session_options(intra_op_num_threads=1)
-    options.enable_profiling = True
-    options.profile_file_prefix = prefix
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = open_session(model, {"intra_op_num_threads": 1, "enable_profiling": True, "profile_file_prefix": prefix})
     for _ in range(runs):
         session.run(None, feeds)
     events = json.load(open(session.end_profiling()))
@@ -44,7 +39,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     gated, _ = rewrite_model(dense, RewriteConfig(kwta=KwtaSettings(k_frac=args.k), kwta_target=args.target))
-    feeds = speed.make_feeds(dense, new_tokens=1, past=args.context, vocab=speed.vocab_size(dense))
+    feeds = decode_feeds(dense, new_tokens=1, past=args.context, vocab=vocab_size(dense))
     with tempfile.TemporaryDirectory() as tmp:
         columns = {"dense": profile(dense, feeds, args.runs, f"{tmp}/dense"),
                    "kwta": profile(gated, feeds, args.runs, f"{tmp}/kwta")}

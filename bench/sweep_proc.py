@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -19,12 +20,22 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+
+from ortsparse.benchmarking import command_line, machine_info, write_report
+from ortsparse.graph_rewrite import RewriteConfig, rewrite_model
+from ortsparse.graph_rewrite.layers import survey
+from ortsparse.graph_rewrite.targets import target_includes
+from ortsparse.graph_rewrite.techniques import ProcSettings, TechniqueChoice
+from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
+from ortsparse.harness.embeddings import compare_embeddings
+from ortsparse.harness.models import model_path
+from ortsparse.harness.perplexity import perplexity
+from ortsparse.harness.speed import SpeedModel, time_models
+from ortsparse.runtime import decode_feeds, lm_feeds, open_session, vocab_size, with_outputs
 
 
 def proc_config(point: dict[str, Any]):
-    from ortsparse.graph_rewrite import RewriteConfig
-    from ortsparse.graph_rewrite.techniques import ProcSettings, TechniqueChoice
-
     settings = ProcSettings(fanout_frac=point["fanout"], block=point["block"], base_scale=point["base_scale"],
                             shed_eps=point["shed_eps"], watermark=0, score=point["score"],
                             delta_dtype=point["delta_dtype"])
@@ -39,11 +50,6 @@ def label(p: dict[str, Any]) -> str:
 
 def layer_inputs(model: onnx.ModelProto, target: str) -> dict[str, str]:
     """Layer (node) name -> name of its input X, for the layers `target` selects."""
-    import onnx_ir as ir
-
-    from ortsparse.graph_rewrite.layers import survey
-    from ortsparse.graph_rewrite.targets import target_includes
-
     found = survey(ir.from_proto(model))
     return {layer.name: layer.operands.x.name for layer in found.layers
             if layer.rule is not None and target_includes(target, layer.layer_class, layer.role)}
@@ -52,16 +58,9 @@ def layer_inputs(model: onnx.ModelProto, target: str) -> dict[str, str]:
 def calibration_inputs(model: onnx.ModelProto, tokens: np.ndarray, names: dict[str, str], *, windows: int,
                        window_len: int, offset: int, rows: int = 256) -> dict[str, np.ndarray]:
     """X [rows, K] of each layer on calibration windows (random rows of the windows' tokens)."""
-    from ortsparse.harness.quality import lm_feeds, lm_windows, open_session
-
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
-    for x in sorted(set(names.values()) - existing):
-        probe.graph.output.append(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
-    session = open_session(probe, {"intra_op_num_threads": 1})
-    batch = lm_windows(tokens, windows, window_len, offset)
     wanted = sorted(set(names.values()))
+    session = open_session(with_outputs(model, wanted), {"intra_op_num_threads": 1})
+    batch = lm_windows(tokens, windows, window_len, offset)
     collected: dict[str, list[np.ndarray]] = {x: [] for x in wanted}
     for i in range(windows):
         values = session.run(wanted, lm_feeds(session.get_inputs(), batch[i]))
@@ -94,7 +93,7 @@ def packed_memory(model: onnx.ModelProto) -> tuple[float, int]:
 
 
 def plot(results, path, title):
-    import matplotlib
+    import matplotlib  # the plot extra, heavy: only when a PNG is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,10 +153,6 @@ def markdown(results, command, png):
 
 
 def merge(paths, output, command) -> int:
-    import json
-
-    from ortsparse.benchmarking import write_report
-
     results, sources = [], []
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -191,14 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="only combine earlier sweep reports (their JSON) into one table and PNG")
     args = parser.parse_args(argv)
-    command = "python bench/sweep_proc.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("python bench/sweep_proc.py", argv)
     if args.merge:
-        return merge(args.merge, args.output, command.strip())
-
-    from ortsparse.benchmarking import machine_info, write_report
-    from ortsparse.graph_rewrite import rewrite_model
-    from ortsparse.harness.models import model_path
-    from ortsparse.harness.quality import compare_embeddings, load_corpus_tokens, perplexity
+        return merge(args.merge, args.output, command)
 
     opts = {"intra_op_num_threads": 1}
     full = onnx.load(str(model_path("smollm2", "full.torchscript")))
@@ -235,10 +225,8 @@ def main(argv=None) -> int:
             emb = compare_embeddings(minilm, rw, session_options=opts)
             row.update(cosine_mean=emb["cosine_mean"], cosine_min=emb["cosine_min"])
         if kv is not None:
-            from ortsparse.harness.speed import SpeedModel, make_feeds, time_models, vocab_size
-
             kv_rw, _ = rewrite_model(kv, config)
-            feeds = {"kv": make_feeds(kv, new_tokens=1, past=args.context, vocab=vocab_size(kv))}
+            feeds = {"kv": decode_feeds(kv, new_tokens=1, past=args.context, vocab=vocab_size(kv))}
             speed = time_models([SpeedModel("dense", kv, "kv"), SpeedModel("rewritten", kv_rw, "kv")], feeds,
                                 threads=1, repeats=args.repeats, tokens_per_run=1)
             speed.pop("_metrics", None)
@@ -252,9 +240,9 @@ def main(argv=None) -> int:
               f"agree {row['top1_agreement']:.3f}{cos}{sp} ({time.time() - t0:.0f}s)", flush=True)
     png = args.output + ".png"
     plot(results, png, f"ProcSparseMatMul on SmolLM2 ({args.windows}x{args.window_len} tokens) / MiniLM")
-    payload = dict(machine=machine_info(), command=command.strip(), windows=args.windows,
+    payload = dict(machine=machine_info(), command=command, windows=args.windows,
                    window_len=args.window_len, results=results)
-    paths = write_report(args.output, payload, markdown(results, command.strip(), png))
+    paths = write_report(args.output, payload, markdown(results, command, png))
     print("wrote", *paths, png)
     return 0
 

@@ -14,8 +14,9 @@ Writes <output>.json, .md and .png (dppl / 1-cosine vs rank; layers kept by the 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,23 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import numpy as np  # noqa: E402  (after the BLAS thread setting)
+import onnx  # noqa: E402
+import onnx_ir as ir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))  # run from a checkout too
+
+from ortsparse import tt  # noqa: E402
+from ortsparse.benchmarking import command_line, machine_info, write_report  # noqa: E402
+from ortsparse.graph_rewrite import RewriteConfig, rewrite_model  # noqa: E402
+from ortsparse.graph_rewrite.config import parse_overrides  # noqa: E402
+from ortsparse.graph_rewrite.layers import survey  # noqa: E402
+from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings  # noqa: E402
+from ortsparse.harness.calibrate import glob_escape, target_layers  # noqa: E402
+from ortsparse.harness.corpus import encoder_batches, lm_windows, load_corpus_tokens  # noqa: E402
+from ortsparse.harness.embeddings import compare_embeddings  # noqa: E402
+from ortsparse.harness.models import model_path  # noqa: E402
+from ortsparse.harness.perplexity import perplexity  # noqa: E402
+from ortsparse.harness.speed import bench  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ONE_THREAD = {"intra_op_num_threads": 1}  # quality runs share the machine
@@ -38,26 +54,15 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def target_layers(model, target: str):
-    from ortsparse.harness.calibrate import target_layers as layers_of
-
-    return layers_of(model, target)
-
-
 def calibration(model, layers, batches, max_rows: int) -> dict[str, np.ndarray]:
-    """Node name -> X [rows, K] for the given layers (tt.layer_calibration does this for a target)."""
-    from ortsparse import tt
-
+    """Node name -> X [rows, K] for the given layers (harness.calibrate.layer_calibration does this for
+    a whole target)."""
     by_input = tt.collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows)
     return {layer.name: by_input[layer.input_name] for layer in layers}
 
 
 def layer_weight(model, layer_name: str) -> tuple[np.ndarray, np.ndarray | None]:
     """W [K, N] (and bias) of a layer, as the rewriter sees it."""
-    import onnx_ir as ir
-
-    from ortsparse.graph_rewrite.layers import survey
-
     found = survey(ir.from_proto(model))
     for layer in found.layers:
         if layer.name == layer_name:
@@ -68,8 +73,6 @@ def layer_weight(model, layer_name: str) -> tuple[np.ndarray, np.ndarray | None]
 def layer_study(model, layers, calib: dict[str, np.ndarray], ranks: list[int]) -> list[dict[str, Any]]:
     """Per layer and rank: gap (on held-out half of the calibration rows) of plain SVD, whitened SVD,
     and a d=3 balanced TT-SVD whose rank is chosen to use about the same multiply-adds."""
-    from ortsparse import tt
-
     rows = []
     for layer in layers:
         w, b = layer_weight(model, layer.name)
@@ -101,9 +104,6 @@ def layer_study(model, layers, calib: dict[str, np.ndarray], ranks: list[int]) -
 
 
 def tt_config(target: str, **settings):
-    from ortsparse.graph_rewrite import RewriteConfig
-    from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings
-
     return RewriteConfig(kwta_enabled=False,
                          techniques={"tt": TechniqueChoice(TTSettings(**settings), enabled=True, target=target)})
 
@@ -117,12 +117,6 @@ def kept_layers(report) -> tuple[int, int, list[dict[str, Any]]]:
 
 
 def sweep_lm(args) -> dict[str, Any]:
-    import onnx
-
-    from ortsparse.graph_rewrite import rewrite_model
-    from ortsparse.harness.models import model_path
-    from ortsparse.harness.quality import load_corpus_tokens, lm_windows, perplexity
-
     full_path = Path(args.full) if args.full else model_path("smollm2", "full.torchscript")
     log(f"LM: loading {full_path}")
     model = onnx.load(str(full_path))
@@ -173,8 +167,6 @@ def sweep_lm(args) -> dict[str, Any]:
 
 
 def _layer_index(name: str) -> int | None:
-    import re
-
     m = re.search(r"layers?\.(\d+)", name) or re.search(r"layer\.(\d+)", name)
     return int(m.group(1)) if m else None
 
@@ -183,34 +175,17 @@ def _restrict(config, names: set[str], model, args):
     """With --layers, an override turns TT off for every other layer."""
     if not args.layers:
         return config
-    import dataclasses
-
-    from ortsparse.graph_rewrite.config import parse_overrides
-    from ortsparse.harness.calibrate import glob_escape
-
     entries = [{"match": "*", "tt": "off"}] + [{"match": glob_escape(n), "tt": {}} for n in sorted(names)]
     return dataclasses.replace(config, overrides=parse_overrides({"layers": entries}))
 
 
 def _bench(config, calib, args) -> dict:
-    import onnx
-
-    from ortsparse.graph_rewrite import rewrite_model
-    from ortsparse.harness.models import model_path
-    from ortsparse.harness.speed import bench
-
     kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     rewritten, _ = rewrite_model(kv, config, calibration=calib)  # same node names as the full export
     return bench({"dense": kv, "tt": rewritten}, None, contexts=(128,), threads=(1,), repeats=args.repeats, log=log)
 
 
 def sweep_encoder(args) -> dict[str, Any]:
-    import onnx
-
-    from ortsparse.graph_rewrite import rewrite_model
-    from ortsparse.harness.models import model_path
-    from ortsparse.harness.quality import compare_embeddings, encoder_batches
-
     path = model_path("minilm", "torchscript")
     log(f"encoder: loading {path}")
     model = onnx.load(str(path))
@@ -235,7 +210,7 @@ def sweep_encoder(args) -> dict[str, Any]:
 
 
 def plot(payload: dict[str, Any], path: str) -> None:
-    import matplotlib
+    import matplotlib  # the plot extra, heavy: only when a PNG is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -339,12 +314,9 @@ def main(argv=None) -> int:
         args.windows, args.calib_windows, args.window_len, args.max_rows = 1, 1, 128, 256
         args.study_ranks = [64]
         args.output = args.output if args.output != "reports/sweep_tt" else "reports/sweep_tt_quick"
-    from ortsparse import tt
-    from ortsparse.benchmarking import machine_info, write_report
-
     tt.enable_factor_cache()  # every point rebuilds the same layers: one whitened SVD per layer
 
-    payload: dict[str, Any] = {"command": "python bench/sweep_tt.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    payload: dict[str, Any] = {"command": command_line("python bench/sweep_tt.py", argv),
                                "machine": machine_info(), "threads": 1}
     if "smollm2" in args.models:
         payload["lm"] = sweep_lm(args)

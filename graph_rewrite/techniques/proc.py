@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ortsparse.proc_sparse import block_importance, build_proc_sparse
+
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import BIAS, TARGET, WEIGHTS, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
@@ -124,8 +126,6 @@ class Proc(Technique):
     )
 
     def build(self, layer: LayerWeights, settings: ProcSettings, partners: Mapping[str, Any]) -> OpBuild:
-        from ortsparse.proc_sparse import block_importance, build_proc_sparse
-
         s = settings.for_layer(layer.k)
         notes = [f"block {settings.block} > K={layer.k}: block set to K"] if s.block != settings.block else []
         importance = None

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ortsparse import tt
+
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
@@ -132,8 +134,6 @@ class TT(Technique):
     )
 
     def build(self, layer: LayerWeights, settings: TTSettings, partners: Mapping[str, Any]) -> OpBuild | None:
-        from ortsparse import tt
-
         w = layer.weight()
         bias = layer.bias()
         x = layer.calibration

@@ -1,15 +1,26 @@
-"""Timing helpers every ortsparse benchmark uses: A/B alternation in one process, medians,
-machine facts and the machine's read bandwidth (the M = 1 physical limit)."""
+"""What every ortsparse benchmark (bench/*.py, ``ortsparse bench``) shares: sessions with the
+benchmark thread policy, A/B alternation in one process and medians, machine facts and the
+machine's read bandwidth (the M = 1 physical limit), the kernel benchmarks' flags, and the report
+writers (JSON + markdown, their common header, JSON of numpy values, package versions)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
+import sys
 import time
-from typing import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime
+
+from . import __version__, _kernels
+from .runtime import open_session, thread_options
 
 
 def alternate(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
@@ -38,6 +49,21 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def session(model: Any, threads: int):
+    """A CPU session for a benchmark candidate: ``threads`` intra-op threads, spinning off above one
+    (:func:`ortsparse.runtime.thread_options`); the op library when the model uses it."""
+    return open_session(model, thread_options(threads))
+
+
+def time_sessions(sessions: Mapping[str, Any], feeds: Mapping[str, Any], repeats: int, warmup: int = 2,
+                  min_seconds: float = 0.0, per_session: bool = False) -> dict[str, list[float]]:
+    """:func:`alternate` over ``session.run(None, feeds)`` of every session. ``feeds``: one feed dict
+    for all, or (``per_session``) a feed dict per session name."""
+    runners = {name: (lambda s=s, f=(feeds[name] if per_session else feeds): s.run(None, f))
+               for name, s in sessions.items()}
+    return alternate(runners, repeats=repeats, warmup=warmup, min_seconds=min_seconds)
+
+
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:
     """Read bandwidth from DRAM two ways (a reduction and a matrix-vector product), best of N."""
     n = megabytes * 1024 * 1024 // 4
@@ -56,10 +82,6 @@ def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> dict[str, floa
 
 
 def machine_info() -> dict[str, object]:
-    import onnxruntime
-
-    from . import __version__, _kernels
-
     cpu = "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -81,6 +103,24 @@ def machine_info() -> dict[str, object]:
     }
 
 
+def command_line(prefix: str, argv: Sequence[str] | None = None) -> str:
+    """The command a report quotes: ``prefix`` and the arguments (``argv``, else the process's)."""
+    return (prefix + " " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+
+
+def report_header(title: str, command: str, info: Mapping[str, Any], bandwidth: Mapping[str, float] | None = None,
+                  matvec_note: str = "numpy matvec") -> list[str]:
+    """The first lines of a benchmark's markdown: title, command, machine (:func:`machine_info`) and,
+    when measured, the read bandwidth (:func:`read_bandwidth_gbs`), then a blank line."""
+    lines = [f"# {title}", "", f"Command: `{command}`  ",
+             f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, onnxruntime "
+             f"{info['onnxruntime']}, {info['date']}  "]
+    if bandwidth is not None:
+        lines.append(f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
+                     f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s ({matvec_note})")
+    return lines + [""]
+
+
 def write_report(path_stem: str, payload: dict, markdown: str) -> tuple[str, str]:
     """Writes <stem>.json and <stem>.md; returns both paths."""
     os.makedirs(os.path.dirname(os.path.abspath(path_stem)), exist_ok=True)
@@ -95,8 +135,6 @@ def write_report(path_stem: str, payload: dict, markdown: str) -> tuple[str, str
 def kernel_bench_parser(description: str, default_output: str, quick_help: str):
     """The flags every kernel-level benchmark (bench/bench_*.py) takes: --quick, --threads, --ms,
     --shapes KxN..., --repeats, -o. Returns the parser; :func:`kernel_bench_shapes` reads --shapes."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -107,8 +145,36 @@ def kernel_bench_parser(description: str, default_output: str, quick_help: str):
     return parser
 
 
+def kernel_bench_repeats(args, k: int, n: int, m: int, quick: int = 3) -> int:
+    """--repeats, else per case: ``quick`` with --quick, 7 for big cases (more work than a 576 x 1536
+    layer at M = 128), 25 for M > 1, 60 for M = 1 (fast, noisy calls need more samples)."""
+    if args.repeats:
+        return args.repeats
+    if args.quick:
+        return quick
+    return 7 if k * n * m > 576 * 1536 * 128 else 25 if m > 1 else 60
+
+
 def kernel_bench_shapes(args, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """--shapes as (K, N) tuples, or ``default``."""
     if not args.shapes:
         return list(default)
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+
+
+def versions() -> dict[str, str]:
+    """Versions a report records (quality, validate)."""
+    return {"ortsparse": __version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__,
+            "numpy": np.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": str(os.cpu_count())}
+
+
+def json_default(value: Any) -> Any:
+    """``json.dumps(..., default=json_default)``: numpy scalars and arrays, paths."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .rewrite_flags import add_technique_arguments, config_from_args
+
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
@@ -32,21 +34,6 @@ def _positive_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
     return value
-
-
-def add_technique_arguments(parser: argparse.ArgumentParser) -> None:
-    """--config and every technique's flags (--kwta-*, ...), built from the flags each technique
-    declares: every command that rewrites a model takes these."""
-    from .graph_rewrite.techniques import flag_groups
-
-    parser.add_argument("--config", metavar="FILE", help="per-layer override file (JSON, or TOML by extension)")
-    for group in flag_groups():
-        arguments = parser.add_argument_group(group.title)
-        for flag in group.flags:
-            arguments.add_argument(flag.name, **flag.argparse_options())
-
-
-add_kwta_arguments = add_technique_arguments  # historical name, used by the harness commands
 
 
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,18 +60,6 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     info.add_argument("--report", metavar="FILE", help="also write the per-layer report as JSON")
     info.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     info.add_argument("--version", action="version", version=_version())
-
-
-def config_from_args(args: argparse.Namespace):
-    """The RewriteConfig of the flags added by add_technique_arguments (``--kwta=auto`` and the
-    other defaults are resolved by the library, as for any caller)."""
-    from .graph_rewrite.config import config_from_flags, load_overrides
-
-    overrides = load_overrides(args.config) if args.config else ()
-    return config_from_flags(vars(args), overrides=overrides)
-
-
-_config_from_args = config_from_args
 
 
 def _print_rules() -> None:

@@ -13,6 +13,9 @@ import math
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
+
+from . import _kernels
 
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
@@ -104,8 +107,6 @@ def build_proc_sparse(w: np.ndarray, *, block: int = 32, fanout: int | float = 6
     delta_dtype: "float16" (half the bytes; the conversion rounds to nearest) or "float32".
     progress: show a tqdm bar over units (a string is used as its label).
     """
-    from . import _kernels
-
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"W must be 2-D [K, N], got shape {w.shape}")
@@ -124,7 +125,6 @@ def build_proc_sparse(w: np.ndarray, *, block: int = 32, fanout: int | float = 6
     soft = hard = 0
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(total=n, desc=progress if isinstance(progress, str) else "proc build", unit="unit", leave=False)
     for n0 in range(0, n, chunk_units):
         n1 = min(n, n0 + chunk_units)

@@ -24,11 +24,15 @@ stays dense and the result says why.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
+from .runtime import lm_feeds, open_session, with_outputs
 
 LAYOUTS = ("lowrank", "balanced")
 METHODS = ("svd", "svd-whitened", "cross")
@@ -203,7 +207,7 @@ def tt_round(cores: Sequence[np.ndarray], max_rank: int | None = None, eps: floa
 def maxvol(a: np.ndarray, tol: float = 1.05, max_iters: int = 200) -> np.ndarray:
     """Rows of a tall a [n, r] (n >= r, full column rank) spanning a sub-matrix of locally maximal
     |det| (Goreinov-Tyrtyshnikov maxvol): every row of a @ inv(a[rows]) has entries <= tol."""
-    import scipy.linalg
+    import scipy.linalg  # ~0.3 s to import; only factorising needs it, not every rewrite
 
     n, r = a.shape
     if n < r:
@@ -313,7 +317,7 @@ class WhitenedSVD:
     best rank-r W_r in ||X (W - W_r)||_F (SVD-LLM). One decomposition serves every rank."""
 
     def __init__(self, w: np.ndarray, x: np.ndarray | None = None, cov: np.ndarray | None = None):
-        import scipy.linalg
+        import scipy.linalg  # ~0.3 s to import; only factorising needs it, not every rewrite
 
         w = np.asarray(w, dtype=np.float64)
         if cov is None:
@@ -347,8 +351,6 @@ def enable_factor_cache(enabled: bool = True) -> None:
 def whitened_svd(w: np.ndarray, x: np.ndarray) -> WhitenedSVD:
     if _WHITENED_CACHE is None:
         return WhitenedSVD(w, x)
-    import hashlib
-
     key = (hashlib.sha1(np.ascontiguousarray(w).tobytes()).hexdigest(),
            hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest())
     if key not in _WHITENED_CACHE:
@@ -547,14 +549,8 @@ def autotune(w: np.ndarray, x: np.ndarray, gap_tol: float = 0.02, *, name: str =
 def autotune_layers(layers: Iterable[tuple[str, np.ndarray, np.ndarray | None, np.ndarray]], gap_tol: float = 0.02,
                     progress: bool = True, **kwargs: Any) -> list[TTLayerResult]:
     """:func:`autotune` over (name, W, bias, X) with a progress bar."""
-    items = list(layers)
-    try:
-        from tqdm import tqdm
-        iterator = tqdm(items, desc="tt autotune", unit="layer", disable=not progress)
-    except ImportError:  # tqdm is a dependency; keep working without it anyway
-        iterator = items
     results = []
-    for name, w, bias, x in iterator:
+    for name, w, bias, x in tqdm(list(layers), desc="tt autotune", unit="layer", disable=not progress):
         results.append(autotune(w, x, gap_tol, name=name, bias=bias, **kwargs))
     return results
 
@@ -569,27 +565,15 @@ def node_attributes(result: TTLayerResult, nan_guard: int = 1) -> dict[str, Any]
 
 
 def collect_matmul_inputs(model: Any, input_names: Sequence[str], batches: Iterable[Any], max_rows: int = 4096,
-                          seed: int = 0, feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
+                          seed: int = 0, feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] = lm_feeds
                           ) -> dict[str, np.ndarray]:
     """Runs ``model`` (ONNX proto) in ORT on calibration batches with the given values (MatMul
     inputs X) added as graph outputs; returns per value a [rows, K] float32 sample of at most
     ``max_rows`` rows (uniformly sub-sampled across batches). ``feeds(session, batch)`` makes the
-    input dict (default: :func:`ortsparse.harness.quality.lm_feeds`, which also takes encoder batches)."""
-    import onnx
-    import onnxruntime as ort
-
-    if feeds is None:
-        from .harness.quality import lm_feeds as feeds
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
+    input dict (default: :func:`ortsparse.runtime.lm_feeds`, which also takes encoder batches).
+    ``ortsparse.harness.calibrate.layer_calibration`` picks the values of a layer target."""
     wanted = list(dict.fromkeys(input_names))
-    for value in wanted:
-        if value not in existing:
-            probe.graph.output.append(onnx.helper.make_empty_tensor_value_info(value))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = open_session(with_outputs(model, wanted), {"intra_op_num_threads": 1})
     chunks: dict[str, list[np.ndarray]] = {v: [] for v in wanted}
     for batch in batches:
         outputs = session.run(wanted, feeds(session, batch))
@@ -603,16 +587,3 @@ def collect_matmul_inputs(model: Any, input_names: Sequence[str], batches: Itera
             rows = rows[np.sort(rng.choice(len(rows), max_rows, replace=False))]
         result[value] = rows
     return result
-
-
-def layer_calibration(model: Any, target: str, batches: Iterable[Any], max_rows: int = 2048, seed: int = 0,
-                      feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
-    """Calibration inputs for ``rewrite_model(..., calibration=...)``: {node name: X [rows, K]} for
-    the linear layers ``target`` selects (mlp, attn, both, down, all), from running the dense model
-    on ``batches`` (LM token windows or encoder sentence batches, see harness.quality.lm_feeds)."""
-    from .harness.calibrate import target_layers
-
-    layers = target_layers(model, target)
-    by_input = collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows,
-                                     seed=seed, feeds=feeds)
-    return {layer.name: by_input[layer.input_name] for layer in layers}

@@ -12,11 +12,11 @@ import pytest
 import tiny_graphs as tg
 from ort_run import assert_same_outputs, op_types, token_feeds
 
-from ortsparse import tt
 from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, KwtaSettings, RewriteConfig, rewrite_model
 from ortsparse.graph_rewrite import compose as compose_module
 from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings
+from ortsparse.harness.calibrate import layer_calibration
 
 
 def tt_config(target="mlp", **settings):
@@ -104,7 +104,7 @@ def test_layer_calibration_collects_each_layers_input():
 
     model = tg.llama_like()
     feeds = token_feeds(model)
-    calib = tt.layer_calibration(model, "mlp", [feeds], max_rows=7, feeds=lambda session, batch: batch)
+    calib = layer_calibration(model, "mlp", [feeds], max_rows=7, feeds=lambda session, batch: batch)
     mlp = [r for r in rewrite_model(model, tt_config(rank=16, gap=0.0, min_flop_ratio=0.0))[1].rewritten]
     assert sorted(calib) == sorted(r.name for r in mlp)
     for record in mlp:
@@ -123,8 +123,6 @@ def test_layer_calibration_collects_each_layers_input():
 def test_tt_and_proc_sparse_are_exclusive_weight_backends():
     from ortsparse.graph_rewrite.techniques import TECHNIQUES
 
-    if "proc" not in TECHNIQUES:
-        pytest.skip("proc-sparse not registered in this build")
     settings = TECHNIQUES["proc"].settings_type()
     with pytest.raises(ConfigError, match="layer 'mlp.0'.*one weight backend"):
         compose_module.compose("mlp.0", {"proc": settings, "tt": TTSettings()})

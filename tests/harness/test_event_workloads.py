@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ortsparse.harness import event_workloads as ew
-from ortsparse.harness.quality import open_session
+from ortsparse.runtime import open_session
 
 
 @pytest.fixture(scope="module")

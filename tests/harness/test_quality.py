@@ -1,4 +1,5 @@
-"""ortsparse.harness.quality on the tiny torch exports (random weights, synthetic tokens and
+"""ortsparse quality and the library under it (harness.perplexity, .embeddings, .output_error,
+.corpus; ortsparse.runtime) on the tiny torch exports (random weights, synthetic tokens and
 sentences); the real-model checks are marked slow."""
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from ortsparse import runtime
 from ortsparse.cli import main
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig
-from ortsparse.harness import quality
+from ortsparse.harness import corpus, embeddings, models, output_error, quality
+from ortsparse.harness.perplexity import compare_lm, perplexity
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
@@ -51,15 +54,15 @@ def sentences(tmp_path_factory):
 
 def test_windows_are_consecutive_from_the_offset():
     tokens = np.arange(100)
-    windows = quality.lm_windows(tokens, windows=3, window_len=10, offset=5)
+    windows = corpus.lm_windows(tokens, windows=3, window_len=10, offset=5)
     assert windows.tolist() == [list(range(5, 15)), list(range(15, 25)), list(range(25, 35))]
     with pytest.raises(ValueError, match="need 101 tokens"):
-        quality.lm_windows(tokens, windows=10, window_len=10, offset=1)
+        corpus.lm_windows(tokens, windows=10, window_len=10, offset=1)
 
 
 def test_perplexity_of_one_window_matches_numpy(tokens):
     window = tokens[:24]
-    result = quality.perplexity(LLAMA, tokens, windows=1, window_len=24)
+    result = perplexity(LLAMA, tokens, windows=1, window_len=24)
     session = ort.InferenceSession(str(LLAMA), providers=["CPUExecutionProvider"])
     (logits,) = session.run(["logits"], {"input_ids": window[None], "attention_mask": np.ones((1, 24), np.int64),
                                          "position_ids": np.arange(24, dtype=np.int64)[None]})
@@ -74,7 +77,7 @@ def test_perplexity_of_one_window_matches_numpy(tokens):
 
 
 def test_dense_against_itself(tokens):
-    result = quality.compare_lm(LLAMA, LLAMA, tokens, windows=3, window_len=32)
+    result = compare_lm(LLAMA, LLAMA, tokens, windows=3, window_len=32)
     assert result["dppl"] == 0.0
     assert result["top1_agreement"] == 1.0 == result["agreement"]
     assert result["tokens"] == 3 * 31
@@ -82,7 +85,7 @@ def test_dense_against_itself(tokens):
 
 
 def test_exact_rewrite_keeps_perplexity(tokens):
-    result = quality.compare_lm(LLAMA, rewritten(LLAMA, 1.0), tokens, windows=3, window_len=32)
+    result = compare_lm(LLAMA, rewritten(LLAMA, 1.0), tokens, windows=3, window_len=32)
     assert abs(result["dppl"]) < 1e-5
     assert result["top1_agreement"] == 1.0
     assert result["metrics"]["ops"]["KwtaBlockMatMul"]["keep_ratio"] == 1.0
@@ -90,10 +93,10 @@ def test_exact_rewrite_keeps_perplexity(tokens):
 
 def test_gated_rewrite_changes_perplexity_and_reports_keep_ratios(tokens):
     gated = rewritten(LLAMA, 0.3)
-    result = quality.compare_lm(LLAMA, gated, tokens, windows=3, window_len=32)
+    result = compare_lm(LLAMA, gated, tokens, windows=3, window_len=32)
     assert result["top1_agreement"] < 1.0
     assert result["dppl"] != 0.0
-    assert result["ppl_dense"] == pytest.approx(quality.perplexity(LLAMA, tokens, 3, 32)["ppl"])
+    assert result["ppl_dense"] == pytest.approx(perplexity(LLAMA, tokens, 3, 32)["ppl"])
     metrics = result["metrics"]
     keep = metrics["ops"]["KwtaBlockMatMul"]["keep_ratio"]
     assert 0.3 <= keep < 0.35  # ceil(0.3 * K) / K per layer
@@ -103,58 +106,58 @@ def test_gated_rewrite_changes_perplexity_and_reports_keep_ratios(tokens):
 
 def test_perplexity_refuses_kv_exports_and_short_corpora(tokens):
     with pytest.raises(ValueError, match="KV cache|full-sequence"):
-        quality.perplexity(LLAMA_KV, tokens, windows=1, window_len=8)
+        perplexity(LLAMA_KV, tokens, windows=1, window_len=8)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        quality.perplexity(LLAMA, np.full(64, 999), windows=1, window_len=16)
+        perplexity(LLAMA, np.full(64, 999), windows=1, window_len=16)
 
 
 def test_embedding_cosine(sentences):
     arrays = dict(np.load(sentences))
-    embeddings = quality.sentence_embeddings(BERT, sentences)
-    assert embeddings.shape == (12, 64)
-    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-12)
+    vectors = embeddings.sentence_embeddings(BERT, sentences)
+    assert vectors.shape == (12, 64)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-12)
     # sentence 0 by hand: mean over its real tokens only
     n = int(arrays["attention_mask"][0].sum())
     session = ort.InferenceSession(str(BERT), providers=["CPUExecutionProvider"])
     (hidden,) = session.run(["last_hidden_state"], {k: v[:1, :n] for k, v in arrays.items()})
     manual = hidden[0].astype(np.float64).mean(0)
-    np.testing.assert_allclose(embeddings[0], manual / np.linalg.norm(manual), atol=1e-5)
+    np.testing.assert_allclose(vectors[0], manual / np.linalg.norm(manual), atol=1e-5)
 
-    same = quality.compare_embeddings(BERT, BERT, sentences, batch_size=5)
+    same = embeddings.compare_embeddings(BERT, BERT, sentences, batch_size=5)
     assert same["sentences"] == 12
     assert same["cosine_mean"] == pytest.approx(1.0, abs=1e-12)
     assert same["cosine_min"] == pytest.approx(1.0, abs=1e-12)
-    gated = quality.compare_embeddings(BERT, rewritten(BERT, 0.3, "both"), sentences)
+    gated = embeddings.compare_embeddings(BERT, rewritten(BERT, 0.3, "both"), sentences)
     assert gated["cosine_min"] <= gated["cosine_mean"] < 1.0
     assert gated["metrics"]["ops"]["KwtaBlockMatMul"]["keep_ratio"] < 0.5
 
 
 def test_feeds_for_calibration_windows_and_sentence_batches(tokens, sentences):
-    session = quality.open_session(BERT)
-    batches = quality.encoder_batches(sentences, batch_size=5)
+    session = runtime.open_session(BERT)
+    batches = corpus.encoder_batches(sentences, batch_size=5)
     assert [b["input_ids"].shape[0] for b in batches] == [5, 5, 2]
-    feeds = quality.lm_feeds(session, batches[2])
+    feeds = runtime.lm_feeds(session, batches[2])
     assert set(feeds) == {"input_ids", "attention_mask", "token_type_ids"} and feeds["input_ids"].shape == (2, 20)
-    window = quality.corpus_windows(tokens, 2, 16)[1]
-    feeds = quality.lm_feeds(quality.open_session(LLAMA), window)
+    window = corpus.lm_windows(tokens, 2, 16)[1]
+    feeds = runtime.lm_feeds(runtime.open_session(LLAMA), window)
     assert feeds["input_ids"].tolist() == [tokens[16:32].tolist()]
     assert feeds["position_ids"].tolist() == [list(range(16))]
 
 
 def test_compare_outputs_uses_verify_and_the_exact_budget():
-    exact = quality.compare_outputs(GPT2, rewritten(GPT2, 1.0), runs=2)
+    exact = output_error.compare_outputs(GPT2, rewritten(GPT2, 1.0), runs=2)
     assert exact["budget"] == 1e-4 and exact["passed"]
     assert [o["name"] for o in exact["outputs"]] == ["logits"]
-    gated = quality.compare_outputs(GPT2, rewritten(GPT2, 0.3), runs=1, shapes="seq=5")
+    gated = output_error.compare_outputs(GPT2, rewritten(GPT2, 0.3), runs=1, shapes="seq=5")
     assert gated["budget"] == 0.5
     assert gated["input_shapes"]["input_ids"] == [1, 5]
     assert gated["outputs"][0]["rel_l2"] > 1e-3
 
 
 def test_gated_layers_exact():
-    assert quality.gated_layers_exact(LLAMA)
-    assert quality.gated_layers_exact(rewritten(LLAMA, 1.0))
-    assert not quality.gated_layers_exact(rewritten(LLAMA, 0.9))
+    assert output_error.gated_layers_exact(LLAMA)
+    assert output_error.gated_layers_exact(rewritten(LLAMA, 1.0))
+    assert not output_error.gated_layers_exact(rewritten(LLAMA, 0.9))
 
 
 def test_opset_domains_reads_only_the_top_level_of_a_file(tmp_path):
@@ -162,12 +165,12 @@ def test_opset_domains_reads_only_the_top_level_of_a_file(tmp_path):
 
     path = tmp_path / "rewritten.onnx"
     onnx.save(rewritten(LLAMA, 0.5), path)
-    assert quality.opset_domains(path) == {o.domain for o in onnx.load(path).opset_import} == {"", "ai.ortsparse"}
-    assert quality.uses_ortsparse(path) and not quality.uses_ortsparse(LLAMA)
+    assert runtime.opset_domains(path) == {o.domain for o in onnx.load(path).opset_import} == {"", "ai.ortsparse"}
+    assert runtime.uses_ortsparse(path) and not runtime.uses_ortsparse(LLAMA)
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(Exception):
-        quality.opset_domains(broken)
+        runtime.opset_domains(broken)
 
 
 def test_detect_kind():
@@ -213,12 +216,11 @@ def test_cli_missing_corpus_is_a_usage_error(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_dense_perplexity_on_britannica():
-    model = quality.real_model_path("smollm2", "full.torchscript.onnx")
-    corpus = quality.default_corpus()
-    if not (model.is_file() and corpus.is_file()):
-        pytest.skip("SmolLM2 cache missing (run `ortsparse models`)")
-    result = quality.perplexity(model, quality.load_corpus_tokens(corpus), windows=8, window_len=512,
-                                session_options={"intra_op_num_threads": 2})
+    model = models.real_model_path("smollm2", "full.torchscript.onnx")
+    tokens = corpus.default_corpus()
+    assert model.is_file() and tokens.is_file(), "SmolLM2 cache missing (run `ortsparse models`)"
+    result = perplexity(model, corpus.load_corpus_tokens(tokens), windows=8, window_len=512,
+                        session_options={"intra_op_num_threads": 2})
     assert result["tokens"] == 8 * 511
     assert result["ppl"] == pytest.approx(26.14, rel=0.05)
 
@@ -226,15 +228,14 @@ def test_smollm2_dense_perplexity_on_britannica():
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["torchscript.onnx", "dynamo.onnx", "torchscript.ortopt.onnx"])
 def test_minilm_self_cosine_and_torch_reference(variant):
-    model = quality.real_model_path("minilm", variant)
-    sentences = quality.default_sentences()
-    if not (model.is_file() and sentences.is_file()):
-        pytest.skip("MiniLM cache missing (run `ortsparse models`)")
-    result = quality.compare_embeddings(model, model, sentences)
+    model = models.real_model_path("minilm", variant)
+    sentences = corpus.default_sentences()
+    assert model.is_file() and sentences.is_file(), "MiniLM cache missing (run `ortsparse models`)"
+    result = embeddings.compare_embeddings(model, model, sentences)
     assert result["cosine_mean"] == pytest.approx(1.0, abs=1e-9)
     assert result["cosine_min"] == pytest.approx(1.0, abs=1e-9)
     reference = np.load(sentences).get("embeddings")  # sentence-transformers' own, when the cache kept them
     if reference is not None:
         reference = reference / np.linalg.norm(reference, axis=1, keepdims=True)
-        cosine = (quality.sentence_embeddings(model, sentences) * reference).sum(axis=1)
+        cosine = (embeddings.sentence_embeddings(model, sentences) * reference).sum(axis=1)
         assert cosine.min() > 0.99999

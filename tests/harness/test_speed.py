@@ -1,4 +1,4 @@
-"""ortsparse bench machinery on the tiny torch exports (correctness of feeds, byte accounting and
+"""ortsparse bench machinery (and ortsparse.runtime's decoder feeds) on the tiny torch exports (correctness of feeds, byte accounting and
 report rows; no timing is asserted)."""
 from pathlib import Path
 
@@ -8,6 +8,7 @@ import pytest
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
 from ortsparse.harness import speed
+from ortsparse.runtime import decode_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 KV = TINY / "llama_tiny_kv.torchscript.onnx"
@@ -15,19 +16,17 @@ FULL = TINY / "llama_tiny.torchscript.onnx"
 
 
 def test_kv_feeds_follow_the_graph():
-    feeds = speed.make_feeds(KV, new_tokens=1, past=12, vocab=256)
+    feeds = decode_feeds(KV, new_tokens=1, past=12, vocab=256)
     assert feeds["input_ids"].shape == (1, 1)
     assert feeds["attention_mask"].shape == (1, 13)
     assert feeds["position_ids"].tolist() == [[12]]
     assert feeds["past_key_values.0.key"].shape == (1, 2, 12, 16)
-    import onnxruntime as ort
-
-    out = ort.InferenceSession(str(KV)).run(None, feeds)
+    out = open_session(KV).run(None, feeds)
     assert out[0].shape == (1, 1, 256)
 
 
 def test_prefill_feeds_for_full_export():
-    feeds = speed.make_feeds(FULL, new_tokens=5, past=0, vocab=256)
+    feeds = decode_feeds(FULL, new_tokens=5, past=0, vocab=256)
     assert feeds["input_ids"].shape == (1, 5) and feeds["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
 
 

@@ -111,9 +111,7 @@ def test_builtin_graphs_are_valid_and_classified():
 
 
 def test_onnx_wheel_cnn_with_materialized_weights():
-    entries = {e.name: e for e in zoo.onnx_light_entries()}
-    if "onnx-light/shufflenet" not in entries:
-        pytest.skip("onnx wheel without backend test data")
+    entries = {e.name: e for e in zoo.onnx_light_entries()}  # the onnx wheel ships these test models
     assert "onnx-light/densenet121" not in entries  # no Gemm/MatMul
     result = zoo.validate_model(entries["onnx-light/shufflenet"], RewriteConfig(kwta_target="all"), runs=1,
                                 timing_runs=0)
@@ -130,8 +128,7 @@ def test_list_prints_the_zoo(capsys):
 @pytest.mark.slow
 def test_real_models_validate():
     entries = zoo.real_entries()
-    if not entries:
-        pytest.skip("no real models in the cache (run `ortsparse models`)")
+    assert len(entries) == len(zoo.REAL_MODELS), "real models missing from the cache (run `ortsparse models`)"
     results = zoo.validate(entries, RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all"), runs=1,
                            timing_runs=1)
     assert all(r.ok for r in results), [(r.name, r.stage, r.reason) for r in results if not r.ok]

@@ -1,7 +1,8 @@
 """Independent numpy reference of PopcountAttention (test oracle; nothing here is used by the library).
 
 Written from the contract (docs/ops.md#popcountattention), not from the C++: bits as boolean
-arrays, counts as sums of boolean products, softmax in float64.
+arrays, counts as sums of boolean products, softmax in float64; the fixed random projection of
+proj_bits is generated here too (:func:`projection_matrix`), compared bit for bit with the op's.
 """
 from __future__ import annotations
 
@@ -9,6 +10,38 @@ import math
 
 import numpy as np
 from onnx import TensorProto, helper
+
+
+_SEED = np.uint64(0x243F6A8885A308D3)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def splitmix64_stream(seed, count):
+    """The first ``count`` outputs of splitmix64 from state ``seed`` (uint64, wrapping arithmetic):
+    state += golden; z = state; z = (z ^ z >> 30) * M1; z = (z ^ z >> 27) * M2; out = z ^ z >> 31."""
+    z = np.uint64(seed) + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def projection_matrix(d, bits):
+    """float32 [d, bits]: the op's fixed projection of proj_bits, row-major N(0, 1) values by
+    Box-Muller from the splitmix64 stream of 0x243F6A8885A308D3. Each pair of values takes two
+    draws: u1 = (top 53 bits + 1) * 2^-53 in (0, 1], u2 = top 53 bits * 2^-53 in [0, 1); the pair is
+    r cos(2 pi u2), r sin(2 pi u2) with r = sqrt(-2 ln u1), computed in float64 and rounded to
+    float32 (an odd count drops the last sine)."""
+    n = d * bits
+    draws = splitmix64_stream(_SEED, n + (n & 1)) >> np.uint64(11)
+    u1 = (draws[0::2].astype(np.float64) + 1.0) * 2.0 ** -53
+    u2 = draws[1::2].astype(np.float64) * 2.0 ** -53
+    radius, angle = np.sqrt(-2.0 * np.log(u1)), 6.283185307179586 * u2
+    values = np.empty(draws.size, dtype=np.float32)
+    values[0::2] = radius * np.cos(angle)
+    values[1::2] = radius * np.sin(angle)
+    return values[:n].reshape(d, bits)
 
 
 def additive_mask(mask, shape):
@@ -102,8 +135,8 @@ def approx_counts(qbits, kbits, mode, d):
 def selection_scores(q, k, mask=None, *, causal=False, scale=0.0, select="popcount", mode="sign", eps=1e-4,
                      center=True, proj_bits=0):
     """float32 [B, H, Sq, Skv] scores the selector ranks (-inf: not attendable). Popcount packs
-    k - mean(k over the call's keys) when center, and x @ R (R: the op's fixed projection, given
-    as data by projection_matrix) when proj_bits > 0."""
+    k - mean(k over the call's keys) when center, and x @ R (R: the op's fixed projection,
+    :func:`projection_matrix`) when proj_bits > 0."""
     b, h, sq, d = q.shape
     kk = expand_kv(k, h)
     bias = full_bias(mask, q, k, causal)
@@ -116,9 +149,7 @@ def selection_scores(q, k, mask=None, *, causal=False, scale=0.0, select="popcou
         mu = k[:, :, :256].astype(np.float64).mean(axis=2, keepdims=True).astype(np.float32)
         kk = expand_kv((k - mu).astype(np.float32), h)
     if proj_bits:
-        from ortsparse import _kernels
-
-        r = _kernels.projection_matrix(d, proj_bits).astype(np.float64)
+        r = projection_matrix(d, proj_bits).astype(np.float64)
         qx = (q.astype(np.float64) @ r).astype(np.float32)
         kk = (kk.astype(np.float64) @ r).astype(np.float32)
     qp, qn, gq = pack(qx, mode, eps)

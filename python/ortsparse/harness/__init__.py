@@ -1,7 +1,20 @@
 """The measurement harness: real trained models fetched and exported into a cache, quality
 (perplexity, embedding cosine, output error), speed (prefill / decode tokens/s), zoo validation,
-sweeps and calibration. Protocol: ../shared/design/measure.md, summarised in docs/measure.md.
+sweeps and calibration. The protocol is summarised in docs/measure.md.
 
-Modules import heavy dependencies (torch, transformers, matplotlib) inside functions only, so
-`ortsparse --help` and the fast tests stay light.
+Layers (top to bottom; a module imports only from rows below its own, and from the package below
+the harness: runtime, graph_rewrite, verify, benchmarking, rewrite_flags; pyproject.toml's
+[tool.importlinter] enforces it):
+
+- studies: ``calibrate``, ``event_workloads``, ``sweep``, ``zoo`` (``ortsparse validate``);
+- commands that are libraries too: ``quality``, ``speed`` (``ortsparse bench``);
+- measurements: ``perplexity``, ``embeddings``, ``output_error``;
+- data: ``corpus`` (token windows, sentence sets), ``op_metrics`` (keep ratios from the counters);
+- ``models`` (``ortsparse models``: the registry, ``model_path``, ``quantized_model``);
+- ``baselines`` (MatMulNBits int4/int8);
+- ``export_smollm2``, ``export_minilm`` (torch exporters);
+- ``cache`` (where files live, atomic writes, build errors).
+
+Heavy optional dependencies (torch, transformers, matplotlib) are imported inside the functions
+that need them, so `ortsparse --help` and the fast tests do not load them.
 """

@@ -1,10 +1,10 @@
 """Weight-only quantized baselines: what a CPU user would pick instead of ortsparse.
 
-``quantize_matmul_nbits(src, dst, bits=4)`` (file to file), ``quantize_proto`` (in memory) and
-``quantized_model`` (the cached file when there is one, for benchmarks) turn every MatMul with a
-constant weight of an ONNX model into ORT's com.microsoft MatMulNBits
+``quantize_matmul_nbits(src, dst, bits=4)`` (file to file) and ``quantize_proto`` (in memory)
+turn every MatMul with a constant weight of an ONNX model into ORT's com.microsoft MatMulNBits
 (``onnxruntime.quantization.matmul_nbits_quantizer``, block-wise, symmetric by default).
-``ortsparse models baselines`` applies it to the SmolLM2 KV export (int4 and int8, block 32).
+``ortsparse models baselines`` applies it to the SmolLM2 KV export (int4 and int8, block 32);
+``ortsparse.harness.models.quantized_model`` hands benchmarks the cached file when there is one.
 Needs only onnx and onnxruntime (no torch).
 """
 from __future__ import annotations
@@ -14,6 +14,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+import onnx
+
+from .cache import atomic_write
+from .export_smollm2 import GREEDY_TOKENS, PROMPT, ort_greedy_kv
 
 Log = Callable[[str], None]
 
@@ -26,7 +31,8 @@ def quantize_proto(model, bits: int = 4, block_size: int = BLOCK_SIZE, symmetric
     path or ModelProto, not modified) becomes com.microsoft MatMulNBits. ``accuracy_level`` is
     ORT's compute type for MatMulNBits (None = ORT's default; 4 = int8 compute, faster, less
     exact)."""
-    import onnx
+    # Imported only when quantizing: it calls logging.basicConfig on import (reconfiguring the
+    # process's logging) and adds ~0.3 s.
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  MatMulNBitsQuantizer)
 
@@ -63,38 +69,14 @@ def quantize_matmul_nbits(src: str | Path, dst: str | Path, bits: int = 4, block
                           nodes_to_exclude: list[str] | None = None) -> dict:
     """Quantize ``src`` (see :func:`quantize_proto`) and write ``dst`` as one file (weights
     embedded; a temporary name renamed at the end). Returns the stats."""
-    import onnx
-
-    from .models import atomic_write
-
     result, stats = quantize_proto(src, bits, block_size, symmetric, accuracy_level, nodes_to_exclude)
     atomic_write(Path(dst), lambda tmp: onnx.save_model(result, str(tmp)))
     return stats
 
 
-def quantized_model(src, bits: int = 4, block_size: int = BLOCK_SIZE, symmetric: bool = True,
-                    accuracy_level: int | None = None):
-    """The MatMulNBits baseline of ``src`` (path or ModelProto) for a benchmark: the file that
-    ``ortsparse models baselines`` built when ``src`` is the cache's SmolLM2 KV export and the
-    settings are those of the cache (block 32, symmetric, default accuracy level), else a
-    ModelProto quantized now. Either can be handed to onnxruntime / the harness sessions."""
-    if (isinstance(src, (str, Path)) and bits in (4, 8) and block_size == BLOCK_SIZE and symmetric
-            and accuracy_level is None):
-        from .models import ModelNotBuiltError, model_path
-
-        try:
-            if Path(src).resolve() == model_path("smollm2", "kv.torchscript").resolve():
-                return model_path("smollm2", f"kv.torchscript.int{bits}")
-        except (ModelNotBuiltError, KeyError):
-            pass
-    return quantize_proto(src, bits, block_size, symmetric, accuracy_level)[0]
-
-
 def greedy_check(path: Path, tokenizer_path: Path, reference: list[int] | None = None) -> dict:
     """Greedy continuation of the standard prompt with a quantized KV export (torch-free)."""
-    from tokenizers import Tokenizer
-
-    from .export_smollm2 import GREEDY_TOKENS, PROMPT, ort_greedy_kv
+    from tokenizers import Tokenizer  # the models extra (with transformers); quantizing needs none
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
@@ -110,12 +92,11 @@ def greedy_check(path: Path, tokenizer_path: Path, reference: list[int] | None =
     return result
 
 
-def build(source: Path, out: Mapping[str, Path], log: Log) -> dict:
-    """The ``baselines`` entry of ``ortsparse models``: int4 and int8 MatMulNBits of the KV export."""
-    from .models import manifest, model_path
-
-    reference = (((manifest("smollm2") or {}).get("checks") or {}).get("torch_greedy") or {}).get("tokens")
-    tokenizer = model_path("smollm2", "tokenizer")
+def build(source: Path, out: Mapping[str, Path], log: Log, *, tokenizer: Path,
+          reference: list[int] | None = None) -> dict:
+    """The ``baselines`` entry of ``ortsparse models``: int4 and int8 MatMulNBits of the KV export
+    ``source``, each checked by a greedy continuation (``tokenizer``: its tokenizer.json;
+    ``reference``: fp32 torch's greedy tokens, to count the matching prefix)."""
     checks: dict = {}
     failed: dict = {}
     for variant, bits in (("kv.torchscript.int4", 4), ("kv.torchscript.int8", 8)):

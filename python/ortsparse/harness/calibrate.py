@@ -16,11 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+import onnx
+
+from .. import tt
+from ..graph_rewrite import RewriteConfig, list_layers, rewrite_model
+from ..graph_rewrite.config import parse_overrides
+from ..runtime import lm_feeds, open_session, with_outputs
+from .corpus import encoder_batches, lm_windows, load_corpus_tokens
+from .embeddings import compare_embeddings
+from .models import model_path
+from .perplexity import compare_lm, perplexity
+from .speed import bench
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -41,8 +53,6 @@ def glob_escape(name: str) -> str:
 
 def target_layers(model, target: str) -> list[TargetLayer]:
     """The linear layers `target` selects, with the graph value feeding each (its X)."""
-    from ..graph_rewrite import RewriteConfig, list_layers
-
     report = list_layers(model, RewriteConfig(kwta_target=target))
     nodes = {node.name: node for node in model.graph.node}
     layers = []
@@ -64,20 +74,9 @@ def capture_quantiles(model, layers: list[TargetLayer], windows,
                       grid=SPARSITY_GRID, samples_per_window: int = 200_000, seed: int = 0, log=print) -> None:
     """Fills layer.quantiles: the |x| value below which a fraction s of the layer's inputs fall
     (mean over windows), for each s of the grid. windows: token windows of an LM, or named sentence
-    batches of an encoder (anything quality.lm_feeds takes)."""
-    import onnx
-    import onnxruntime as ort
-
-    from .quality import lm_feeds
-
+    batches of an encoder (anything ortsparse.runtime.lm_feeds takes)."""
     wanted = sorted({layer.input_name for layer in layers})
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
-    for name in wanted:
-        if name not in existing:
-            probe.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = open_session(with_outputs(model, wanted))
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {name: np.zeros(len(grid)) for name in wanted}
     for i, tokens in enumerate(windows):
@@ -93,6 +92,18 @@ def capture_quantiles(model, layers: list[TargetLayer], windows,
         layer.quantiles = {float(s): float(q) for s, q in zip(grid, mean)}
 
 
+def layer_calibration(model, target: str, batches: Iterable[Any], max_rows: int = 2048, seed: int = 0,
+                      feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] = lm_feeds) -> dict[str, np.ndarray]:
+    """Calibration inputs for ``rewrite_model(..., calibration=...)``: {node name: X [rows, K]} for
+    the linear layers ``target`` selects (mlp, attn, both, down, all), from running the dense model
+    on ``batches`` (LM token windows or encoder sentence batches, see ortsparse.runtime.lm_feeds;
+    ``feeds(session, batch)`` makes a batch's feeds)."""
+    layers = target_layers(model, target)
+    by_input = tt.collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows,
+                                        seed=seed, feeds=feeds)
+    return {layer.name: by_input[layer.input_name] for layer in layers}
+
+
 def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list[dict[str, Any]]:
     """Override entries: each layer gated by its own threshold (or off at sparsity 0)."""
     entries: list[dict[str, Any]] = [{"match": "*", "kwta": "off"}]
@@ -106,9 +117,6 @@ def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list
 
 
 def rewritten_with(model, entries: list[dict[str, Any]]):
-    from ..graph_rewrite import RewriteConfig, rewrite_model
-    from ..graph_rewrite.config import parse_overrides
-
     config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
     rewritten, _ = rewrite_model(model, config)
     return rewritten
@@ -184,27 +192,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import onnx
-
-    from .quality import compare_lm, corpus_windows, load_corpus_tokens, perplexity
-
     target = "both" if args.target == "all-decoder" else args.target
     log = print
     if args.min_cosine is not None:
         if not args.model:
-            from .models import model_path
-
             args.model = str(model_path("minilm", "torchscript"))
         return _run_encoder(args, target, log)
     model_file = args.model
     if not model_file:
-        from .models import model_path
-
         model_file = str(model_path("smollm2", "full.torchscript"))
     model = onnx.load(model_file)
     tokens = load_corpus_tokens(args.tokens)
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
-    calib = corpus_windows(calib_tokens, args.calib_windows, args.window_len)
+    calib = lm_windows(calib_tokens, args.calib_windows, args.window_len)
     layers = target_layers(model, target)
     log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {args.window_len}")
     capture_quantiles(model, layers, calib, log=log)
@@ -240,10 +240,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _run_encoder(args, target: str, log) -> int:
-    import onnx
-
-    from .quality import compare_embeddings, encoder_batches
-
     model = onnx.load(args.model)
     layers = target_layers(model, target)
     batches = encoder_batches()
@@ -269,13 +265,6 @@ def _run_encoder(args, target: str, log) -> int:
 
 
 def _bench_with(entries, log) -> dict:
-    import onnx
-
-    from ..graph_rewrite import RewriteConfig, rewrite_model
-    from ..graph_rewrite.config import parse_overrides
-    from .models import model_path
-    from .speed import bench
-
     kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
     rewritten, _ = rewrite_model(kv, config)

@@ -10,7 +10,7 @@ where row t of a call is compared with row t of the previous call.
 Each stream starts from a reset (the harness adds a bool ``event_reset`` graph input wired to every
 EventDrivenMatMul and feeds True on a stream's first call), so streams do not leak into each other
 and an auto-disabled op re-arms. Quality is measured per call against the dense model on the same
-input: MiniLM embedding cosine (mean-pooled last hidden state, as quality.py) and the relative L2
+input: MiniLM embedding cosine (mean-pooled last hidden state, as harness.embeddings) and the relative L2
 gap of the model output. ``python -m ortsparse.harness.event_workloads --help`` runs the quality
 part; bench/bench_event.py times the same streams against the dense model.
 """
@@ -23,6 +23,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .._library import metrics, reset_metrics
+from ..graph_rewrite import RewriteConfig
+from ..graph_rewrite.techniques import EventSettings, TechniqueChoice
+from ..runtime import open_session
+from .corpus import default_corpus, default_sentences, load_corpus_tokens
+from .embeddings import mean_pool
+from .models import real_model_path
+from .perplexity import compare_lm
+from .quality import rewrite_in_memory
 
 RESET_INPUT = "event_reset"
 WORKLOADS = ("search", "edits", "mlp")
@@ -33,8 +45,6 @@ WORKLOADS = ("search", "edits", "mlp")
 def add_reset_input(model: Any, name: str = RESET_INPUT):
     """A copy of ``model`` (ModelProto) with a bool scalar graph input ``name`` as the ``reset``
     input of every EventDrivenMatMul."""
-    import onnx
-    from onnx import TensorProto, helper
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -52,8 +62,6 @@ def add_reset_input(model: Any, name: str = RESET_INPUT):
 
 def event_config(target: str = "all", **settings):
     """A RewriteConfig with only the event technique on (axis call unless given)."""
-    from ..graph_rewrite import RewriteConfig
-    from ..graph_rewrite.techniques import EventSettings, TechniqueChoice
 
     settings.setdefault("axis", "call")
     choice = TechniqueChoice(EventSettings(**settings), enabled=True, target=target)
@@ -62,7 +70,6 @@ def event_config(target: str = "all", **settings):
 
 def event_model(dense_model: Any, target: str = "all", **settings):
     """(rewritten ModelProto with the reset input, RewriteReport)."""
-    from .quality import rewrite_in_memory
 
     rewritten, report = rewrite_in_memory(dense_model, event_config(target, **settings))
     return add_reset_input(rewritten), report
@@ -71,7 +78,6 @@ def event_model(dense_model: Any, target: str = "all", **settings):
 def mlp_model(d: int = 384, hidden: int = 1536, layers: int = 2, seed: int = 0):
     """A residual MLP ``y = x + sum_l relu(h_l W1 + b1) W2 + b2`` with X ``[rows, d]`` (He-scaled
     random weights): the generated model of the ``mlp`` workload."""
-    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     inits, nodes, h = [], [], "X"
@@ -116,8 +122,6 @@ def smooth_stream(d: int = 384, rows: int = 8, calls: int = 32, seed: int = 0, d
 
 
 def minilm_texts(count: int | None = None) -> list[str]:
-    from .quality import default_sentences
-
     with np.load(default_sentences()) as data:
         texts = [str(t) for t in data["text"]]
     return texts[:count] if count else texts
@@ -162,9 +166,7 @@ class MiniLMEncoder:
     """Tokenizes texts into MiniLM feeds ``[1, S]`` (the cache's tokenizer.json)."""
 
     def __init__(self, max_length: int = 128) -> None:
-        from tokenizers import Tokenizer
-
-        from .quality import real_model_path
+        from tokenizers import Tokenizer  # the models extra (with transformers): only the MiniLM workloads
 
         self.tokenizer = Tokenizer.from_file(str(real_model_path("minilm", "tokenizer.json")))
         self.tokenizer.no_padding()
@@ -194,7 +196,6 @@ def dense_model_for(workload: str, mlp_d: int = 384, mlp_hidden: int = 1536, mlp
     """The dense ModelProto / path a workload runs."""
     if workload == "mlp":
         return mlp_model(mlp_d, mlp_hidden, mlp_layers)
-    from .quality import real_model_path
 
     return real_model_path("minilm", "torchscript.onnx")
 
@@ -218,12 +219,6 @@ def replay(session: Any, stream: Sequence[dict], reset: bool) -> list[np.ndarray
     return outputs
 
 
-def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    w = mask.astype(np.float64)[:, :, None]
-    pooled = (hidden.astype(np.float64) * w).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-9)
-    return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-
-
 def compare_streams(dense_session: Any, event_session: Any, streams: Sequence[Sequence[dict]],
                     embedding: bool) -> dict[str, Any]:
     """Per call: relative L2 gap of the output, and for embeddings the pooled cosine. The first
@@ -237,7 +232,7 @@ def compare_streams(dense_session: Any, event_session: Any, streams: Sequence[Se
             first.append(i == 0)
             if embedding:
                 mask = feeds["attention_mask"]
-                cosines.append(float(np.sum(_pooled(d, mask) * _pooled(e, mask))))
+                cosines.append(float(np.sum(mean_pool(d, mask) * mean_pool(e, mask))))
     gaps_a, first_a = np.array(gaps), np.array(first)
     out: dict[str, Any] = {
         "streams": len(streams), "calls": len(gaps),
@@ -254,9 +249,8 @@ def compare_streams(dense_session: Any, event_session: Any, streams: Sequence[Se
 
 def event_metrics_summary() -> dict[str, float]:
     """The total/EventDrivenMatMul metrics (refresh rate, stale %, gap checks, disables)."""
-    import ortsparse
 
-    total = ortsparse.metrics().get("total/EventDrivenMatMul", {})
+    total = metrics().get("total/EventDrivenMatMul", {})
     keys = ("event.topk_kept", "event.stale_pct", "event.quorum_hits", "event.budget_ms_used", "rows", "event_rows",
             "blocks_total", "blocks_refreshed", "gap_checks", "disables", "calls")
     return {k: total[k] for k in keys if k in total}
@@ -265,9 +259,6 @@ def event_metrics_summary() -> dict[str, float]:
 def evaluate(workload: str, count: int = 16, threads: int = 1, target: str = "all", seed: int = 0,
              mlp_rows: int = 1, **settings) -> dict[str, Any]:
     """Quality of one workload at one event setting (also rows refreshed, from the op metrics)."""
-    import ortsparse
-
-    from .quality import open_session
 
     dense_model = dense_model_for(workload)
     model, report = event_model(dense_model, target=target, **settings)
@@ -275,7 +266,7 @@ def evaluate(workload: str, count: int = 16, threads: int = 1, target: str = "al
     options = {"intra_op_num_threads": threads}
     dense_session = open_session(dense_model, options)
     event_session = open_session(model, options)
-    ortsparse.reset_metrics()
+    reset_metrics()
     result = compare_streams(dense_session, event_session, streams, embedding=workload != "mlp")
     result.update(workload=workload, settings=dict(settings, target=target, mlp_rows=mlp_rows), rewritten_layers=len(report.rewritten),
                   metrics=event_metrics_summary())
@@ -287,20 +278,15 @@ def smollm2_sequence(windows: int = 2, window_len: int = 256, threads: int = 1, 
     """SmolLM2 (full-sequence export) with axis sequence: each window's tokens run as one stream, so
     every row after the first is gated against the previous token (decode order). Returns
     compare_lm's dppl / agreement and the refresh rate. Text changes ~110% per block between
-    tokens (design/measure.md): expect a refresh rate near 1 at useful quality."""
-    import ortsparse
-
-    from .quality import compare_lm, default_corpus, load_corpus_tokens, real_model_path, rewrite_in_memory
+    tokens (README, EventDrivenMatMul): expect a refresh rate near 1 at useful quality."""
 
     settings.setdefault("axis", "sequence")
     dense = real_model_path("smollm2", "full.torchscript.onnx")
-    from ..graph_rewrite import RewriteConfig
-    from ..graph_rewrite.techniques import EventSettings, TechniqueChoice
 
     config = RewriteConfig(kwta_enabled=False,
                            techniques={"event": TechniqueChoice(EventSettings(**settings), enabled=True, target=target)})
     rewritten, report = rewrite_in_memory(dense, config)
-    ortsparse.reset_metrics()
+    reset_metrics()
     result = compare_lm(dense, rewritten, load_corpus_tokens(default_corpus()), windows, window_len,
                         session_options={"intra_op_num_threads": threads})
     return {"workload": "smollm2", "settings": dict(settings, target=target), "rewritten_layers": len(report.rewritten),

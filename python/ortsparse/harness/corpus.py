@@ -1,0 +1,82 @@
+"""Evaluation data: the token corpus and its windows (language models), the sentence sets and their
+batches (encoders), and where the cache keeps both.
+
+Window ``i`` of a corpus is ``token_ids[offset + i*L : offset + (i+1)*L]``: consecutive,
+non-overlapping, from the start of the array unless ``offset`` says otherwise (calibration takes
+later windows so it never sees the evaluation ones). A sentence set is ``input_ids`` and
+``attention_mask`` ``[n, S]`` (padded), optionally ``token_type_ids`` (a ``.npz`` or a mapping).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cache import models_dir
+from .models import cached_file
+
+
+def default_corpus() -> Path:
+    """SmolLM2 token ids of the perplexity corpus (britannica-11th; the cache builder's fallback
+    corpus when it had to use one)."""
+    return cached_file("corpus", "smollm2.tokens", models_dir() / "smollm2" / "corpus_britannica.npy")
+
+
+def default_sentences() -> Path:
+    """The MiniLM sentence set of the cache (with sentence-transformers' reference embeddings)."""
+    return cached_file("minilm", "sentences", models_dir() / "minilm" / "sentences.npz")
+
+
+def load_corpus_tokens(path: str | os.PathLike | None = None) -> np.ndarray:
+    """The 1-D token ids of a ``.npy`` file; default: the cache's SmolLM2 britannica-11th tokens."""
+    path = Path(path) if path is not None else default_corpus()
+    if not path.is_file():
+        raise FileNotFoundError(f"token corpus {path} not found (run `ortsparse models`, or give a .npy of token ids)")
+    return np.load(path).reshape(-1)
+
+
+def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: int = 0) -> np.ndarray:
+    """``[windows, window_len]`` int64: window i = ``token_ids[offset + i*L : offset + (i+1)*L]``."""
+    tokens = np.asarray(token_ids).reshape(-1)
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
+    if windows < 1 or window_len < 2:
+        raise ValueError(f"need windows >= 1 and window_len >= 2 (got {windows} x {window_len})")
+    if offset < 0:
+        raise ValueError(f"offset {offset} is negative")
+    needed = offset + windows * window_len
+    if needed > tokens.size:
+        raise ValueError(f"{windows} windows of {window_len} tokens from offset {offset} need {needed} tokens; "
+                         f"the token array has {tokens.size}")
+    return tokens[offset:needed].astype(np.int64).reshape(windows, window_len)
+
+
+def load_sentences(sentences: Any) -> dict[str, np.ndarray]:
+    """A sentence set: a ``.npz`` path or a mapping with ``input_ids`` and ``attention_mask``
+    (``[n, S]``, padded) and optionally ``token_type_ids``."""
+    if isinstance(sentences, Mapping):
+        arrays = {k: np.asarray(v) for k, v in sentences.items()}
+    else:
+        with np.load(os.fspath(sentences)) as data:
+            arrays = {k: data[k] for k in data.files}
+    for key in ("input_ids", "attention_mask"):
+        if key not in arrays:
+            raise ValueError(f"sentence set lacks {key!r} (has {', '.join(sorted(arrays))})")
+        if arrays[key].ndim != 2:
+            raise ValueError(f"sentence set {key!r} must be [sentences, length], got shape {list(arrays[key].shape)}")
+    return arrays
+
+
+def sentence_batches(arrays: Mapping[str, np.ndarray], batch_size: int = 32) -> list[dict[str, np.ndarray]]:
+    """A loaded sentence set cut into batches of at most ``batch_size`` sentences."""
+    count = arrays["input_ids"].shape[0]
+    return [{k: v[start:start + batch_size] for k, v in arrays.items()} for start in range(0, count, batch_size)]
+
+
+def encoder_batches(sentences: Any = None, batch_size: int = 32) -> list[dict[str, np.ndarray]]:
+    """The sentence set (default: the cache's MiniLM set) cut into batches of named arrays, each
+    usable with :func:`ortsparse.runtime.lm_feeds`."""
+    return sentence_batches(load_sentences(default_sentences() if sentences is None else sentences), batch_size)
