@@ -13,7 +13,7 @@ import tempfile
 
 import onnx
 
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ortsparse.harness.models import model_path
 from ortsparse.runtime import decode_feeds, open_session, vocab_size
 
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
     dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
-    gated, _ = rewrite_model(dense, RewriteConfig(kwta=KwtaSettings(k_frac=args.k), kwta_target=args.target))
+    gated, _ = rewrite_model(dense, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=args.k), enabled=True, target=args.target)}))
     feeds = decode_feeds(dense, new_tokens=1, past=args.context, vocab=vocab_size(dense))
     with tempfile.TemporaryDirectory() as tmp:
         columns = {"dense": profile(dense, feeds, args.runs, f"{tmp}/dense"),

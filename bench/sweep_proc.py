@@ -39,8 +39,7 @@ def proc_config(point: dict[str, Any]):
     settings = ProcSettings(fanout_frac=point["fanout"], block=point["block"], base_scale=point["base_scale"],
                             shed_eps=point["shed_eps"], watermark=0, score=point["score"],
                             delta_dtype=point["delta_dtype"])
-    return RewriteConfig(kwta_enabled=False,
-                         techniques={"proc": TechniqueChoice(settings, enabled=True, target=point["target"])})
+    return RewriteConfig(techniques={"proc": TechniqueChoice(settings, enabled=True, target=point["target"])})
 
 
 def label(p: dict[str, Any]) -> str:

@@ -104,8 +104,7 @@ def layer_study(model, layers, calib: dict[str, np.ndarray], ranks: list[int]) -
 
 
 def tt_config(target: str, **settings):
-    return RewriteConfig(kwta_enabled=False,
-                         techniques={"tt": TechniqueChoice(TTSettings(**settings), enabled=True, target=target)})
+    return RewriteConfig(techniques={"tt": TechniqueChoice(TTSettings(**settings), enabled=True, target=target)})
 
 
 def kept_layers(report) -> tuple[int, int, list[dict[str, Any]]]:

@@ -158,9 +158,10 @@ GateStats KwtaGate::plan(const float* x, size_t m, bool dense, const kernels::Ke
 // duty-th call the mask becomes the top-K blocks of the mean p over that window (the threshold,
 // if set, limits the candidates to blocks whose score on this call reaches it); in between, each
 // token position reuses its held mask. temp shapes how strongly a brief spike moves the mean.
-// The sums are kept as log-sum-exp in double, so neither a tiny temp (p underflowing to 0 for all
-// but one block) nor a huge score (exp overflowing) collapses the ranking into ties; a block with
-// a NaN score has NaN mean p and ranks highest (it is kept and the NaN reaches the output).
+// The sums are kept as log-sum-exp in double, so neither a tiny temp nor a huge score overflows;
+// where mean p still ties (p of all but the top block underflowing), the call's score decides.
+// A block with a NaN score has NaN mean p and ranks highest (it is kept and the NaN reaches the
+// output).
 GateStats KwtaGate::plan_hold(const float* x, size_t m, const kernels::KernelSet& kernels, GatedRows& out,
                               bool recompute) {
   const size_t nb = partition_.num_blocks;
@@ -169,7 +170,7 @@ GateStats KwtaGate::plan_hold(const float* x, size_t m, const kernels::KernelSet
   stats.gated = recompute;
   constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
   std::vector<float> keys(nb);
-  std::vector<double> log_p(nb), rank(nb);
+  std::vector<double> log_p(nb), rank(nb), score(nb);
   std::vector<int32_t> kept(nb + kernels::kIndexSlack);
   const double inv_temp = 1.0 / static_cast<double>(config_.temp);
   std::lock_guard<std::mutex> lock(hold_mutex_);
@@ -183,7 +184,8 @@ GateStats KwtaGate::plan_hold(const float* x, size_t m, const kernels::KernelSet
     double top = kNegInfD;
     size_t infinite = 0;
     for (size_t b = 0; b < nb; ++b) {
-      log_p[b] = static_cast<double>(score_from_key(keys[b], squared)) * inv_temp;
+      score[b] = static_cast<double>(score_from_key(keys[b], squared));
+      log_p[b] = score[b] * inv_temp;
       if (std::isinf(log_p[b]) && log_p[b] > 0) ++infinite;
       if (std::isfinite(log_p[b])) top = std::max(top, log_p[b]);
     }
@@ -223,7 +225,9 @@ GateStats KwtaGate::plan_hold(const float* x, size_t m, const kernels::KernelSet
         }
         limit = std::min(limit, candidates);
       }
-      const size_t count = kernels::select_top_k(rank.data(), nb, limit, kept.data());
+      // Equal mean p (e.g. every block but one underflowing at a tiny temp): the larger score of
+      // this call decides, then the lower index.
+      const size_t count = kernels::select_top_k(rank.data(), score.data(), nb, limit, kept.data());
       held_blocks_[t].assign(kept.begin(), kept.begin() + count);
       if (held_blocks_[t].empty()) held_blocks_[t].push_back(-1);  // "held, nothing kept"
       std::fill(sum.begin(), sum.end(), kNegInfD);

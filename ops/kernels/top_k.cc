@@ -74,17 +74,21 @@ size_t select_top_k(const SelectKernels& kernels, const float* values, size_t n,
   return out;
 }
 
-size_t select_top_k(const double* values, size_t n, size_t k, int32_t* kept) {
+size_t select_top_k(const double* values, const double* tie_break, size_t n, size_t k, int32_t* kept) {
   k = std::min(k, n);
   std::vector<int32_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
-  // Larger first, NaN above everything, then the lower index.
-  const auto before = [values](int32_t a, int32_t b) {
-    const double va = values[a], vb = values[b];
+  // -1: a ranks first, 1: b does, 0: tie. Larger first, NaN above everything.
+  const auto compare = [](double va, double vb) {
     const bool na = std::isnan(va), nb = std::isnan(vb);
-    if (na != nb) return na;
-    if (!na && va != vb) return va > vb;
-    return a < b;
+    if (na != nb) return na ? -1 : 1;
+    if (na || va == vb) return 0;
+    return va > vb ? -1 : 1;
+  };
+  const auto before = [&](int32_t a, int32_t b) {
+    int c = compare(values[a], values[b]);
+    if (c == 0 && tie_break != nullptr) c = compare(tie_break[a], tie_break[b]);
+    return c != 0 ? c < 0 : a < b;
   };
   if (k < n) std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(), before);
   std::sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k));

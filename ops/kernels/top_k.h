@@ -18,7 +18,9 @@ size_t select_top_k(const SelectKernels& kernels, const float* values, size_t n,
                     std::vector<uint32_t>& scratch);
 
 // The same contract on doubles (ranks that float would collapse into ties, e.g. log-probabilities
-// far apart); a scalar nth_element, for paths that are not per-token hot (the kwta hold mode).
-size_t select_top_k(const double* values, size_t n, size_t k, int32_t* kept);
+// far apart), with an optional second key that orders ties of the first (larger first, NaN
+// highest) before the lower index does; a scalar nth_element, for paths that are not per-token
+// hot (the kwta hold mode).
+size_t select_top_k(const double* values, const double* tie_break, size_t n, size_t k, int32_t* kept);
 
 }  // namespace ortsparse::kernels

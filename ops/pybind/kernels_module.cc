@@ -190,6 +190,25 @@ class KwtaMatMul {
   std::unique_ptr<engine::GatedMatMul> matmul_;
 };
 
+// The shared packing of one weight buffer as the ops see it (tests of the sharing rule).
+class SharedDenseWeights {
+ public:
+  explicit SharedDenseWeights(FloatArray w) {
+    if (w.ndim() != 2) throw py::value_error("W must be 2-D");
+    weights_ = engine::DenseWeights::pack_shared(w.data(), w.shape(0), w.shape(1));
+  }
+  bool is_shared_with(const SharedDenseWeights& other) const { return weights_ == other.weights_; }
+  FloatArray rows() const {
+    FloatArray out = bindings::nan_filled(std::vector<size_t>{weights_->k(), weights_->n()});
+    for (size_t r = 0; r < weights_->k(); ++r)
+      std::copy_n(weights_->data() + r * weights_->ldw(), weights_->n(), out.mutable_data() + r * weights_->n());
+    return out;
+  }
+
+ private:
+  std::shared_ptr<const engine::DenseWeights> weights_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -221,6 +240,10 @@ PYBIND11_MODULE(_kernels, m) {
   });
   m.def("indices_in_range", &indices_in_range, py::arg("isa"), py::arg("keys"), py::arg("lo"), py::arg("hi"));
   m.def("select_top_k", &select_top_k, py::arg("values"), py::arg("k"), py::arg("isa") = "active");
+  py::class_<SharedDenseWeights>(m, "SharedDenseWeights")
+      .def(py::init<FloatArray>(), py::arg("w"), py::keep_alive<1, 2>())
+      .def("is_shared_with", &SharedDenseWeights::is_shared_with)
+      .def("rows", &SharedDenseWeights::rows);
   py::class_<KwtaMatMul>(m, "KwtaMatMul")
       .def(py::init<FloatArray, size_t, double, int64_t, const std::string&, float, float, int64_t, const std::string&, bool,
                     const std::string&>(),

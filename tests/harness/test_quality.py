@@ -13,7 +13,7 @@ import pytest
 
 from ortsparse import runtime
 from ortsparse.cli import main
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ortsparse.harness import corpus, embeddings, models, output_error, quality
 from ortsparse.harness.perplexity import compare_lm, perplexity
 
@@ -26,7 +26,7 @@ VOCAB = 256  # every tiny export (models/tiny/manifest.json)
 
 
 def rewritten(model, k_frac: float, target: str = "all"):
-    config = RewriteConfig(kwta=KwtaSettings(k_frac=k_frac), kwta_target=target)
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=k_frac), enabled=True, target=target)})
     proto, report = quality.rewrite_in_memory(model, config)
     assert report.rewritten
     return proto

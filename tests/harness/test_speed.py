@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ortsparse.harness import speed
 from ortsparse.runtime import decode_feeds, open_session
 
@@ -37,7 +37,7 @@ def test_weight_bytes_count_linear_weights_and_keep_ratio():
     expected = sum(int(np.prod(inits[n.input[1]].dims)) * 4 for n in model.graph.node
                    if n.op_type == "MatMul" and n.input[1] in inits)
     assert dense_bytes == expected
-    config = RewriteConfig(kwta=KwtaSettings(k_frac=0.5), kwta_target="mlp")
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")})
     rewritten, report = rewrite_model(model, config)
     gated = {r.name for r in report.rewritten}
     nodes = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
@@ -49,7 +49,7 @@ def test_weight_bytes_count_linear_weights_and_keep_ratio():
 
 def test_bench_rows_cover_every_model_phase_and_context():
     model = onnx.load(str(KV))
-    rewritten, _ = rewrite_model(model, RewriteConfig(kwta=KwtaSettings(k_frac=0.5), kwta_target="mlp"))
+    rewritten, _ = rewrite_model(model, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")}))
     payload = speed.bench({"dense": model, "ortsparse": rewritten}, {"dense": onnx.load(str(FULL))},
                           contexts=(4, 9), prompt_len=6, threads=(1,), repeats=2, log=lambda *_: None)
     decode = [r for r in payload["rows"] if r["phase"] == "decode"]

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortsparse.cli import main
-from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ortsparse.harness import zoo
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -43,7 +43,7 @@ def test_fast_zoo_passes_and_lists_every_model(tmp_path, capsys):
 
 def test_exact_rewrite_uses_the_exact_budget():
     entry = zoo.ZooEntry("gpt2", "path", path=TINY / "gpt2_tiny.torchscript.onnx")
-    result = zoo.validate_model(entry, RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all"),
+    result = zoo.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}),
                                 runs=1, timing_runs=1)
     assert result.ok, result.reason
     assert result.exact and result.budget == 1e-4
@@ -91,7 +91,7 @@ def test_rewritten_model_that_onnxruntime_cannot_load(monkeypatch, tmp_path):
 
 def test_over_budget_is_a_failure():
     result = zoo.validate_model(zoo.ZooEntry("llama", "path", path=LLAMA),
-                                RewriteConfig(kwta=KwtaSettings(k_frac=0.1), kwta_target="all"), budget=1e-3,
+                                RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.1), enabled=True, target="all")}), budget=1e-3,
                                 runs=1, timing_runs=0)
     assert not result.ok and result.stage == "budget"
     assert "> budget 0.001 (approximate rewrite)" in result.reason
@@ -102,7 +102,7 @@ def test_builtin_graphs_are_valid_and_classified():
         model = zoo.builtin_transformer(decoder=decoder)
         onnx.checker.check_model(model, full_check=True)
         entry = zoo.ZooEntry("builtin", "generated", build=zoo._writer("builtin", lambda m=model: m))
-        result = zoo.validate_model(entry, RewriteConfig(kwta=KwtaSettings(k_frac=0.9), kwta_target="all"),
+        result = zoo.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.9), enabled=True, target="all")}),
                                     runs=1, timing_runs=0)
         assert result.ok, result.reason
         assert result.counts == {"mlp": {"layers": 2, "rewritten": 2, "skipped": 0},
@@ -113,7 +113,7 @@ def test_builtin_graphs_are_valid_and_classified():
 def test_onnx_wheel_cnn_with_materialized_weights():
     entries = {e.name: e for e in zoo.onnx_light_entries()}  # the onnx wheel ships these test models
     assert "onnx-light/densenet121" not in entries  # no Gemm/MatMul
-    result = zoo.validate_model(entries["onnx-light/shufflenet"], RewriteConfig(kwta_target="all"), runs=1,
+    result = zoo.validate_model(entries["onnx-light/shufflenet"], RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")}), runs=1,
                                 timing_runs=0)
     assert result.ok, result.reason
     assert result.counts == {"other": {"layers": 1, "rewritten": 1, "skipped": 0}}
@@ -129,6 +129,6 @@ def test_list_prints_the_zoo(capsys):
 def test_real_models_validate():
     entries = zoo.real_entries()
     assert len(entries) == len(zoo.REAL_MODELS), "real models missing from the cache (run `ortsparse models`)"
-    results = zoo.validate(entries, RewriteConfig(kwta=KwtaSettings(k_frac=1.0), kwta_target="all"), runs=1,
+    results = zoo.validate(entries, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}), runs=1,
                            timing_runs=1)
     assert all(r.ok for r in results), [(r.name, r.stage, r.reason) for r in results if not r.ok]

@@ -9,9 +9,33 @@ SIMD_ISAS = [isa for isa in ISAS if isa != "scalar"]
 TILE = K.TOKEN_TILE
 
 
-def test_this_machine_tests_simd_paths():
-    # The project's CI machines have AVX-512; if this fails, the SIMD twins below are not being run.
-    assert "avx2" in ISAS
+def _cpu_flags() -> set[str]:
+    """The CPU flags Linux reports (an independent view of what the library's CpuFeatures detect)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_every_isa_the_cpu_has_is_tested():
+    """The SIMD twins below run only for the ISAs the library reports: it must report each one the
+    CPU has (else a detection bug would silently skip the AVX-512 tests)."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this OS to compare with")
+    assert "scalar" in ISAS
+    if {"avx2", "fma"} <= flags:
+        assert "avx2" in ISAS
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert "avx512" in ISAS
+    if {"avx512f", "avx512_vpopcntdq"} <= flags:
+        assert "vpopcntdq" in K.popcnt_paths()
+    if "popcnt" in flags:
+        assert "popcnt" in K.popcnt_paths()
 
 
 @pytest.mark.parametrize("isa", SIMD_ISAS)

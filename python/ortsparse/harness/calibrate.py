@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from .. import tt
-from ..graph_rewrite import RewriteConfig, list_layers, rewrite_model
+from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
 from ..runtime import lm_feeds, open_session, with_outputs
 from .corpus import encoder_batches, lm_windows, load_corpus_tokens
@@ -53,7 +53,7 @@ def glob_escape(name: str) -> str:
 
 def target_layers(model, target: str) -> list[TargetLayer]:
     """The linear layers `target` selects, with the graph value feeding each (its X)."""
-    report = list_layers(model, RewriteConfig(kwta_target=target))
+    report = list_layers(model, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target=target)}))
     nodes = {node.name: node for node in model.graph.node}
     layers = []
     seen_roles: set[str] = set()
@@ -117,7 +117,7 @@ def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list
 
 
 def rewritten_with(model, entries: list[dict[str, Any]]):
-    config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, overrides=parse_overrides({"layers": entries}))
     rewritten, _ = rewrite_model(model, config)
     return rewritten
 
@@ -266,6 +266,6 @@ def _run_encoder(args, target: str, log) -> int:
 
 def _bench_with(entries, log) -> dict:
     kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
-    config = RewriteConfig(kwta_enabled=False, kwta_target="all", overrides=parse_overrides({"layers": entries}))
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, overrides=parse_overrides({"layers": entries}))
     rewritten, _ = rewrite_model(kv, config)
     return bench({"dense": kv, "calibrated": rewritten}, None, contexts=(128, 1024), threads=(1,), repeats=15, log=log)

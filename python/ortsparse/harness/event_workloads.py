@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .._library import metrics, reset_metrics
 from ..graph_rewrite import RewriteConfig
-from ..graph_rewrite.techniques import EventSettings, TechniqueChoice
+from ..graph_rewrite.techniques import EventSettings, KwtaSettings, TechniqueChoice
 from ..runtime import open_session
 from .corpus import default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import mean_pool
@@ -65,7 +65,7 @@ def event_config(target: str = "all", **settings):
 
     settings.setdefault("axis", "call")
     choice = TechniqueChoice(EventSettings(**settings), enabled=True, target=target)
-    return RewriteConfig(kwta_enabled=False, techniques={"event": choice})
+    return RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False), "event": choice})
 
 
 def event_model(dense_model: Any, target: str = "all", **settings):
@@ -283,8 +283,7 @@ def smollm2_sequence(windows: int = 2, window_len: int = 256, threads: int = 1, 
     settings.setdefault("axis", "sequence")
     dense = real_model_path("smollm2", "full.torchscript.onnx")
 
-    config = RewriteConfig(kwta_enabled=False,
-                           techniques={"event": TechniqueChoice(EventSettings(**settings), enabled=True, target=target)})
+    config = RewriteConfig(techniques={"event": TechniqueChoice(EventSettings(**settings), enabled=True, target=target)})
     rewritten, report = rewrite_in_memory(dense, config)
     reset_metrics()
     result = compare_lm(dense, rewritten, load_corpus_tokens(default_corpus()), windows, window_len,

@@ -181,8 +181,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     threads=args.threads, repeats=args.repeats)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
-    payload["config"] = {"kwta": dataclasses.asdict(config.kwta), "kwta_enabled": config.kwta_enabled,
-                         "target": config.kwta_target, "override_file": args.config,
+    kwta = config.choice("kwta")
+    payload["config"] = {"kwta": dataclasses.asdict(kwta.settings), "kwta_enabled": config.switched_on("kwta"),
+                         "target": kwta.target, "override_file": args.config,
                          "techniques": {name: dataclasses.asdict(choice) for name, choice in config.techniques.items()}}
     paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"))
     print("wrote", *paths)

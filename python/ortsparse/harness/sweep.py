@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from ..benchmarking import machine_info, write_report
-from ..graph_rewrite import KwtaSettings, RewriteConfig, rewrite_model
+from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..runtime import decode_feeds, vocab_size
 from .corpus import load_corpus_tokens
 from .models import model_path
@@ -29,8 +29,8 @@ def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:
 
 
 def config_for(point: dict[str, Any]):
-    return RewriteConfig(kwta=KwtaSettings(k_frac=point["k_frac"], block=point["block"], score=point["score"]),
-                         kwta_enabled=True, kwta_target=point["target"])
+    settings = KwtaSettings(k_frac=point["k_frac"], block=point["block"], score=point["score"])
+    return RewriteConfig(techniques={"kwta": TechniqueChoice(settings, enabled=True, target=point["target"])})
 
 
 def label(point: dict[str, Any]) -> str:

@@ -568,5 +568,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _config_dict(config: Any) -> dict[str, Any]:
     data = dataclasses.asdict(config)
-    data["kwta"] = config.kwta.attributes()
+    data["kwta"] = config.choice("kwta").settings.attributes()
     return data
