@@ -186,9 +186,9 @@ def metrics_summary(raw: Mapping[str, Mapping[str, Any]], model: Any = None) -> 
             kept = float(values.get("blocks_kept", 0) or 0)
             ops[op] = {"keep_ratio": kept / total if total else None, "calls": values.get("calls"),
                        "blocks_total": total, "blocks_kept": kept}
-        elif values.get("calls"):
+        elif values.get("calls"):  # "<op type>/<node name>": the entry names its node
             total = float(values.get("blocks_total", 0) or 0)
-            nodes[name] = float(values.get("blocks_kept", 0) or 0) / total if total else float("nan")
+            nodes[values.get("node", name)] = float(values.get("blocks_kept", 0) or 0) / total if total else float("nan")
     summary: dict[str, Any] = {"ops": ops, "nodes": nodes}
     if model is not None and nodes:
         proto = _proto(model)
@@ -331,7 +331,8 @@ def _check_vocabulary(model: Any, batch: np.ndarray) -> None:
 
 
 def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, window_len: int = 512,
-               session_options: Any = None, *, offset: int = 0, progress: bool = False) -> dict[str, Any]:
+               session_options: Any = None, *, offset: int = 0, progress: bool = False,
+               session: Any = None) -> dict[str, Any]:
     """Perplexity of a full-sequence LM export on ``windows`` consecutive windows of ``window_len``
     tokens (see :func:`lm_windows`). Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored),
     ``windows``, ``window_len``, ``offset`` and ``predictions`` (``[windows, window_len-1]`` argmax
@@ -339,7 +340,7 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
     from tqdm.auto import tqdm
 
     batch = lm_windows(token_ids, windows, window_len, offset)
-    session = open_session(model_path_or_proto, session_options)
+    session = session or open_session(model_path_or_proto, session_options)
     output = _logits_name(session)
     inputs = session.get_inputs()
     _check_vocabulary(model_path_or_proto, batch)
@@ -371,8 +372,10 @@ def compare_lm(dense_model: Any, rewritten_model: Any, token_ids: Any, windows: 
     dense = perplexity(dense_model, token_ids, windows, window_len, session_options, offset=offset, progress=progress)
     if uses_ortsparse(rewritten_model):
         _reset_metrics()
+    # Kept open until the metrics are read: a node's entry leaves ortsparse.metrics() with its session.
+    session = open_session(rewritten_model, session_options)
     rewritten = perplexity(rewritten_model, token_ids, windows, window_len, session_options, offset=offset,
-                           progress=progress)
+                           progress=progress, session=session)
     metrics = _snapshot_metrics(rewritten_model) if uses_ortsparse(rewritten_model) else {}
     agreement = float(np.mean(dense["predictions"] == rewritten["predictions"]))
     return {
@@ -411,10 +414,11 @@ def _hidden_name(session: Any) -> str:
     return ranked[0] if ranked else names[0]
 
 
-def sentence_embeddings(model: Any, sentences: Any, batch_size: int = 32, session_options: Any = None) -> np.ndarray:
+def sentence_embeddings(model: Any, sentences: Any, batch_size: int = 32, session_options: Any = None, *,
+                        session: Any = None) -> np.ndarray:
     """``[n, d]`` float64: mean of the last hidden state over attention_mask, L2-normalised."""
     arrays = load_sentences(sentences)
-    session = open_session(model, session_options)
+    session = session or open_session(model, session_options)
     output = _hidden_name(session)
     inputs = session.get_inputs()
     count = arrays["input_ids"].shape[0]
@@ -439,7 +443,9 @@ def compare_embeddings(dense_model: Any, rewritten_model: Any, sentences_npz: An
     dense = sentence_embeddings(dense_model, arrays, batch_size, session_options)
     if uses_ortsparse(rewritten_model):
         _reset_metrics()
-    rewritten = sentence_embeddings(rewritten_model, arrays, batch_size, session_options)
+    # Kept open until the metrics are read: a node's entry leaves ortsparse.metrics() with its session.
+    session = open_session(rewritten_model, session_options)
+    rewritten = sentence_embeddings(rewritten_model, arrays, batch_size, session_options, session=session)
     metrics = _snapshot_metrics(rewritten_model) if uses_ortsparse(rewritten_model) else {}
     cosine = np.sum(dense * rewritten, axis=1)
     return {"kind": "embedding", "sentences": int(cosine.size), "cosine_mean": float(cosine.mean()),

@@ -148,8 +148,8 @@ def time_models(models: list[SpeedModel], feeds_by_kind: dict[str, dict], thread
 def keep_ratios(snapshot: dict) -> dict[str, float]:
     """Keep ratio per node that ran since the last reset (slots of nodes from earlier sessions stay
     registered with zero counts; they are left out)."""
-    return {node: values["kwta.keep_ratio"] for node, values in snapshot.items()
-            if not node.startswith("total/") and "kwta.keep_ratio" in values and values.get("blocks_total", 0) > 0}
+    return {values["node"]: values["kwta.keep_ratio"] for values in snapshot.values()
+            if "node" in values and "kwta.keep_ratio" in values and values.get("blocks_total", 0) > 0}
 
 
 def bench(kv: dict[str, Any], full: dict[str, Any] | None, *, contexts=(128, 1024), prompt_len: int = 128,
