@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
@@ -114,13 +112,9 @@ def _print_rules() -> None:
         print(f"  {name:26s} {before_after}")
 
 
-def _write_report(report, path: str) -> None:
-    try:
-        Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    except OSError as error:
-        from .graph_rewrite.errors import ModelFileError
-
-        raise ModelFileError(f"cannot write report {path}: {error.strerror or error}") from None
+def _read_by_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Files the rewrite reads besides the model (no output may replace them)."""
+    return {args.config: "the config file"} if getattr(args, "config", None) else {}
 
 
 def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes) -> int:
@@ -159,13 +153,11 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("the input model IN.onnx is required")
     config = config_from_args(args)
     if args.list_layers:
-        report = list_file_layers(args.input, config)
+        report = list_file_layers(args.input, config, report_path=args.report, inputs=_read_by_flags(args))
         print(report.layer_table())
         if report.attention:
             print(report.attention_table())
         print(report.summary())
-        if args.report:
-            _write_report(report, args.report)
         return EXIT_OK
     if not args.output:
         parser.error("-o/--output OUT.onnx is required (the input file is never modified)")
@@ -175,11 +167,10 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         from .verify import parse_shape_overrides
 
         shapes = parse_shape_overrides(args.verify_shape)  # a bad spec is a usage error before anything is written
-    report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check)
-    say(f"wrote {args.output}")
+    report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check,
+                          report_path=args.report, inputs=_read_by_flags(args))
+    say(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
     say(report.summary())
-    if args.report:
-        _write_report(report, args.report)
     if args.verify:
         return _verify(args, report, say, progress, shapes)
     return EXIT_OK
@@ -231,11 +222,17 @@ for _name, _module, _help in [
 def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
              run: Callable[[argparse.Namespace], int]) -> int:
     from .graph_rewrite.errors import RewriteError
+    from .graph_rewrite.output_paths import Terminated, terminate_cleanly
     from .verify import VerifyInputError
 
     try:
-        args = parser.parse_args(argv)
-        return run(args)
+        with terminate_cleanly():  # SIGTERM/SIGHUP unwind like Ctrl-C: staged outputs are removed
+            args = parser.parse_args(argv)
+            return run(args)
+    except (KeyboardInterrupt, Terminated) as stop:
+        name = stop.name if isinstance(stop, Terminated) else "SIGINT"
+        print(f"{parser.prog}: interrupted by {name}; outputs not yet in place were not written", file=sys.stderr)
+        return 128 + (stop.signum if isinstance(stop, Terminated) else 2)
     except SystemExit as exit_request:  # argparse: --help/--version (0) or a usage error (2)
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)

@@ -245,9 +245,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from ..cli import config_from_args
     from ..graph_rewrite import rewrite_model
-    from ..benchmarking import write_report
+    from ..benchmarking import check_report, write_report
 
     kv_path, full_path = _default_paths(args)
+    inputs = [kv_path, full_path, args.config]  # never overwritten by the report
+    check_report(args.output, inputs)
     config = config_from_args(args)
     kv_dense = onnx.load(str(kv_path))
     kv_models: dict[str, Any] = {"dense": kv_dense}
@@ -274,6 +276,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     payload["config"] = {"kwta": dataclasses.asdict(config.kwta), "kwta_enabled": config.kwta_enabled,
                          "target": config.kwta_target, "override_file": args.config,
                          "techniques": {name: dataclasses.asdict(choice) for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"))
+    paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"),
+                         protected=inputs)
     print("wrote", *paths)
     return 0

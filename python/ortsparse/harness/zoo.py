@@ -544,6 +544,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("validate: no models to validate", file=sys.stderr)
         return EXIT_USAGE
     config = quality.config_from_args(args)
+    from ..graph_rewrite.output_paths import check_outputs, write_text_files
+
+    inputs = [*(entry.path for entry in entries if entry.path), args.config]  # never overwritten
+    outputs = {args.markdown: "markdown table", args.json: "JSON results"}
+    check_outputs([(args.markdown, "markdown table"), (args.json, "JSON results")], inputs)  # before the long run
 
     def progress(index: int, result: ModelResult) -> None:
         if args.quiet and result.ok:
@@ -559,16 +564,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.quiet:
         print()
         print(table)
+    files = {}
     if args.markdown:
         command = "ortsparse validate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["validate"] else ""
         header = f"Produced by `{command.strip()}`.\n\n" if command else ""
-        Path(args.markdown).write_text(header + table + "\n", encoding="utf-8")
+        files[args.markdown] = (outputs[args.markdown], header + table + "\n")
     if args.json:
         meta = {"command": sys.argv if sys.argv[1:2] == ["validate"] else None, "zoo": groups,
                 "paths": list(args.models), "config": _config_dict(config), "runs": args.runs,
                 "timing_runs": args.timing_runs, "threads": args.threads}
-        Path(args.json).write_text(json.dumps(to_json(results, meta), indent=2, default=quality.json_default) + "\n",
-                                   encoding="utf-8")
+        files[args.json] = (outputs[args.json],
+                            json.dumps(to_json(results, meta), indent=2, default=quality.json_default) + "\n")
+    write_text_files(files, inputs)
     failed = [r for r in results if not r.ok]
     if failed:
         print(f"validate: {len(failed)} of {len(results)} model(s) failed", file=sys.stderr)
