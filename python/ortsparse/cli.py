@@ -1,8 +1,10 @@
 """Command line: ``rewrite-onnx IN.onnx -o OUT.onnx [flags]`` and ``ortsparse <command> ...``.
 
 Exit codes: 0 ok (also when no layer matched: the output is then the unchanged model, with a
-note), 1 ``--verify`` found an error over budget, 2 usage or input errors (bad file or flag,
-IN == OUT, unwritable output, invalid override file, missing native library for --verify).
+note), 1 ``--verify`` found an error over budget, 2 usage or input errors, one line each (bad file
+or flag, an output that aliases an input or is a device/FIFO, external data outside the model's
+folder, unwritable output, invalid override file, missing native library for --verify), 128 + N
+interrupted by signal N (nothing moved into place). File rules: graph_rewrite/output_paths.py.
 
 New subcommands (models, quality, bench, validate, sweep, calibrate) are one entry in
 ``SUBCOMMANDS``: a help line, a function adding the arguments and a function running them.
