@@ -2,6 +2,7 @@
 selected ones, and report every candidate layer."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -12,6 +13,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from .attention_rules import list_attention, rewrite_attention
 from .compose import check_attention
 from .config import RewriteConfig
+from .errors import ConfigError
 from .layers import LinearLayer, survey
 from .plan import WeightPreparer, decide_layer
 from .report import REWRITTEN, SKIPPED, LayerRecord, RewriteReport
@@ -55,6 +57,22 @@ def rewrite_model(
         return model, _plan_and_apply(model, config or RewriteConfig(), apply=True, on_stage=on_stage,
                                       calibration=calibration)
     raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_attribute_ranges(where: str, attributes: Mapping[str, object]) -> None:
+    """Settings become int64 / float32 attributes (and C++ int64s in the builders): a value out
+    of their range is a user error named here, not a serialiser traceback or a silent inf later."""
+    for name, value in attributes.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if isinstance(item, int) and not isinstance(item, bool) and not _INT64[0] <= item <= _INT64[1]:
+                raise ConfigError(f"{where}: {name}={item} does not fit in an int64 attribute")
+            if isinstance(item, float) and math.isfinite(item) and abs(item) > _FLOAT32_MAX:
+                raise ConfigError(f"{where}: {name}={item} does not fit in a float32 attribute (it would become inf)")
 
 
 def _layer_weights(layer: LinearLayer, operands, calibration) -> LayerWeights:
@@ -102,6 +120,8 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
         if not apply:
             continue
         stage(f"build {layer.name}")
+        for settings in (decision.settings, *decision.partners.values()):
+            _check_attribute_ranges(f"layer {layer.name}", settings.for_layer(layer.k).attributes())
         operands = layer.operands
         built = technique.build(_layer_weights(layer, operands, calibration), decision.settings,
                                 decision.partners)
@@ -111,6 +131,7 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
             record.is_exact = True
             record.reason = f"{decision.lead}: " + ("; ".join(built.notes) or "kept dense")
             continue
+        _check_attribute_ranges(f"layer {layer.name}", built.attributes)
         record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
         inputs = []
         for position, entry in enumerate(built.inputs):
@@ -137,6 +158,7 @@ def _plan_and_apply(model: ir.Model, config: RewriteConfig, *, apply: bool,
     # the q/k/v values as the linear rewrite left them.
     if apply:
         if config.attention is not None:
+            _check_attribute_ranges("attention", config.attention.attributes())
             stage("attention")
         report.attention = rewrite_attention(model, config.attention, config.attention_why)
     else:

@@ -21,6 +21,13 @@ EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the usage block is behind --help), exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _version() -> str:
     from . import __version__
 
@@ -31,6 +38,18 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _budget(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
     return value
 
 
@@ -60,7 +79,7 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run original and rewritten in onnxruntime on N generated input sets")
     check.add_argument("--verify-shape", action="append", metavar="SPEC",
                        help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
-    check.add_argument("--verify-budget", type=float, default=None, metavar="REL",
+    check.add_argument("--verify-budget", type=_budget, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
     check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
@@ -253,7 +272,7 @@ def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
 def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
     """``rewrite-onnx IN.onnx -o OUT.onnx``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rewrite-onnx",
         description="Replace linear layers of an ONNX model by ortsparse ops (KwtaBlockMatMul).",
         epilog="Exit codes: 0 ok, 1 --verify over budget, 2 usage or input error.")
@@ -263,7 +282,7 @@ def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``ortsparse <command> ...``."""
-    parser = argparse.ArgumentParser(prog="ortsparse", description="ortsparse tools",
+    parser = _Parser(prog="ortsparse", description="ortsparse tools",
                                      epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -323,3 +323,23 @@ def test_harness_outputs_refuse_inputs_devices_and_each_other(inline_model, tmp_
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     if Path("/dev/null").exists():
         refused(capsys, ["validate", inline_model, "--markdown", "/dev/null"], "character device", **run)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_config_that_is_not_a_regular_file_is_refused_without_blocking(kind, inline_model, tmp_path, capsys):
+    config = _fifo(tmp_path / "layers.json") if kind == "fifo" else _char_device()
+    refused(capsys, [inline_model, "-o", tmp_path / "out.onnx", "--config", config], "not a regular file")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kwta-k-abs", "99999999999999999999"], "does not fit in an int64"),
+    (["--kwta-duty", "99999999999999999999"], "does not fit in an int64"),
+    (["--proc-sparse", "on", "--proc-watermark", "99999999999999999999"], "does not fit in an int64"),
+    (["--attn", "popcount", "--attn-topk", "99999999999999999999"], "does not fit in an int64"),
+    (["--kwta-temp", "1e39"], "does not fit in a float32"),
+    (["--verify", "1", "--verify-budget", "nan"], "finite number"),
+])
+def test_out_of_range_settings_are_usage_errors(flags, message, inline_model, tmp_path, capsys):
+    refused(capsys, [inline_model, "-o", tmp_path / "out.onnx", *flags], message)
+    assert not (tmp_path / "out.onnx").exists()
