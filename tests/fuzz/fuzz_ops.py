@@ -98,6 +98,17 @@ def run_case(seed: int, index: int, ops: list[str], session_options, case=None) 
     return "ok", ""
 
 
+def _worker_env() -> dict[str, str]:
+    """The worker's environment: under ASan the address-space cap cannot apply (shadow memory), so
+    ASan itself caps single allocations (FUZZ_MEMORY_MB) and returns null instead of aborting."""
+    env = dict(os.environ)
+    if "asan" in env.get("LD_PRELOAD", ""):
+        megabytes = int(env.get("FUZZ_MEMORY_MB", "4096")) or 4096
+        env["ASAN_OPTIONS"] = ":".join(filter(None, [env.get("ASAN_OPTIONS", ""), f"max_allocation_size_mb={megabytes}",
+                                                     "allocator_may_return_null=1"]))
+    return env
+
+
 def limit_memory() -> None:
     """Caps the worker's address space (FUZZ_MEMORY_MB, default 4096; 0 or a sanitizer: none)."""
     import resource
@@ -169,7 +180,7 @@ def fuzz(cases: int, seed: int, ops: list[str], chunk: int = 5000, timeout: floa
             command = [sys.executable, __file__, "--worker", str(seed), str(index), str(stop), ",".join(ops),
                        progress, result]
             try:
-                proc = subprocess.run(command, timeout=timeout, capture_output=True, text=True)
+                proc = subprocess.run(command, timeout=timeout, capture_output=True, text=True, env=_worker_env())
                 status = proc.returncode
                 stderr = proc.stderr
             except subprocess.TimeoutExpired as expired:
