@@ -279,6 +279,8 @@ def load_overrides(path: str | Path) -> tuple[LayerOverride, ...]:
     """Read an override file: ``.toml`` as TOML, anything else as JSON."""
     path = Path(path)
     try:
+        if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+            raise ConfigError(f"override file {path} is not a regular file")
         text = path.read_bytes()
     except OSError as error:
         raise ConfigError(f"cannot read override file {path}: {error.strerror or error}") from None

@@ -1,11 +1,17 @@
-"""File in, file out: load (external data too), rewrite, check, and write atomically."""
+"""File in, file out: load (external data too), check, rewrite, check, and write atomically.
+
+Reading stays inside what the user named: the model file and the external data it references,
+under ONNX Runtime's rule (relative locations inside the model's folder). Writing goes through
+graph_rewrite/output_paths.py: no output may be an input, a device or a FIFO, and the outputs (model,
+external data, report) appear together or not at all.
+"""
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import onnx
@@ -15,38 +21,191 @@ from .config import RewriteConfig
 from .errors import ModelFileError
 from .report import RewriteReport
 from .rewrite import list_layers, rewrite_model
+from .output_paths import OutputFiles, check_output_path
 
 # Protobuf cannot serialise a message over 2 GiB: bigger models must keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
 
 
+@dataclasses.dataclass
+class _ExternalSlot:
+    """One external tensor of the model and how to put a replacement in its place."""
+
+    tensor: ir.ExternalTensor
+    owner: str  # "initializer 'w'" / "attribute 'value' of node 'c'", for messages
+    replace: Callable[[ir.ExternalTensor], None]
+
+
+def _external_slots(model: ir.Model) -> list[_ExternalSlot]:
+    """Every external tensor: initializers and tensor attributes (Constant nodes), subgraphs too."""
+    slots: list[_ExternalSlot] = []
+
+    def visit(graph: ir.Graph) -> None:
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                slots.append(_ExternalSlot(value.const_value, f"initializer {value.name!r}",
+                                           lambda t, v=value: setattr(v, "const_value", t)))
+        for node in graph:
+            for name, attribute in node.attributes.items():
+                where = f"attribute {name!r} of node {node.name!r}"
+                if attribute.type == ir.AttributeType.TENSOR and isinstance(attribute.value, ir.ExternalTensor):
+                    slots.append(_ExternalSlot(attribute.value, where,
+                                               lambda t, n=node, k=name: n.attributes.__setitem__(k, ir.AttrTensor(k, t))))
+                elif attribute.type == ir.AttributeType.TENSORS and any(
+                        isinstance(t, ir.ExternalTensor) for t in attribute.value):
+                    raise ModelFileError(f"{where}: external data in a list of tensors is not supported")
+                elif attribute.type == ir.AttributeType.GRAPH:
+                    visit(attribute.value)
+                elif attribute.type == ir.AttributeType.GRAPHS:
+                    for subgraph in attribute.value:
+                        visit(subgraph)
+
+    visit(model.graph)
+    return slots
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [slot.tensor for slot in _external_slots(model)]
+
+
 def _external_files(model: ir.Model, base: Path) -> set[Path]:
-    files = set()
-    for value in model.graph.initializers.values():
-        tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor):
-            files.add((Path(tensor.base_dir or base) / tensor.location).resolve())
-    return files
+    return {(Path(t.base_dir or base) / t.location).resolve() for t in _external_tensors(model)}
 
 
 def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def load_model(path: str | os.PathLike) -> ir.Model:
-    """Load an ONNX file (weights in external data stay on disk until needed)."""
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def pin_external_data(model: ir.Model, path: Path) -> None:
+    """Checks every external tensor under ONNX Runtime's rule, so a model is never read beyond
+    what its file names: the location is relative, has no ``..``, and resolves (symlinks
+    followed) to an existing regular file inside the model's folder — or inside the folder of the
+    model file's own target when the model is a symlink (the Hugging Face cache layout, which ONNX
+    Runtime accepts) — and the tensor's bytes lie within that file. Then points each tensor at its
+    checked file by absolute path, so reading does not depend on the working directory."""
+    folder = path.absolute().parent
+    real_folder = os.path.realpath(folder)
+    real_model_folder = os.path.dirname(os.path.realpath(path))
+    for slot in _external_slots(model):
+        tensor = slot.tensor
+        location = os.fspath(tensor.location)
+        where = f"{path}: {slot.owner} has external data location {location!r}"
+        if not location or Path(location).is_absolute() or location.startswith(("/", "\\")):
+            raise ModelFileError(f"{where}: it must be a path relative to the model's folder "
+                                 "(ONNX Runtime refuses this model too)")
+        if ".." in location.replace("\\", "/").split("/"):
+            raise ModelFileError(f"{where}: '..' is not allowed, the data must lie inside the model's folder "
+                                 "(ONNX Runtime refuses this model too)")
+        real = os.path.realpath(folder / location)
+        if not _inside(real, real_folder) and not _inside(real, real_model_folder):
+            raise ModelFileError(f"{where}: it resolves to {real}, outside the model's folder {real_folder} "
+                                 "(a symlink?); ONNX Runtime refuses this model too")
+        try:
+            info = os.stat(real)
+        except FileNotFoundError:
+            raise ModelFileError(f"{path} refers to external data that is missing: {real}") from None
+        except OSError as error:
+            raise ModelFileError(f"{where}: cannot read {real}: {error.strerror or error}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelFileError(f"{where}: {real} is not a regular file")
+        offset = tensor.offset or 0
+        if tensor.length is not None and tensor.length != tensor.nbytes:
+            raise ModelFileError(f"{where}: length {tensor.length} does not match the tensor's {tensor.nbytes} bytes "
+                                 f"({tensor.dtype.name} {list(tensor.shape)})")
+        if offset + tensor.nbytes > info.st_size:
+            raise ModelFileError(f"{where}: bytes {offset}..{offset + tensor.nbytes} lie past the end of {real} "
+                                 f"({info.st_size} bytes)")
+        # An empty base folder turns off onnx_ir's own (stricter: no symlink may leave the
+        # logical folder, no hard links) check, which this one replaces.
+        slot.replace(ir.ExternalTensor(real, offset, tensor.length, tensor.dtype, shape=tensor.shape,
+                                       name=tensor.name, doc_string=tensor.doc_string,
+                                       metadata_props=dict(tensor.metadata_props), base_dir=""))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _duplicate_names(graph: onnx.GraphProto) -> list[str]:
+    """Initializer names given twice in ``graph`` or a subgraph (onnx_ir would keep only one)."""
+    found: list[str] = []
+    seen: set[str] = set()
+    for tensor in [*graph.initializer, *(s.values for s in graph.sparse_initializer)]:
+        if tensor.name in seen and tensor.name not in found:
+            found.append(tensor.name)
+        seen.add(tensor.name)
+    for node in graph.node:
+        for attribute in node.attribute:
+            subgraphs = [*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])]
+            for subgraph in subgraphs:
+                found.extend(n for n in _duplicate_names(subgraph) if n not in found)
+    return found
+
+
+def _checker_error(path: Path) -> Exception | None:
+    """What ``onnx.checker.check_model`` says about the file, without its full check: strict shape
+    inference cannot type contrib ops (onnxruntime-genai's com.microsoft nodes) and such models run
+    fine. It checks graph structure, SSA form, unique initializer names, opset imports and
+    external data references. By path: the checker loads (and frees) its own copy before ours."""
+    try:
+        onnx.checker.check_model(os.fspath(path), full_check=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        return error
+    return None
+
+
+def _checker_error_without_external_files(proto: onnx.ModelProto) -> Exception | None:
+    """The checker's verdict with external data left to :func:`pin_external_data` (ONNX
+    Runtime's rule): the checker refuses any symlinked data file, which ONNX Runtime accepts when
+    it stays inside the model's folder. Checks a copy whose external initializers are empty
+    placeholders of the same name and type (the proto of a model with external data is small)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for tensor in copy.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.dims[:]
+            tensor.dims.append(0)
+    try:
+        onnx.checker.check_model(copy, full_check=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        return error
+    return None
+
+
+def load_model(path: str | os.PathLike, *, check: bool = True) -> ir.Model:
+    """Load an ONNX file (weights in external data stay on disk until needed). Refused with a
+    ModelFileError: external data outside the model's folder (:func:`pin_external_data`),
+    duplicate initializer names (one of two different weights would be silently dropped) and,
+    with ``check``, whatever ``onnx.checker.check_model`` refuses (:func:`_checker_error`)."""
     path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"input model {path} does not exist")
     if not path.is_file():
-        raise ModelFileError(f"input model {path} does not exist or is not a file")
+        raise ModelFileError(f"input model {path} is not a regular file")
     if path.stat().st_size == 0:
         raise ModelFileError(f"input model {path} is empty (0 bytes)")
+    checker_error = _checker_error(path) if check else None
     try:
-        model = ir.load(path)
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+        model = ir.serde.deserialize_model(proto)
     except Exception as error:  # protobuf and onnx raise many types for a broken file
-        raise ModelFileError(f"cannot read {path} as an ONNX model: {error}") from None
-    missing = sorted(str(f) for f in _external_files(model, path.resolve().parent) if not f.is_file())
-    if missing:
-        raise ModelFileError(f"{path} refers to external data that is missing: {', '.join(missing)}")
+        raise ModelFileError(f"cannot read {path} as an ONNX model: {_first_line(error)}") from None
+    pin_external_data(model, path)  # before the checker's verdict: its messages are clearer
+    duplicates = _duplicate_names(proto.graph)
+    if duplicates:
+        raise ModelFileError(f"the input model {path} has several initializers named {', '.join(map(repr, duplicates))} "
+                             "(onnx.checker refuses it: initializer names must be unique)")
+    if checker_error is not None and _external_tensors(model):
+        checker_error = _checker_error_without_external_files(proto)
+    if checker_error is not None:
+        raise ModelFileError(f"the input model {path} fails onnx.checker.check_model: {_first_line(checker_error)}")
     return model
 
 
@@ -59,69 +218,50 @@ def check_output(path: str | os.PathLike) -> None:
 _CHECK_ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
 
 
-def _check_failure(in_path: Path, error: Exception) -> Exception:
-    """A user error if the input itself fails the checker, else our bug."""
+def check_written(staged: Path, in_path: Path, notes: list[str]) -> None:
+    """The output passes ``onnx.checker.check_model(full_check=True)`` — or, when the input itself
+    fails the full check (its strict shape inference; the input passed the plain check on
+    loading), the plain check, as the input did: a rewrite is held to the input's standard, and
+    ``notes`` says so. Anything else is our bug."""
+    try:
+        check_output(staged)
+        return
+    except _CHECK_ERRORS as error:
+        output_error = error
     try:
         check_output(in_path)
     except _CHECK_ERRORS as input_error:
-        return ModelFileError(f"the input model {in_path} already fails onnx.checker.check_model(full_check=True) "
-                              f"({str(input_error).splitlines()[0]}); rerun without the check (--no-check)")
-    return RuntimeError(f"ortsparse produced a model that fails the ONNX checker (a bug): {error}")
-
-
-def _validate_paths(in_path: Path, out_path: Path) -> None:
-    if not in_path.is_file():
-        raise ModelFileError(f"input model {in_path} does not exist or is not a file")
-    if in_path.resolve() == out_path.resolve() or (out_path.exists() and os.path.samefile(in_path, out_path)):
-        raise ModelFileError(f"output {out_path} is the input file; write the rewritten model elsewhere "
-                             "(the input is never modified)")
-    out_dir = out_path.resolve().parent
-    if not out_dir.is_dir():
-        raise ModelFileError(f"output directory {out_dir} does not exist")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ModelFileError(f"output directory {out_dir} is not writable")
-    if out_path.is_dir():
-        raise ModelFileError(f"output {out_path} is a directory")
-
-
-@contextlib.contextmanager
-def _staging_dir(out_dir: Path) -> Iterator[Path]:
-    # Same directory as the output, so os.replace is a rename on one file system.
-    staging = Path(tempfile.mkdtemp(prefix=".ortsparse-rewrite-", dir=out_dir))
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def save_model_atomically(model: ir.Model, out_path: str | os.PathLike, *, external: bool,
-                          check: bool = True, protected: set[Path] = frozenset()) -> None:
-    """Write ``model`` to ``out_path`` (+ ``<name>.data`` when ``external``) through a staging
-    directory; nothing appears at the destination unless saving and checking succeeded.
-
-    ``protected`` lists files (the input's external data) that must never be replaced.
-    """
-    out_path = Path(out_path)
-    out_dir = out_path.resolve().parent
-    data_name = f"{out_path.name}.data"
-    if external and (out_dir / data_name).resolve() in protected:
-        raise ModelFileError(f"writing {out_dir / data_name} would overwrite the input's external data; "
-                             "choose another output name")
-    with _staging_dir(out_dir) as staging:
-        staged = staging / out_path.name
         try:
-            if external:
-                ir.save(model, staged, external_data=data_name)
-            else:
-                ir.save(model, staged)
-        except OSError as error:
-            raise ModelFileError(f"cannot write {out_path}: {error.strerror or error}") from None
-        if check:
-            check_output(staged)
-        if external:
-            os.replace(staging / data_name, out_dir / data_name)
-        # The model file goes last: a reader never sees a new model with missing data.
-        os.replace(staged, out_path)
+            onnx.checker.check_model(os.fspath(staged), full_check=False)
+        except _CHECK_ERRORS as error:
+            output_error = error
+        else:
+            notes.append(f"the input fails onnx.checker's full check ({_first_line(input_error)}); the output "
+                         "passed the plain check, as the input did")
+            return
+    raise RuntimeError(f"ortsparse produced a model that fails the ONNX checker (a bug): {output_error}")
+
+
+def _read_files(in_path: Path, model: ir.Model | None, also: Mapping[str | os.PathLike, str]) -> dict[Path, str]:
+    """What a rewrite reads: the model, its external data and the caller's other inputs."""
+    files = {in_path: "the input file"}
+    if model is not None:
+        files.update({data: "the input's external data" for data in _external_files(model, in_path.absolute().parent)})
+    files.update({Path(p): text for p, text in also.items() if p})
+    return files
+
+
+def save_model(model: ir.Model, outputs: OutputFiles, out_path: Path, data_path: Path | None) -> Path:
+    """Stage ``model`` for ``out_path`` (+ external data at ``data_path``, same folder) in
+    ``outputs``; returns the staged model file. Nothing is moved into place here."""
+    def write(staged: Path) -> None:
+        if data_path is not None:
+            ir.save(model, staged, external_data=data_path.name)
+        else:
+            ir.save(model, staged)
+
+    outputs.write(out_path, write)
+    return outputs.staged(out_path)
 
 
 def rewrite_file(
@@ -132,18 +272,29 @@ def rewrite_file(
     *,
     external_data_threshold: int = PROTOBUF_LIMIT,
     check: bool = True,
+    report_path: str | os.PathLike | None = None,
+    inputs: Mapping[str | os.PathLike, str] = {},  # noqa: B006 - read only
 ) -> RewriteReport:
     """Rewrite the model at ``in_path`` into ``out_path`` and return the report.
 
     The input file is never modified. The output is written atomically, with external data
     (``<out name>.data`` next to it) when the input had external data or its weights exceed
     ``external_data_threshold`` bytes. With ``check`` the output passes
-    ``onnx.checker.check_model(full_check=True)`` before it is moved into place.
+    ``onnx.checker.check_model(full_check=True)`` (or the plain check, if the input fails the full
+    one: :func:`check_written`) before it is moved into place. ``report_path``:
+    also write the report (JSON), together with the model or not at all. ``inputs``: other files
+    the caller read ({path: description}, e.g. a config file), which no output may replace.
+    Every output path is checked (graph_rewrite/output_paths.py) before the model is even loaded.
     """
     from tqdm.auto import tqdm
 
     in_path, out_path = Path(in_path), Path(out_path)
-    _validate_paths(in_path, out_path)
+    if not in_path.is_file():
+        raise ModelFileError(f"input model {in_path} does not exist or is not a file")
+    early = _read_files(in_path, None, inputs)
+    check_output_path(out_path, what="output", protected=early)  # fail before the slow part
+    if report_path is not None:
+        check_output_path(report_path, what="report", protected=early)
     stages = ["load", "analyse", "build", "rewrite", "attention", "save"]
     with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
         def stage(name: str) -> None:
@@ -152,20 +303,43 @@ def rewrite_file(
 
         stage("load")
         model = load_model(in_path)
-        input_data = _external_files(model, in_path.resolve().parent)
-        _, report = rewrite_model(model, config, on_stage=stage)
-        stage("save")
-        external = bool(input_data) or _weight_bytes(model) > external_data_threshold
-        try:
-            save_model_atomically(model, out_path, external=external, check=check, protected=input_data)
-        except _CHECK_ERRORS as error:
-            raise _check_failure(in_path, error) from error
+        read = _read_files(in_path, model, inputs)
+        external = bool(_external_tensors(model)) or _weight_bytes(model) > external_data_threshold
+        with OutputFiles(read) as outputs:
+            # Data first, model next, report last: the order they are moved into place, so a
+            # reader never sees a new model with missing data.
+            data_path = outputs.add(out_path.with_name(f"{out_path.name}.data"), "output's external data") \
+                if external else None
+            out_path = outputs.add(out_path, "output")
+            report_target = outputs.add(report_path, "report") if report_path is not None else None
+            _, report = rewrite_model(model, config, on_stage=stage)
+            stage("save")
+            staged = save_model(model, outputs, out_path, data_path)
+            if check:
+                check_written(staged, in_path, report.notes)
+            if external:
+                report.notes.append(f"weights written as external data to {out_path.name}.data")
+            if report_target is not None:
+                outputs.write_text(report_target, json.dumps(report.to_dict(), indent=2) + "\n")
+            outputs.commit()
         bar.update(len(stages) - bar.n)
-    if external:
-        report.notes.append(f"weights written as external data to {out_path.name}.data")
     return report
 
 
-def list_file_layers(in_path: str | os.PathLike, config: RewriteConfig | None = None) -> RewriteReport:
-    """The layer table of a model file, nothing written."""
-    return list_layers(load_model(in_path), config)
+def list_file_layers(in_path: str | os.PathLike, config: RewriteConfig | None = None, *,
+                     report_path: str | os.PathLike | None = None,
+                     inputs: Mapping[str | os.PathLike, str] = {},  # noqa: B006 - read only
+                     ) -> RewriteReport:
+    """The layer table of a model file; only ``report_path`` (the report as JSON) is written, if
+    given, under the same rules as :func:`rewrite_file`."""
+    in_path = Path(in_path)
+    if report_path is not None:
+        check_output_path(report_path, what="report", protected=_read_files(in_path, None, inputs))
+    model = load_model(in_path)
+    report = list_layers(model, config)
+    if report_path is not None:
+        with OutputFiles(_read_files(in_path, model, inputs)) as outputs:
+            target = outputs.add(report_path, "report")
+            outputs.write_text(target, json.dumps(report.to_dict(), indent=2) + "\n")
+            outputs.commit()
+    return report

@@ -3,6 +3,7 @@
 then the attention cores. Every candidate layer and core is reported."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -13,6 +14,7 @@ from .attention import AttentionCore, default_opset
 from .compose import check_attention
 from .config import RewriteConfig
 from .decide import decide_layer
+from .errors import ConfigError
 from .layers import LinearLayer, Survey, survey
 from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
@@ -64,6 +66,22 @@ def _skip(record: LayerRecord, reason: str) -> None:
     record.attributes, record.is_exact, record.reason = None, True, reason
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_attribute_ranges(where: str, attributes: Mapping[str, object]) -> None:
+    """Settings become int64 / float32 attributes (and C++ int64s in the builders): a value out
+    of their range is a user error named here, not a serialiser traceback or a silent inf later."""
+    for name, value in attributes.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if isinstance(item, int) and not isinstance(item, bool) and not _INT64[0] <= item <= _INT64[1]:
+                raise ConfigError(f"{where}: {name}={item} does not fit in an int64 attribute")
+            if isinstance(item, float) and math.isfinite(item) and abs(item) > _FLOAT32_MAX:
+                raise ConfigError(f"{where}: {name}={item} does not fit in a float32 attribute (it would become inf)")
+
+
 def _layer_weights(layer: LinearLayer, calibration: Mapping[str, np.ndarray] | None) -> LayerWeights:
     operands = layer.operands
     samples = calibration.get(layer.name) if calibration else None
@@ -95,12 +113,15 @@ def _linear_layers(found: Survey, config: RewriteConfig, editor: GraphEditor | N
             _skip(record, "its nodes were consumed by an overlapping rewrite")
             continue
         stage(f"build {layer.name}")
+        for settings in chosen:
+            _check_attribute_ranges(f"layer {layer.name}", settings.for_layer(layer.k).attributes())
         built = TECHNIQUES[decision.lead].build(_layer_weights(layer, calibration), decision.settings,
                                                 decision.partners)
         record.notes.extend(built.notes)
         if built.op_type is None:  # the technique kept the layer dense (e.g. TT's gap check)
             _skip(record, f"{decision.lead}: " + ("; ".join(built.notes) or "kept dense"))
             continue
+        _check_attribute_ranges(f"layer {layer.name}", built.attributes)
         record.new_op, record.is_exact, record.attributes = built.op_type, built.exact, dict(built.attributes)
         emit_linear(editor, preparer, layer.name, layer.rule, layer.operands, built)
     return records
@@ -146,6 +167,7 @@ def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Calla
     layers = _linear_layers(found, config, editor, preparer, calibration, stage)
     report = RewriteReport(layers=layers, config=config, attention_cores=found.attention_cores, preview=not apply)
     if apply and config.attention is not None:
+        _check_attribute_ranges("attention", config.attention.attributes())
         stage("attention")
     # Attention last: a core's operands may be values the linear replacements took the place of
     # (the editor maps them), never the other way round.

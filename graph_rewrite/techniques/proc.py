@@ -94,6 +94,7 @@ def kwta_gate_attributes(kwta: Any, k: int) -> dict[str, Any]:
 
 
 _D = ProcSettings()
+PROC_MAX_BLOCKS = 65536  # ProcSparseMatMul stores block indices as uint16
 
 
 class Proc(Technique):
@@ -127,6 +128,11 @@ class Proc(Technique):
 
     def build(self, layer: LayerWeights, settings: ProcSettings, partners: Mapping[str, Any]) -> OpBuild:
         s = settings.for_layer(layer.k)
+        blocks = math.ceil(layer.k / s.block)
+        if blocks > PROC_MAX_BLOCKS:  # the op's block indices are uint16
+            raise ConfigError(f"proc-sparse on layer {layer.name}: K={layer.k} in blocks of {s.block} rows gives {blocks} "
+                              f"blocks, more than the {PROC_MAX_BLOCKS} ProcSparseMatMul can index; use a block of "
+                              f">= {math.ceil(layer.k / PROC_MAX_BLOCKS)} rows (--proc-block)")
         notes = [f"block {settings.block} > K={layer.k}: block set to K"] if s.block != settings.block else []
         importance = None
         if s.score == "wanda":

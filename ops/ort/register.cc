@@ -4,6 +4,7 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -63,19 +64,20 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   }
 }
 
-// Writes the metrics JSON (NUL-terminated, truncated to capacity) and returns its full length.
+// One snapshot per call. If the JSON and its NUL fit in `capacity`, writes them and returns the
+// JSON's length (< capacity); otherwise writes nothing and returns the length it needs
+// (>= capacity): the caller retries with a bigger buffer and gets a newer, complete snapshot (a
+// separate "how long?" call would race with sessions that change the JSON in between).
+// Returns SIZE_MAX if the snapshot could not be made (out of memory).
 __attribute__((visibility("default"))) size_t OrtSparseMetricsJson(char* buffer, size_t capacity) {
   try {
     const std::string json = ortsparse::metrics_json();
-    if (buffer != nullptr && capacity > 0) {
-      const size_t count = json.size() < capacity - 1 ? json.size() : capacity - 1;
-      std::memcpy(buffer, json.data(), count);
-      buffer[count] = '\0';
-    }
+    if (buffer == nullptr || json.size() >= capacity) return json.size();
+    std::memcpy(buffer, json.data(), json.size());
+    buffer[json.size()] = '\0';
     return json.size();
   } catch (...) {
-    if (buffer != nullptr && capacity > 0) buffer[0] = '\0';
-    return 0;
+    return SIZE_MAX;
   }
 }
 

@@ -95,16 +95,32 @@ def _library() -> ctypes.CDLL:
     return _loaded
 
 
-def metrics() -> dict[str, dict[str, float]]:
-    """Counters of every kernel instance created so far in this process, keyed by node name, plus
-    ``"total"`` per op type (``"total/KwtaBlockMatMul"``). Names follow the seeds (``kwta.keep_ratio``...)."""
+_metrics_capacity = 1 << 16  # grows to the largest snapshot seen, so later calls take one try
+
+
+def metrics() -> dict[str, dict[str, Any]]:
+    """One consistent snapshot of the counters of every live kernel plus a total per op type.
+
+    Keys: ``"<op type>/<node name>"`` per node (``"KwtaBlockMatMul/ffn.up"``; the entry also holds
+    ``"op"`` and ``"node"``) and ``"total/<op type>"`` (``"total/KwtaBlockMatMul"``). No op type is
+    named ``total`` and none contains ``/``, so the text before the first ``/`` tells the two
+    apart and no node name can collide with another entry. A node's entry goes when its last
+    kernel (session) is destroyed; the total keeps its counts until :func:`reset_metrics`.
+    Metric names follow the ops (``kwta.keep_ratio``...)."""
+    global _metrics_capacity
     lib = _library()
-    needed = lib.OrtSparseMetricsJson(None, 0)
-    buffer = ctypes.create_string_buffer(needed + 1)
-    lib.OrtSparseMetricsJson(buffer, needed + 1)
-    return json.loads(buffer.value.decode("utf-8"))
+    for _ in range(16):  # each retry is a new snapshot; the JSON only grows with new sessions
+        buffer = ctypes.create_string_buffer(_metrics_capacity)
+        length = lib.OrtSparseMetricsJson(buffer, _metrics_capacity)
+        if length == ctypes.c_size_t(-1).value:
+            raise MemoryError("ortsparse: the native library could not build the metrics snapshot")
+        if length < _metrics_capacity:
+            # Node names are bytes in the model; undecodable ones must not make metrics() fail.
+            return json.loads(buffer.raw[:length].decode("utf-8", errors="replace"))
+        _metrics_capacity = max(_metrics_capacity * 2, length + length // 4 + 1)
+    raise RuntimeError("ortsparse: the metrics snapshot kept growing faster than it could be read")
 
 
 def reset_metrics() -> None:
-    """Zero every counter (kernel instances stay registered)."""
+    """Zero every counter and the totals of destroyed kernels (live kernels stay listed)."""
     _library().OrtSparseResetMetrics()

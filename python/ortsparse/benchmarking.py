@@ -20,6 +20,7 @@ import onnx
 import onnxruntime
 
 from . import __version__, _kernels
+from .graph_rewrite.output_paths import check_outputs, write_text_files
 from .runtime import open_session, thread_options
 
 
@@ -121,14 +122,24 @@ def report_header(title: str, command: str, info: Mapping[str, Any], bandwidth: 
     return lines + [""]
 
 
-def write_report(path_stem: str, payload: dict, markdown: str) -> tuple[str, str]:
-    """Writes <stem>.json and <stem>.md; returns both paths."""
-    os.makedirs(os.path.dirname(os.path.abspath(path_stem)), exist_ok=True)
-    json_path, md_path = path_stem + ".json", path_stem + ".md"
-    with open(json_path, "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(markdown)
+def report_outputs(path_stem: str, *extra: str) -> dict[str, str]:
+    """{<stem>.json, <stem>.md, <stem><extra>...: what} of a report stem."""
+    return {path_stem + ".json": "JSON report", path_stem + ".md": "markdown report",
+            **{path_stem + suffix: f"{suffix} report" for suffix in extra}}
+
+
+def check_report(path_stem: str, protected=(), *extra: str) -> None:
+    """Before a long run: the report files may be written (graph_rewrite/output_paths.py rules:
+    never over an input in ``protected``, a device, a FIFO or each other)."""
+    check_outputs(report_outputs(path_stem, *extra), protected, create_dirs=True)
+
+
+def write_report(path_stem: str, payload: dict, markdown: str, protected=()) -> tuple[str, str]:
+    """Writes <stem>.json and <stem>.md together (making the folder; graph_rewrite/output_paths.py
+    rules, ``protected``: the inputs); returns both paths."""
+    json_path, md_path = report_outputs(path_stem)
+    write_text_files({json_path: ("JSON report", json.dumps(payload, indent=1)), md_path: ("markdown report", markdown)},
+                     protected, create_dirs=True)
     return json_path, md_path
 
 

@@ -1,8 +1,10 @@
 """Command line: ``rewrite-onnx IN.onnx -o OUT.onnx [flags]`` and ``ortsparse <command> ...``.
 
 Exit codes: 0 ok (also when no layer matched: the output is then the unchanged model, with a
-note), 1 ``--verify`` found an error over budget, 2 usage or input errors (bad file or flag,
-IN == OUT, unwritable output, invalid override file, missing native library for --verify).
+note), 1 ``--verify`` found an error over budget, 2 usage or input errors, one line each (bad file
+or flag, an output that aliases an input or is a device/FIFO, external data outside the model's
+folder, unwritable output, invalid override file, missing native library for --verify), 128 + N
+interrupted by signal N (nothing moved into place). File rules: graph_rewrite/output_paths.py.
 
 New subcommands (models, quality, bench, validate, sweep, calibrate) are one entry in
 ``SUBCOMMANDS``: a help line, a function adding the arguments and a function running them.
@@ -11,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from .rewrite_flags import add_technique_arguments, config_from_args
 
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the usage block is behind --help), exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _version() -> str:
@@ -36,6 +43,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
     parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
@@ -46,7 +65,7 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run original and rewritten in onnxruntime on N generated input sets")
     check.add_argument("--verify-shape", action="append", metavar="SPEC",
                        help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
-    check.add_argument("--verify-budget", type=float, default=None, metavar="REL",
+    check.add_argument("--verify-budget", type=_budget, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
     check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
@@ -76,13 +95,9 @@ def _print_rules() -> None:
         print(f"  {name:26s} {before_after}")
 
 
-def _write_report(report, path: str) -> None:
-    try:
-        Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    except OSError as error:
-        from .graph_rewrite.errors import ModelFileError
-
-        raise ModelFileError(f"cannot write report {path}: {error.strerror or error}") from None
+def _read_by_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Files the rewrite reads besides the model (no output may replace them)."""
+    return {args.config: "the config file"} if getattr(args, "config", None) else {}
 
 
 def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes) -> int:
@@ -121,13 +136,11 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("the input model IN.onnx is required")
     config = config_from_args(args)
     if args.list_layers:
-        report = list_file_layers(args.input, config)
+        report = list_file_layers(args.input, config, report_path=args.report, inputs=_read_by_flags(args))
         print(report.layer_table())
         if report.attention:
             print(report.attention_table())
         print(report.summary())
-        if args.report:
-            _write_report(report, args.report)
         return EXIT_OK
     if not args.output:
         parser.error("-o/--output OUT.onnx is required (the input file is never modified)")
@@ -137,11 +150,10 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         from .verify import parse_shape_overrides
 
         shapes = parse_shape_overrides(args.verify_shape)  # a bad spec is a usage error before anything is written
-    report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check)
-    say(f"wrote {args.output}")
+    report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check,
+                          report_path=args.report, inputs=_read_by_flags(args))
+    say(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
     say(report.summary())
-    if args.report:
-        _write_report(report, args.report)
     if args.verify:
         return _verify(args, report, say, progress, shapes)
     return EXIT_OK
@@ -193,11 +205,17 @@ for _name, _module, _help in [
 def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
              run: Callable[[argparse.Namespace], int]) -> int:
     from .graph_rewrite.errors import RewriteError
+    from .graph_rewrite.output_paths import Terminated, terminate_cleanly
     from .verify import VerifyInputError
 
     try:
-        args = parser.parse_args(argv)
-        return run(args)
+        with terminate_cleanly():  # SIGTERM/SIGHUP unwind like Ctrl-C: staged outputs are removed
+            args = parser.parse_args(argv)
+            return run(args)
+    except (KeyboardInterrupt, Terminated) as stop:
+        name = stop.name if isinstance(stop, Terminated) else "SIGINT"
+        print(f"{parser.prog}: interrupted by {name}; outputs not yet in place were not written", file=sys.stderr)
+        return 128 + (stop.signum if isinstance(stop, Terminated) else 2)
     except SystemExit as exit_request:  # argparse: --help/--version (0) or a usage error (2)
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
@@ -216,7 +234,7 @@ def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
 def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
     """``rewrite-onnx IN.onnx -o OUT.onnx``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rewrite-onnx",
         description="Replace linear layers of an ONNX model by ortsparse ops (KwtaBlockMatMul).",
         epilog="Exit codes: 0 ok, 1 --verify over budget, 2 usage or input error.")
@@ -226,7 +244,7 @@ def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``ortsparse <command> ...``."""
-    parser = argparse.ArgumentParser(prog="ortsparse", description="ortsparse tools",
+    parser = _Parser(prog="ortsparse", description="ortsparse tools",
                                      epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

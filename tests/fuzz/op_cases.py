@@ -1,11 +1,35 @@
 """Random one-node models for each ortsparse op: mostly plausible, often invalid (attributes out of
-range or of the wrong type, weights of the wrong rank/dtype/shape or not constant, inputs of the
-wrong shape, empty tensors, NaN/Inf). Each generator takes a numpy Generator and returns
-(op_type, node name, ModelProto, feeds)."""
+range or of the wrong type, list-valued or non-finite, weights of the wrong rank/dtype/shape or not
+constant, inputs of the wrong shape, empty tensors and zero dims, NaN/Inf, extreme TT modes). Each
+generator takes a numpy Generator and returns a :class:`Case`: the model and its feeds, plus what
+the op must do with it — refuse it (``must_refuse``: e.g. a list where the op takes one float), or,
+when the settings are exact (KWTA k_frac = 1, PopcountAttention select = none, ...), match the
+numpy reference of tests/ops (``reference``). ``tags`` name the families a case belongs to."""
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the ops' numpy references
+
+
+@dataclasses.dataclass
+class Case:
+    op_type: str
+    node_name: str
+    model: ModelProto
+    feeds: dict
+    # () -> (expected output, magnitude): |y - expected| must be <= tolerance * magnitude elementwise
+    # (magnitude: the sum of |terms| behind each output, so the bound scales with float rounding).
+    reference: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+    tolerance: float = 1e-4
+    must_refuse: str | None = None
+    tags: frozenset[str] = frozenset()
 
 DOMAIN = "ai.ortsparse"
 FLOAT_DTYPES = [np.float32] * 12 + [np.float64, np.float16, np.int32, np.int64]
@@ -50,11 +74,20 @@ def values(rng, shape, dtype=np.float32, special: float = 0.05) -> np.ndarray:
 # Probability that one field of the current case is made invalid: half of the cases are fully
 # valid (so the run paths get exercised too), the rest carry a few invalid fields.
 _invalid_rate = 0.0
+_tags: set[str] = set()
+_must_refuse: list[str] = []
 
 
 def start_case(rng) -> None:
     global _invalid_rate
     _invalid_rate = 0.0 if rng.random() < 0.5 else 0.15
+    _tags.clear()
+    _must_refuse.clear()
+
+
+def fully_valid() -> bool:
+    """No field of this case was made invalid (references apply only to such cases)."""
+    return _invalid_rate == 0.0 and not _must_refuse
 
 
 def broken(rng) -> bool:
@@ -137,14 +170,24 @@ def kwta_block_matmul(rng):
         attrs["pack_mode"] = attr_value(rng, pick(rng, ["none", "binary", "ternary"]), ["Binary", ""])
         attrs["pack_eps"] = attr_value(rng, pick(rng, [0.0, 0.5, 1e-4]), [-1.0, float("nan")])
         attrs["pack_density_max"] = attr_value(rng, pick(rng, [0.15, 1.0, 0.5]), [0.0, 2.0, float("nan")])
+    if rng.random() < 0.3:  # exact settings: every block kept, so Y = X @ W + B
+        attrs.update(k_frac=1.0, k_abs=None, threshold=None)
+    mutate_attributes(rng, "KwtaBlockMatMul", attrs)
+    if k == 0 or n == 0:
+        _tags.add("zero_dim")
     name = f"kwta_{int(rng.integers(1000))}"
-    return "KwtaBlockMatMul", name, make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+    model = make_model("KwtaBlockMatMul", name, node_inputs, graph_inputs, initializers, attrs)
+    exact = (attrs.get("k_frac") == 1.0 and not attrs.get("k_abs") and not attrs.get("threshold")
+             and (attrs.get("pack_mode") in (None, "none") or not attrs.get("pack_eps")))
+    return finish("KwtaBlockMatMul", name, model, feeds, dense_reference(model, feeds) if exact else None)
 
 
 def popcount_attention(rng):
     start_case(rng)
     b, hkv, sq, skv, d = small_dim(rng, 2), max(1, small_dim(rng, 3)), small_dim(rng, 4), small_dim(rng, 40), \
         small_dim(rng, 70)
+    if rng.random() < 0.05:
+        d = 0  # head dim 0: every q.k is 0
     h = hkv * int(rng.integers(1, 4)) + (1 if broken(rng) else 0)
     dv = small_dim(rng, 20)
     shapes = {"Q": [b, h, sq, d], "K": [b, hkv, skv, d], "V": [b, hkv, skv, dv]}
@@ -180,11 +223,28 @@ def popcount_attention(rng):
         "is_causal": attr_value(rng, pick(rng, [0, 1, None]), [2, -1]),
         "scale": attr_value(rng, pick(rng, [0.0, 0.3, None]), [-1.0, float("nan")]),
         "pack_cache": attr_value(rng, pick(rng, [0, 1, None]), [2]),
+        "center": attr_value(rng, pick(rng, [0, 1, None]), [2, -1]),
+        "proj_bits": attr_value(rng, pick(rng, [0, 0, 7, 64, 256, None]), [-1, 2**40]),
     }
     if attrs["select"] == "energy" and attrs["topk"] == 0 and not broken(rng):
         attrs["topk"] = 4
+    if rng.random() < 0.2:  # exact settings
+        attrs["select"] = "none"
+    mutate_attributes(rng, "PopcountAttention", attrs)
+    _tags.update(tag for tag, present in [("attn_d0", d == 0), ("proj_bits", bool(attrs.get("proj_bits"))),
+                                          ("center0", attrs.get("center") == 0), ("zero_dim", 0 in (b, sq, skv, dv))]
+                 if present)
     name = f"attn_{int(rng.integers(1000))}"
-    return "PopcountAttention", name, make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs), feeds
+    model = make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs)
+    reference = attention_reference(feeds, attrs) if fully_valid() and _attention_is_exact(attrs, skv) else None
+    return finish("PopcountAttention", name, model, feeds, reference)
+
+
+def _attention_is_exact(attrs: dict, skv: int) -> bool:
+    """select none, fewer keys than min_keys, or every key within topk: exact attention (docs/ops.md)."""
+    topk = 256 if attrs.get("topk") is None else attrs["topk"]
+    min_keys = 1024 if attrs.get("min_keys") is None else attrs["min_keys"]
+    return attrs.get("select") == "none" or skv < min_keys or 0 < topk and skv <= topk
 
 
 def tt_matmul(rng):
@@ -195,6 +255,10 @@ def tt_matmul(rng):
     in_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
     out_modes = [max(1, small_dim(rng, 5)) for _ in range(d)]
     ranks = [1] + [int(rng.integers(1, 5)) for _ in range(d - 1)] + [1]
+    if rng.random() < 0.01:  # extreme modes: K = N = 32768 from two cores of one nontrivial mode each
+        d, ranks = 2, [1, int(rng.integers(1, 3)), 1]
+        in_modes, out_modes = pick(rng, [([1, 32768], [32768, 1]), ([32768, 1], [1, 32768])])
+        _tags.add("tt_extreme")
     size = sum(ranks[t] * in_modes[t] * out_modes[t] * ranks[t + 1] for t in range(d))
     k, n = int(np.prod(in_modes)), int(np.prod(out_modes))
     graph_inputs, initializers, feeds, node_inputs = [], [], {}, []
@@ -207,7 +271,7 @@ def tt_matmul(rng):
         weight_input(rng, "B", values(rng, b_shape, np.float32, 0.02), graph_inputs, initializers, feeds, node_inputs)
     elif rng.random() < 0.3:
         node_inputs.append("")
-    if rng.random() < 0.2:
+    if rng.random() < 0.2 and k * n <= 1 << 22:  # (not with the extreme modes: 4 GB)
         if len(node_inputs) == 2:
             node_inputs.append("")
         w_shape = pick(rng, [[k, n + 1], [n, k], [k]]) if broken(rng) else [k, n]
@@ -222,8 +286,11 @@ def tt_matmul(rng):
         "order": attr_value(rng, int(rng.integers(-1, 2)) if rng.random() < 0.3 else None, [2, -2]),
         "gap": attr_value(rng, float(rng.uniform(0, 0.1)) if rng.random() < 0.3 else None, [float("nan"), 1]),
     }
+    mutate_attributes(rng, "TTMatMul", attrs)
     name = f"tt_{int(rng.integers(1000))}"
-    return "TTMatMul", name, make_model("TTMatMul", name, node_inputs, graph_inputs, initializers, attrs), feeds
+    model = make_model("TTMatMul", name, node_inputs, graph_inputs, initializers, attrs)
+    small = k * n <= 1 << 22  # the dense reference of the extreme modes would take 8 GB
+    return finish("TTMatMul", name, model, feeds, tt_reference(model, feeds, in_modes, out_modes, ranks) if small else None)
 
 
 def proc_sparse_matmul(rng):
@@ -267,9 +334,16 @@ def proc_sparse_matmul(rng):
         "seed": int(rng.integers(0, 2**62)) if rng.random() < 0.5 else None,
         "base_scale": attr_value(rng, pick(rng, [0.0, 0.05, float(rng.uniform(-1, 1))]), [float("nan"), float("inf"), "x"]),
     })
+    if rng.random() < 0.3:  # exact settings: no hash base, no gate, so Y = X @ W_hat + B
+        attrs = {key: value for key, value in attrs.items() if not key.startswith("kwta_")}
+        attrs["base_scale"] = 0.0
+    mutate_attributes(rng, "ProcSparseMatMul", attrs)
     name = f"proc_{int(rng.integers(1000))}"
-    return "ProcSparseMatMul", name, make_model("ProcSparseMatMul", name, node_inputs, graph_inputs, initializers,
-                                                attrs), feeds
+    model = make_model("ProcSparseMatMul", name, node_inputs, graph_inputs, initializers, attrs)
+    gate_off = (attrs.get("kwta_k_frac", 1.0) == 1.0 and not attrs.get("kwta_k_abs")
+                and not attrs.get("kwta_threshold"))
+    exact = not attrs.get("base_scale") and gate_off
+    return finish("ProcSparseMatMul", name, model, feeds, proc_reference(model, feeds, k, block) if exact else None)
 
 
 def event_driven_matmul(rng):
@@ -302,9 +376,178 @@ def event_driven_matmul(rng):
         "max_gated_rows": attr_value(rng, int(rng.integers(0, 4)) if rng.random() < 0.3 else None, [-1]),
         "block": attr_value(rng, int(rng.integers(1, max(k, 1) + 1)) if rng.random() < 0.5 else None, [0, k + 1]),
     }
+    if rng.random() < 0.2:  # exact delta coding: every changed block refreshed, no deadline, no prior
+        attrs.update(topk=1.0, delta_theta=0.0, stale_beta=None, stale_lambda=None, kwta_k=None, budget_ms=None)
+    mutate_attributes(rng, "EventDrivenMatMul", attrs)
+    if k == 0 or n == 0:
+        _tags.add("zero_dim")
     name = f"event_{int(rng.integers(1000))}"
     model = make_model("EventDrivenMatMul", name, node_inputs, graph_inputs, initializers, attrs)
-    return "EventDrivenMatMul", name, model, feeds
+    exact = (attrs.get("topk") == 1.0 and attrs.get("delta_theta") == 0.0 and attrs.get("stale_beta") in (None, 1.0)
+             and attrs.get("stale_lambda") in (None, 0.0) and not attrs.get("kwta_k") and not attrs.get("budget_ms"))
+    return finish("EventDrivenMatMul", name, model, feeds, event_reference(model, feeds) if exact else None,
+                  tolerance=1e-3)
+
+
+# ---------------------------------------------------------------- attribute families the op must refuse
+
+# Per op: attribute -> (kind, a valid value). "float" attributes are FLOAT in the op's contract
+# (an int is accepted there), "int" INT, "str" STRING.
+ATTRIBUTE_KINDS = {
+    "KwtaBlockMatMul": {"k_frac": ("float", 0.5), "k_abs": ("int", 2), "score": ("str", "l2"),
+                        "threshold": ("float", 0.1), "temp": ("float", 1.0), "duty": ("int", 2),
+                        "duty_mode": ("str", "dense"), "renorm": ("int", 0), "max_gated_rows": ("int", 0),
+                        "block": ("int", 1), "pack_mode": ("str", "binary"), "pack_eps": ("float", 0.0),
+                        "pack_density_max": ("float", 0.5)},
+    "PopcountAttention": {"select": ("str", "popcount"), "mode": ("str", "sign"), "topk": ("int", 4),
+                          "min_keys": ("int", 0), "eps": ("float", 1e-4), "density_max": ("float", 1.0),
+                          "candidates": ("float", 1.0), "keep_first": ("int", 0), "keep_recent": ("int", 0),
+                          "is_causal": ("int", 0), "scale": ("float", 0.0), "pack_cache": ("int", 1),
+                          "center": ("int", 1), "proj_bits": ("int", 64)},
+    "EventDrivenMatMul": {"axis": ("str", "sequence"), "topk": ("float", 0.4), "delta_theta": ("float", 0.01),
+                          "stale_beta": ("float", 1.0), "stale_lambda": ("float", 0.0), "age_max": ("int", 0),
+                          "budget_ms": ("float", 0.0), "quorum": ("float", 0.6), "gap_every": ("int", 64),
+                          "gap_tol": ("float", 0.03), "kwta_k": ("float", 0.0), "max_gated_rows": ("int", 0),
+                          "block": ("int", 1)},
+    "ProcSparseMatMul": {"base_scale": ("float", 0.0), "seed": ("int", 0), "kwta_k_frac": ("float", 1.0),
+                         "kwta_threshold": ("float", 0.0), "kwta_temp": ("float", 1.0), "kwta_score": ("str", "l2"),
+                         "kwta_duty": ("int", 1)},
+    "TTMatMul": {"gap": ("float", -1.0), "nan_guard": ("int", 1), "order": ("int", -1)},
+}
+_WRONG_TYPE = {"int": [1.5, "2"], "float": ["0.5"], "str": [1, 0.5]}
+
+
+def mutate_attributes(rng, op_type: str, attrs: dict) -> None:
+    """Sometimes gives one attribute a value the op must refuse — a one-element list where it takes
+    a scalar (``k_frac=[0.9]``), NaN, or another type (an int for a float is fine: not used) — or
+    +-inf (must not crash; refused or computed, never a wrong exact result)."""
+    if rng.random() >= 0.08:
+        return
+    kinds = ATTRIBUTE_KINDS[op_type]
+    name = pick(rng, sorted(kinds))
+    kind, valid = kinds[name]
+    current = attrs.get(name)
+    value = valid if current is None or isinstance(current, list) else current
+    family = pick(rng, ["list", "list", "nan", "inf", "wrong_type"] if kind == "float" else ["list", "list", "wrong_type"])
+    if family == "list":
+        attrs[name] = [value]
+        _must_refuse.append(f"{name}={[value]!r} is a list; the op takes one {kind}")
+        _tags.add("list_attr")
+    elif family == "nan":
+        attrs[name] = float("nan")
+        _must_refuse.append(f"{name}=nan")
+        _tags.add("nan_attr")
+    elif family == "inf":
+        attrs[name] = pick(rng, [float("inf"), float("-inf")])
+        _tags.add("inf_attr")
+    else:
+        attrs[name] = pick(rng, _WRONG_TYPE[kind])
+        _must_refuse.append(f"{name}={attrs[name]!r} is not a {kind}")
+        _tags.add("wrong_type")
+
+
+def finish(op_type: str, name: str, model: ModelProto, feeds: dict, reference=None, tolerance: float = 1e-4) -> Case:
+    must_refuse = "; ".join(_must_refuse) or None
+    # No reference with an infinite attribute: "exact" is not defined there (refused or computed,
+    # it must only not crash).
+    exact = reference if (must_refuse is None and _invalid_rate == 0.0 and "inf_attr" not in _tags
+                          and all_finite(model, feeds)) else None
+    return Case(op_type, name, model, feeds, exact, tolerance, must_refuse, frozenset(_tags))
+
+
+# ---------------------------------------------------------------- numpy references (exact settings only)
+
+def all_finite(model: ModelProto, feeds: dict) -> bool:
+    arrays = list(feeds.values()) + [numpy_helper.to_array(t) for t in model.graph.initializer]
+    return all(a.dtype.kind in "biu" or bool(np.isfinite(a).all()) for a in arrays)
+
+
+def _initializer(model: ModelProto, name: str) -> np.ndarray | None:
+    for tensor in model.graph.initializer:
+        if tensor.name == name:
+            return numpy_helper.to_array(tensor)
+    return None
+
+
+def _matmul_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, rows_magnitude=None):
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    expected = x64 @ w64 + (0.0 if b is None else b.astype(np.float64))
+    magnitude = (np.abs(x64) if rows_magnitude is None else rows_magnitude) @ np.abs(w64) \
+        + (0.0 if b is None else np.abs(b.astype(np.float64)))
+    return expected, magnitude
+
+
+def dense_reference(model: ModelProto, feeds: dict, weight: str = "W"):
+    """Y = X @ W + B from the case's own tensors."""
+    def compute():
+        return _matmul_reference(feeds["X"], _initializer(model, weight), _initializer(model, "B"))
+    return compute
+
+
+def proc_reference(model: ModelProto, feeds: dict, k: int, block: int):
+    """Y = X @ W_hat + B, W_hat from indices/deltas (base_scale 0: zero outside the kept blocks)."""
+    def compute():
+        indices, deltas = _initializer(model, "indices").astype(np.int64), _initializer(model, "deltas")
+        n, fanout = indices.shape
+        w = np.zeros((k, n), dtype=np.float64)
+        for unit in range(n):
+            for f in range(fanout):
+                start = int(indices[unit, f]) * block
+                rows = min(block, k - start)
+                w[start:start + rows, unit] = deltas[unit, f, :rows].astype(np.float32)
+        return _matmul_reference(feeds["X"], w, _initializer(model, "B"))
+    return compute
+
+
+def tt_reference(model: ModelProto, feeds: dict, in_modes, out_modes, ranks):
+    def compute():
+        from ortsparse.tt import tt_full
+
+        flat = _initializer(model, "cores").astype(np.float64)
+        cores, at = [], 0
+        for t in range(len(in_modes)):
+            shape = (ranks[t], in_modes[t], out_modes[t], ranks[t + 1])
+            cores.append(flat[at:at + int(np.prod(shape))].reshape(shape))
+            at += int(np.prod(shape))
+        expected, _ = _matmul_reference(feeds["X"], tt_full(cores), _initializer(model, "B"))
+        magnitude = np.abs(feeds["X"].astype(np.float64)) @ tt_full([np.abs(c) for c in cores])
+        return expected, magnitude
+    return compute
+
+
+def event_reference(model: ModelProto, feeds: dict):
+    """Exact delta coding (topk 1, delta_theta 0, stale_beta 1, no deadline or prior) is the dense
+    product up to rounding carried from the rows before: the bound uses the largest row magnitude."""
+    def compute():
+        x = feeds["X"]
+        peak = np.abs(x.astype(np.float64)).reshape(-1, x.shape[-1]).max(axis=0) if x.size else np.zeros(x.shape[-1])
+        return _matmul_reference(x, _initializer(model, "W"), _initializer(model, "B"),
+                                 rows_magnitude=np.broadcast_to(peak, x.shape) * 4)
+    return compute
+
+
+def attention_reference(feeds: dict, attrs: dict):
+    """Exact attention (tests/ops/attention_reference.py). D = 0: every q.k is 0, so any finite scale
+    gives the same (uniform over the attendable keys) weights."""
+    def compute():
+        from ops import attention_reference as ref
+
+        q, k, v = feeds["Q"], feeds["K"], feeds["V"]
+        scale = float(attrs.get("scale") or 0.0)
+        if q.shape[3] == 0:
+            scale = scale or 1.0
+        mask = feeds.get("attn_mask")
+        if k.shape[2] == 0:  # no keys: every row is fully masked, Y = 0 (docs/ops.md)
+            expected = np.zeros(q.shape[:3] + v.shape[3:], dtype=np.float64)
+            return expected, np.zeros(expected.shape)
+        expected = ref.attention(q, k, v, mask, causal=bool(attrs.get("is_causal") or 0), scale=scale)
+        scores = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), ref.expand_kv(k, q.shape[1]).astype(np.float64))
+        spread = 1.0 + (np.abs(scores).max() * float(ref.scale_of(scale, max(q.shape[3], 1))) if scores.size else 0.0)
+        if mask is not None and mask.dtype != np.bool_ and mask.size:
+            spread += float(np.abs(mask).max())
+        v_max = float(np.abs(v).max()) if v.size else 0.0
+        return expected, np.full(expected.shape, v_max * spread)
+    return compute
 
 
 # op type -> generator; ops not in the loaded library are skipped by the fuzzer.

@@ -58,7 +58,7 @@ def test_kwta_duty_under_concurrent_runs(duty_mode, intra_op_threads):
     is_gated = [np.allclose(r, gated, rtol=1e-4, atol=1e-4) for r in results]
     is_dense = [np.allclose(r, dense, rtol=1e-4, atol=1e-4) for r in results]
     assert all(g or d for g, d in zip(is_gated, is_dense))
-    stats = ortsparse.metrics()[name]
+    stats = ortsparse.metrics()[f"KwtaBlockMatMul/{name}"]
     assert stats["calls"] == THREADS * CALLS
     if duty_mode == "dense":
         # The step counter is shared: exactly every third call of the session is gated.
@@ -106,7 +106,7 @@ def test_event_exact_mode_under_concurrent_runs(intra_op_threads):
     for per_thread in results:
         for x, y in per_thread:
             np.testing.assert_allclose(y, x @ w + b, rtol=1e-4, atol=1e-4)
-    stats = ortsparse.metrics()[name]
+    stats = ortsparse.metrics()[f"EventDrivenMatMul/{name}"]
     assert stats["calls"] == THREADS * CALLS and stats["rows"] == 2 * THREADS * CALLS
 
 

@@ -74,7 +74,7 @@ def test_exact_mode_long_stream_of_small_changes_stays_exact(rng):
         for t in range(3):
             x[t, idx[t]] += rng.standard_normal(10).astype(np.float32)
         close(session.run(None, {"X": x})[0], dense(x, w, b), k)
-    stats = ortsparse.metrics()["ev_long"]
+    stats = ortsparse.metrics()["EventDrivenMatMul/ev_long"]
     assert stats["event.topk_kept"] < 0.06  # ~10 of 200 rows refreshed per call: the delta path ran
     assert stats["event.stale_pct"] > 94
 
@@ -113,7 +113,7 @@ def test_wide_waves_run_rows_with_large_refresh_sets_dense(rng):
         y = session.run(None, {"X": x})[0]
         close(y, ref(x), k)
         close(y, dense(x, w, b), k)
-    assert ortsparse.metrics()["ev_wide"]["event.topk_kept"] == 1.0
+    assert ortsparse.metrics()["EventDrivenMatMul/ev_wide"]["event.topk_kept"] == 1.0
 
 
 def test_sequence_axis_rows_of_one_call_chain_like_separate_calls(rng):
@@ -143,7 +143,7 @@ def test_max_gated_rows_runs_prefill_dense_and_continues_from_it(axis, rng):
     for x in stream[1:]:
         xs = x[:1].reshape(1, 1, k) if axis == "sequence" else x[:2].reshape(1, 2, k)
         close(session.run(None, {"X": xs})[0], ref(xs), k)
-    m = ortsparse.metrics()["ev_mgr"]
+    m = ortsparse.metrics()["EventDrivenMatMul/ev_mgr"]
     assert m["event_rows"] == (5 if axis == "sequence" else 10) and m["event.topk_kept"] < 0.5
 
 
@@ -172,13 +172,13 @@ def test_reset_input_clears_state_and_rearms(rng):
     stream = list(smooth_stream(rng, 8, 2, k, 1, step=0.5))
     for i, x in enumerate(stream[:4]):
         close(session.run(None, {"X": x, "reset": no})[0], ref(x), k)
-    m = ortsparse.metrics()["ev_rst"]
+    m = ortsparse.metrics()["EventDrivenMatMul/ev_rst"]
     assert m["event.enabled"] == 0.0 and m["disables"] == 1  # big changes, topk 0.1: gap far above 1e-3
     assert m["event.quality_gap"] > 1e-3
     x = stream[4]
     close(session.run(None, {"X": x, "reset": yes})[0], dense(x, w, b), k)  # fresh after reset: dense
     ref(x, reset=True)
-    assert ortsparse.metrics()["ev_rst"]["event.enabled"] == 1.0
+    assert ortsparse.metrics()["EventDrivenMatMul/ev_rst"]["event.enabled"] == 1.0
     for x in stream[5:]:
         close(session.run(None, {"X": x, "reset": no})[0], ref(x), k)
 
@@ -192,7 +192,7 @@ def test_gap_check_row_outputs_dense_and_small_gap_keeps_enabled(rng):
     ortsparse.reset_metrics()
     for x in smooth_stream(rng, 13, 1, k, 1, step=0.01):
         close(session.run(None, {"X": x})[0], ref(x), k)
-    m = ortsparse.metrics()["ev_gap"]
+    m = ortsparse.metrics()["EventDrivenMatMul/ev_gap"]
     assert m["gap_checks"] == ref.gap_checks == 4 and m["event.enabled"] == 1.0
     assert m["event.quality_gap"] == pytest.approx(ref.last_gap, rel=1e-3, abs=1e-6)
 
@@ -207,7 +207,7 @@ def test_budget_deadline_keeps_the_quorum(rng):
         ortsparse.reset_metrics()
         for x in smooth_stream(rng, 6, 2, k, 2):
             close(session.run(None, {"X": x})[0], ref(x), k)
-        m = ortsparse.metrics()["ev_bud"]
+        m = ortsparse.metrics()["EventDrivenMatMul/ev_bud"]
         assert m["event.quorum_hits"] == ref.deadline_stops == (10 if expired else 0)
         assert m["event.topk_kept"] == pytest.approx(ref.refreshed / ref.total)
         assert m["event.budget_ms_used"] > 0
@@ -223,7 +223,7 @@ def test_metrics_count_refreshed_blocks(rng):
     for x in smooth_stream(rng, 9, 1, k, 1):
         session.run(None, {"X": x[None]})
         ref(x[None])
-    m = ortsparse.metrics()["ev_met"]
+    m = ortsparse.metrics()["EventDrivenMatMul/ev_met"]
     assert m["event_rows"] == 8 and m["rows"] == 9 and m["calls"] == 9
     assert m["blocks_refreshed"] == ref.refreshed and m["blocks_total"] == ref.total
     assert m["blocks_forced"] > 0
@@ -265,7 +265,7 @@ def test_concurrent_runs_share_streams_without_crashing(intra_op_threads, rng):
         for t in threads:
             t.join()
         assert not errors and not bad
-        m = ortsparse.metrics()["ev_conc"]
+        m = ortsparse.metrics()["EventDrivenMatMul/ev_conc"]
         assert m["calls"] == 160 and m["rows"] == 480
 
 

@@ -116,7 +116,7 @@ def test_duty_dense_mode_gates_every_duty_th_call(rng):
     for call in range(7):
         y = session.run(None, {"X": x})[0]
         np.testing.assert_allclose(y, gated if call % 3 == 0 else dense, rtol=1e-4, atol=1e-3)
-    stats = ortsparse.metrics()["duty_node"]
+    stats = ortsparse.metrics()["KwtaBlockMatMul/duty_node"]
     assert stats["kwta.duty_hits"] == 3 and stats["calls"] == 7
     assert stats["kwta.keep_ratio"] == pytest.approx((3 * 9 + 4 * 30) / (7 * 30))
 
@@ -160,7 +160,7 @@ def test_max_gated_rows_gates_decode_calls_and_runs_prefill_dense(rng):
         gated, _ = kwta_matmul(x, w, b, k_frac=0.5)
         expected = gated if m <= 2 else x @ w + b
         np.testing.assert_allclose(session.run(None, {"X": x})[0], expected, rtol=1e-4, atol=1e-3)
-    stats = ortsparse.metrics()["mgr"]
+    stats = ortsparse.metrics()["KwtaBlockMatMul/mgr"]
     assert stats["kwta.duty_hits"] == 2 and stats["calls"] == 3
     with pytest.raises(Exception, match="max_gated_rows=-1"):
         ortsparse.inference_session(kwta_model(w, b, max_gated_rows=-1))
@@ -270,7 +270,7 @@ def test_concurrent_runs_share_one_step_counter(rng):
     n_gated = sum(np.allclose(r, gated, rtol=1e-4, atol=1e-3) for r in results)
     n_dense = sum(np.allclose(r, dense, rtol=1e-4, atol=1e-3) for r in results)
     assert n_gated == n_dense == 100  # every call is one or the other; duty 2 splits them evenly
-    stats = ortsparse.metrics()["conc"]
+    stats = ortsparse.metrics()["KwtaBlockMatMul/conc"]
     assert stats["calls"] == 200 and stats["kwta.duty_hits"] == 100
 
 

@@ -295,7 +295,7 @@ def test_metrics(rng):
     session = ortsparse.inference_session(model)
     session.run(None, {"Q": q, "K": k, "V": v})
     session.run(None, {"Q": q, "K": k[:, :, :20], "V": v[:, :, :20]})  # below min_keys: exact
-    m = ortsparse.metrics()["attn_metrics"]
+    m = ortsparse.metrics()["PopcountAttention/attn_metrics"]
     assert m["pack.enabled"] == 1 and m["pack.mode"] == 3 and m["pack.active"] == 0.5
     assert m["pack.density"] == pytest.approx(np.mean(np.abs(centered(k)) > 1.5))
     assert m["pack.popcnt"] == {"portable": 0, "popcnt": 1, "vpopcntdq": 2}[_kernels.active_popcnt()]
@@ -313,7 +313,7 @@ s = ortsparse.inference_session(ref.attention_model(node_name="p", topk=8, min_k
 y = s.run(None, {{"Q": q, "K": k, "V": k}})[0]
 keep = ref.selected_keys(q, k, topk=8)
 np.testing.assert_allclose(y, ref.attention(q, k, k, keep=keep), rtol=1e-5, atol=2e-6)
-print(int(ortsparse.metrics()["p"]["pack.popcnt"]))
+print(int(ortsparse.metrics()["PopcountAttention/p"]["pack.popcnt"]))
 """
 
 
@@ -440,7 +440,7 @@ def test_decode_through_ort_reuses_packed_keys(rng):
         keep = ref.selected_keys(q, k[:, :, :n], causal=True, topk=8, center=False)
         np.testing.assert_allclose(y, ref.attention(q, k[:, :, :n], v[:, :, :n], causal=True, keep=keep),
                                    rtol=1e-5, atol=2e-6)
-    assert ortsparse.metrics()["dec"]["keys_packed"] == 2 * 30 + 4 * 2
+    assert ortsparse.metrics()["PopcountAttention/dec"]["keys_packed"] == 2 * 30 + 4 * 2
 
 
 @pytest.mark.parametrize("keep_first,keep_recent", [(1, 0), (0, 5), (3, 4)])

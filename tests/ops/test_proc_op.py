@@ -206,6 +206,7 @@ def extra(p):
 
 
 def run(model, x):
+    # The session ends here, so its node's entry leaves ortsparse.metrics(): tests read the total.
     return ortsparse.inference_session(model).run(None, {"X": x})[0]
 
 
@@ -236,7 +237,7 @@ def test_op_matches_numpy_reconstruction(dtype, base_scale, m, rng):
     ortsparse.reset_metrics()
     y = run(model, x)
     np.testing.assert_allclose(y, x.astype(np.float64) @ P.reconstruct(p) + b, rtol=1e-5, atol=1e-5)
-    stats = ortsparse.metrics()["pm"]
+    stats = ortsparse.metrics()["total/ProcSparseMatMul"]
     assert stats["proc.fanout_effective"] == 2
     assert stats["proc.mem_ratio"] == pytest.approx(p.mem_ratio)
     # trims = stored zero deltas on real rows; shed_eps = 0.01 on N(0, 0.05) weights sheds ~16%
@@ -274,7 +275,7 @@ def test_composed_kwta_gate(kwta_block, m, base_scale, block, rng):
                        kwta_block=kwta_block, **extra(p))
     ortsparse.reset_metrics()
     np.testing.assert_allclose(run(model, x), expected, rtol=1e-5, atol=1e-4)
-    stats = ortsparse.metrics()["comp"]
+    stats = ortsparse.metrics()["total/ProcSparseMatMul"]
     assert stats["kwta.keep_ratio"] == pytest.approx(keep / math.ceil(k / kwta_block))
     if kwta_block == block == 16 and m <= 4:
         # one tile: proc blocks computed = kept ∩ the union of the tile's gated blocks
@@ -296,7 +297,7 @@ def test_composed_gate_at_decode_counts_the_intersection(rng):
     model = proc_model(p.indices, p.deltas, None, k=k, block=block, node_name="dec", kwta_k_frac=0.5)
     ortsparse.reset_metrics()
     run(model, x)
-    assert ortsparse.metrics()["dec"]["proc.fanout_effective"] == pytest.approx(expected)
+    assert ortsparse.metrics()["total/ProcSparseMatMul"]["proc.fanout_effective"] == pytest.approx(expected)
 
 
 def test_leading_dims_and_empty_input(rng):

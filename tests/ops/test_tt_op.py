@@ -268,7 +268,7 @@ def test_nan_guard_uses_dense_fallback(rng):
     ortsparse.reset_metrics()
     x = rng.standard_normal((3, 24)).astype(np.float32)
     np.testing.assert_allclose(session.run(None, {"X": x})[0], x @ w + b, rtol=1e-4, atol=1e-4)
-    stats = ortsparse.metrics()["guarded"]
+    stats = ortsparse.metrics()["TTMatMul/guarded"]
     assert stats["nan_fallbacks"] == 1 and stats["tt.enabled"] == 0.0
 
 
@@ -290,7 +290,7 @@ def test_metrics(rng):
     ortsparse.reset_metrics()
     for m in (1, 3):
         session.run(None, {"X": rng.standard_normal((m, 576)).astype(np.float32)})
-    stats = ortsparse.metrics()["tt_metrics"]
+    stats = ortsparse.metrics()["TTMatMul/tt_metrics"]
     assert stats["op"] == "TTMatMul"
     assert stats["calls"] == 2 and stats["rows"] == 4
     assert stats["tt.enabled"] == 1.0

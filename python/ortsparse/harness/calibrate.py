@@ -27,6 +27,7 @@ import onnx
 from .. import tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.output_paths import check_outputs, write_text_files
 from ..runtime import lm_feeds, open_session, with_outputs
 from .corpus import encoder_batches, lm_windows, load_corpus_tokens
 from .embeddings import compare_embeddings
@@ -194,6 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target = "both" if args.target == "all-decoder" else args.target
     log = print
+    check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
     if args.min_cosine is not None:
         if not args.model:
             args.model = str(model_path("minilm", "torchscript"))
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     best, history = search(layers, evaluate, args.margin * args.max_dppl, args.greedy, log=log,
                            max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
-    Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
+    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len)
     total_bytes = sum(layer.weight_bytes for layer in layers)
@@ -231,12 +233,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     }
     if args.bench:
         report["bench"] = _bench_with(entries, log)
-    report_path = args.report or str(Path(args.output).with_suffix(".report.json"))
-    Path(report_path).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    report_path = _report_path(args)
+    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
         f"{held_out.get('top1_agreement', float('nan')):.3f}, skipped {report['skipped_weight_fraction_of_targeted']:.1%} "
         f"of targeted weight bytes; report {report_path}")
     return 0 if held_out["dppl"] <= args.max_dppl else 1
+
+
+def _report_path(args) -> str:
+    return args.report or str(Path(args.output).with_suffix(".report.json"))
+
+
+def _inputs(args) -> list:
+    """What calibrate reads (never overwritten by its outputs)."""
+    return [args.model, args.tokens]
+
+
+def _write(args, path: str, what: str, text: str) -> None:
+    write_text_files({path: (what, text)}, _inputs(args))
 
 
 def _run_encoder(args, target: str, log) -> int:
@@ -253,13 +268,13 @@ def _run_encoder(args, target: str, log) -> int:
     best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log,
                            max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
-    Path(args.output).write_text(json.dumps({"layers": entries}, indent=1) + "\n")
+    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     final = compare_embeddings(model, rewritten_with(model, entries))
     report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": args.model,
               "min_cosine": args.min_cosine, "sparsity": best, "history": history,
               "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
-    report_path = args.report or str(Path(args.output).with_suffix(".report.json"))
-    Path(report_path).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    report_path = _report_path(args)
+    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; cosine mean {final['cosine_mean']:.4f} min {final['cosine_min']:.4f}")
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 

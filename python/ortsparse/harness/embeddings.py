@@ -30,9 +30,10 @@ def _hidden_name(session: Any) -> str:
     return ranked[0] if ranked else names[0]
 
 
-def sentence_embeddings(model: Any, sentences: Any, batch_size: int = 32, session_options: Any = None) -> np.ndarray:
+def sentence_embeddings(model: Any, sentences: Any, batch_size: int = 32, session_options: Any = None, *,
+                        session: Any = None) -> np.ndarray:
     """``[n, d]`` float64: mean of the last hidden state over attention_mask, L2-normalised."""
-    session = open_session(model, session_options)
+    session = session or open_session(model, session_options)
     output = _hidden_name(session)
     inputs = session.get_inputs()
     result = []
@@ -53,7 +54,9 @@ def compare_embeddings(dense_model: Any, rewritten_model: Any, sentences_npz: An
     gated = uses_ortsparse(rewritten_model)
     if gated:
         reset_metrics()
-    rewritten = sentence_embeddings(rewritten_model, arrays, batch_size, session_options)
+    # Kept open until the metrics are read: a node's entry leaves ortsparse.metrics() with its session.
+    session = open_session(rewritten_model, session_options)
+    rewritten = sentence_embeddings(rewritten_model, arrays, batch_size, session_options, session=session)
     metrics = snapshot(rewritten_model) if gated else {}
     cosine = np.sum(dense * rewritten, axis=1)
     return {"kind": "embedding", "sentences": int(cosine.size), "cosine_mean": float(cosine.mean()),

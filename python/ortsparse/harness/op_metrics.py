@@ -22,9 +22,9 @@ def metrics_summary(raw: Mapping[str, Mapping[str, Any]], model: Any = None) -> 
             kept = float(values.get("blocks_kept", 0) or 0)
             ops[op] = {"keep_ratio": kept / total if total else None, "calls": values.get("calls"),
                        "blocks_total": total, "blocks_kept": kept}
-        elif values.get("calls"):
+        elif values.get("calls"):  # "<op type>/<node name>": the entry names its node
             total = float(values.get("blocks_total", 0) or 0)
-            nodes[name] = float(values.get("blocks_kept", 0) or 0) / total if total else float("nan")
+            nodes[values.get("node", name)] = float(values.get("blocks_kept", 0) or 0) / total if total else float("nan")
     summary: dict[str, Any] = {"ops": ops, "nodes": nodes}
     if model is not None and nodes:
         proto = load_proto(model)
@@ -50,6 +50,6 @@ def snapshot(model: Any = None) -> dict[str, Any]:
 def keep_ratios(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """KWTA keep ratio per node that ran since the last reset (slots of nodes from earlier sessions
     stay registered with zero counts; they are left out)."""
-    return {node: values["kwta.keep_ratio"] for node, values in raw.items()
-            if not node.startswith("total/") and "kwta.keep_ratio" in values and values.get("blocks_total", 0) > 0}
+    return {values["node"]: values["kwta.keep_ratio"] for values in raw.values()
+            if "node" in values and "kwta.keep_ratio" in values and values.get("blocks_total", 0) > 0}
 

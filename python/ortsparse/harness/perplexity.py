@@ -44,13 +44,14 @@ def _check_vocabulary(model: Any, batch: np.ndarray) -> None:
 
 
 def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, window_len: int = 512,
-               session_options: Any = None, *, offset: int = 0, progress: bool = False) -> dict[str, Any]:
+               session_options: Any = None, *, offset: int = 0, progress: bool = False,
+               session: Any = None) -> dict[str, Any]:
     """Perplexity of a full-sequence LM export on ``windows`` consecutive windows of ``window_len``
     tokens (see :func:`lm_windows`). Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored),
     ``windows``, ``window_len``, ``offset`` and ``predictions`` (``[windows, window_len-1]`` argmax
     next-token ids, for agreement). ``session_options`` as :func:`ortsparse.runtime.open_session`."""
     batch = lm_windows(token_ids, windows, window_len, offset)
-    session = open_session(model_path_or_proto, session_options)
+    session = session or open_session(model_path_or_proto, session_options)
     output = _logits_name(session)
     inputs = session.get_inputs()
     _check_vocabulary(model_path_or_proto, batch)
@@ -83,8 +84,10 @@ def compare_lm(dense_model: Any, rewritten_model: Any, token_ids: Any, windows: 
     gated = uses_ortsparse(rewritten_model)
     if gated:
         reset_metrics()
+    # Kept open until the metrics are read: a node's entry leaves ortsparse.metrics() with its session.
+    session = open_session(rewritten_model, session_options)
     rewritten = perplexity(rewritten_model, token_ids, windows, window_len, session_options, offset=offset,
-                           progress=progress)
+                           progress=progress, session=session)
     metrics = snapshot(rewritten_model) if gated else {}
     agreement = float(np.mean(dense["predictions"] == rewritten["predictions"]))
     return {

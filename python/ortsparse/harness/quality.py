@@ -122,7 +122,11 @@ def _format(result: Mapping[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..graph_rewrite.output_paths import check_outputs, write_text_files
+
     say = (lambda text: None) if args.quiet else print
+    inputs = [args.model, args.rewritten, args.corpus, args.sentences, args.config]  # never overwritten
+    check_outputs([(args.json, "JSON report")], inputs)  # before the long run
     if not Path(args.model).is_file():
         parser.error(f"model {args.model} does not exist")
     kind = detect_kind(args.model) if args.kind == "auto" else args.kind
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     "rewrite": report.to_dict()["counts"] if report is not None else None,
                     "config": report.to_dict()["config"] if report is not None else None,
                     "versions": versions(), "result": {k: v for k, v in result.items() if k != "text"}}
-        Path(args.json).write_text(json.dumps(document, indent=2, default=json_default) + "\n", encoding="utf-8")
+        write_text_files({args.json: ("JSON report", json.dumps(document, indent=2, default=json_default) + "\n")}, inputs)
         say(f"wrote {args.json}")
     if code == EXIT_OVER_BUDGET:
         print("quality: over the given budget", file=sys.stderr)

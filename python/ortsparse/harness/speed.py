@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from .._library import metrics, reset_metrics
-from ..benchmarking import (machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
+from ..benchmarking import (check_report, machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
                             write_report)
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.techniques import TECHNIQUES
@@ -162,6 +162,8 @@ def _default_paths(args) -> tuple[Path, Path | None]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     kv_path, full_path = _default_paths(args)
+    inputs = [kv_path, full_path, args.config]  # never overwritten by the report
+    check_report(args.output, inputs)
     config = config_from_args(args)
     kv_dense = onnx.load(str(kv_path))
     kv_models: dict[str, Any] = {"dense": kv_dense}
@@ -185,6 +187,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     payload["config"] = {"kwta": dataclasses.asdict(kwta.settings), "kwta_enabled": config.switched_on("kwta"),
                          "target": kwta.target, "override_file": args.config,
                          "techniques": {name: dataclasses.asdict(choice) for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"))
+    paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"),
+                         protected=inputs)
     print("wrote", *paths)
     return 0

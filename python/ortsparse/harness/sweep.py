@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..benchmarking import machine_info, write_report
+from ..benchmarking import check_report, machine_info, write_report
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+from ..graph_rewrite.output_paths import write_files
 from ..runtime import decode_feeds, vocab_size
 from .corpus import load_corpus_tokens
 from .models import model_path
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         full_path, kv_path = Path(args.full), Path(args.kv)
     else:
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
+    inputs = [full_path, kv_path, args.tokens]  # never overwritten by the report
+    check_report(args.output, inputs, ".png")
     full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
     tokens = load_corpus_tokens(args.tokens)
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
@@ -136,10 +139,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         context=args.context, repeats=args.repeats)
     command = "ortsparse sweep " + " ".join(sys.argv[2:])
     png = args.output + ".png"
-    Path(png).parent.mkdir(parents=True, exist_ok=True)
-    plot(results, png, f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, "
-                       f"decode ctx {args.context}")
+    title = f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, decode ctx {args.context}"
+    write_files({png: ("plot", lambda staged: plot(results, staged, title))}, inputs, create_dirs=True)
     write_report(args.output, dict(machine=machine_info(), command=command, results=results),
-                 markdown(results, command, png))
+                 markdown(results, command, png), protected=inputs)
     print("wrote", args.output + ".json", args.output + ".md", png)
     return 0

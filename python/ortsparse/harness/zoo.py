@@ -49,6 +49,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import load_model, rewrite_model
+from ..graph_rewrite.output_paths import check_outputs, write_text_files
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import open_session
 from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs,
@@ -534,6 +535,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("validate: no models to validate", file=sys.stderr)
         return EXIT_USAGE
     config = config_from_args(args)
+    inputs = [*(entry.path for entry in entries if entry.path), args.config]  # never overwritten
+    outputs = {args.markdown: "markdown table", args.json: "JSON results"}
+    check_outputs([(args.markdown, "markdown table"), (args.json, "JSON results")], inputs)  # before the long run
 
     def progress(index: int, result: ModelResult) -> None:
         if args.quiet and result.ok:
@@ -549,16 +553,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.quiet:
         print()
         print(table)
+    files = {}
     if args.markdown:
         command = "ortsparse validate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["validate"] else ""
         header = f"Produced by `{command.strip()}`.\n\n" if command else ""
-        Path(args.markdown).write_text(header + table + "\n", encoding="utf-8")
+        files[args.markdown] = (outputs[args.markdown], header + table + "\n")
     if args.json:
         meta = {"command": sys.argv if sys.argv[1:2] == ["validate"] else None, "zoo": groups,
                 "paths": list(args.models), "config": _config_dict(config), "runs": args.runs,
                 "timing_runs": args.timing_runs, "threads": args.threads}
-        Path(args.json).write_text(json.dumps(to_json(results, meta), indent=2, default=json_default) + "\n",
-                                   encoding="utf-8")
+        files[args.json] = (outputs[args.json],
+                            json.dumps(to_json(results, meta), indent=2, default=json_default) + "\n")
+    write_text_files(files, inputs)
     failed = [r for r in results if not r.ok]
     if failed:
         print(f"validate: {len(failed)} of {len(results)} model(s) failed", file=sys.stderr)
