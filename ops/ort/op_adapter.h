@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/metrics.h"
 #include "common/task_runner.h"
 
 namespace ortsparse::ort {
@@ -55,6 +56,7 @@ class KernelBase {
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept {
     try {
+      const MetricsBatch metrics_batch;  // one Compute's counts are published together
       static_cast<Derived*>(this)->Compute(context);
       return nullptr;
     } catch (const std::exception& e) {

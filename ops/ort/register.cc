@@ -41,7 +41,9 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
                                       std::to_string(required) + "); install onnxruntime >= 1." +
                                       std::to_string(required));
   }
-  Ort::InitApi(api);
+  // Once per process: kernels of earlier sessions read the API table while a new session registers.
+  static std::once_flag init_once;
+  std::call_once(init_once, [api] { Ort::InitApi(api); });
   const std::string& isa_error = ortsparse::active_isa_error();
   if (!isa_error.empty()) return api->CreateStatus(ORT_FAIL, ("ortsparse: " + isa_error).c_str());
   try {

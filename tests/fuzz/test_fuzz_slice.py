@@ -14,23 +14,7 @@ import fuzz_ops  # noqa: E402
 # Op bugs the fuzzer found that are being fixed in ops/ (each with a replay line). A finding
 # matching one is reported as a warning, not a failure; delete the entry with the fix, and the slice
 # then holds the op to it.
-KNOWN_OP_FINDINGS = {
-    "PopcountAttention with head dim D = 0: SIGSEGV with proj_bits > 0, else zeros instead of mean(V)"
-    " (fuzz_ops.py --replay 20261126:1225, 20261126:2940)":
-        lambda f: f["op"] == "PopcountAttention" and "attn_d0" in f["tags"],
-    "list-valued attributes (k_frac=[0.9], block=[4]) silently become the defaults"
-    " (fuzz_ops.py --replay 20261126:2681)":
-        lambda f: f["kind"] == "accepted_invalid" and "list_attr" in f["tags"],
-    "TTMatMul with modes [1, 32768] x [32768, 1] asks for GBs of scratch: std::bad_alloc"
-    " (fuzz_ops.py --replay 20261126:2998)":
-        lambda f: f["op"] == "TTMatMul" and "tt_extreme" in f["tags"],
-    "TTMatMul accepts gap=NaN (fuzz_ops.py --replay 20261126:1380)":
-        lambda f: f["op"] == "TTMatMul" and f["kind"] == "accepted_invalid" and "gap=nan" in f["message"],
-    "KwtaBlockMatMul accepts pack_eps / pack_density_max = NaN when pack_mode is none"
-    " (fuzz_ops.py --replay 1:6934, 1:9947)":
-        lambda f: f["op"] == "KwtaBlockMatMul" and f["kind"] == "accepted_invalid"
-        and ("pack_eps=nan" in f["message"] or "pack_density_max=nan" in f["message"]),
-}
+KNOWN_OP_FINDINGS: dict = {}  # none open: the D = 0, list / NaN attribute and TT scratch findings are fixed
 
 # Families the generator must keep producing (a generator change that drops one fails here).
 FAMILIES = ("list_attr", "nan_attr", "inf_attr", "wrong_type", "zero_dim", "attn_d0", "proj_bits", "center0",

@@ -256,8 +256,6 @@ def test_snapshots_stay_whole_while_sessions_come_and_go(monkeypatch):
 
 @pytest.mark.concurrency
 # Not strict: without the batch a violation is likely but not certain within the test's second.
-@pytest.mark.xfail(strict=False, reason="needs a MetricsBatch opened around each Compute (KernelBase::ComputeV2 in "
-                                        "ops/ort/op_adapter.h); until then a reset or a poll can split one Compute's counts")
 def test_ratios_never_exceed_one_while_runs_and_resets_race():
     """k_frac=1 and a bitmap that always applies: blocks_kept == blocks_total and pack.active == 1
     exactly, so a snapshot or a reset that splits one Compute's counts shows as a ratio above 1

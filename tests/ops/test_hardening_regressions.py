@@ -112,7 +112,7 @@ def test_event_spike_is_refreshed_not_carried(rng):
     rel = np.linalg.norm(y - dense, axis=1) / np.linalg.norm(dense, axis=1)
     before, after = rel[1:100].max(), rel[101:].max()
     assert after <= 5 * before + 1e-4, (before, after)
-    metrics = ortsparse.metrics()["ev_spike"]
+    metrics = ortsparse.metrics()["EventDrivenMatMul/ev_spike"]
     assert metrics["event.enabled"] == 1.0
     assert metrics["resyncs"] >= 1
 
