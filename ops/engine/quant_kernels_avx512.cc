@@ -1,0 +1,297 @@
+// AVX-512 kernels of the quant backend. Decode converts the kept rows' bytes to fp32 and multiplies
+// in fp32; prefill uses VNNI (vpdpbusd: unsigned weight bytes x signed int8 activations, 4 K per
+// lane) on a column group repacked per call; without VNNI the table takes the AVX2 prefill.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "engine/quant_kernels.h"
+
+namespace ortsparse::engine {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+// ---------------------------------------------------------------------------------------------
+
+// How a pass of up to 4 rows of one K-block treats the block accumulator `acc` and the output:
+enum Mode { kFirst, kMiddle, kLast, kOnly };  // acc = rows | acc += rows | out += s*(acc+rows-zp*xs) | out += s*(rows-zp*xs)
+
+inline __m512 bytes_to_float(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+template <int kBits, int R, Mode kMode>
+void pass(const uint8_t* const* rows, const float* xv, size_t groups, float* acc, float* out, const float* scales,
+          const uint8_t* zp, float default_zp, float xs) {
+  __m512 xb[R];
+  for (int i = 0; i < R; ++i) xb[i] = _mm512_set1_ps(xv[i]);
+  const __m512 xsv = _mm512_set1_ps(xs), zpc = _mm512_set1_ps(default_zp);
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  for (size_t g = 0; g < groups; ++g) {
+    float* ag = acc + g * kQuantGroup;
+    __m512 s[4];
+    for (int v = 0; v < 4; ++v)
+      s[v] = (kMode == kMiddle || kMode == kLast) ? _mm512_loadu_ps(ag + 16 * v) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      if (kBits == 8) {
+        const uint8_t* q = rows[i] + g * kQuantGroup;
+        for (int v = 0; v < 4; ++v)
+          s[v] = _mm512_fmadd_ps(xb[i], bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))), s[v]);
+      } else {
+        const uint8_t* q = rows[i] + g * (kQuantGroup / 2);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+          s[h] = _mm512_fmadd_ps(xb[i], _mm512_cvtepi32_ps(_mm512_and_si512(d, low4)), s[h]);
+          s[h + 2] = _mm512_fmadd_ps(xb[i], _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4)), s[h + 2]);
+        }
+      }
+    }
+    if (kMode == kFirst || kMode == kMiddle) {
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(ag + 16 * v, s[v]);
+    } else {
+      float* og = out + g * kQuantGroup;
+      const float* sg = scales + g * kQuantGroup;
+      for (int v = 0; v < 4; ++v) {
+        const __m512 z =
+            zp ? bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zp + g * kQuantGroup + 16 * v))) : zpc;
+        const __m512 t = _mm512_fnmadd_ps(z, xsv, s[v]);
+        _mm512_storeu_ps(og + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(sg + 16 * v), t, _mm512_loadu_ps(og + 16 * v)));
+      }
+    }
+  }
+}
+
+template <int kBits, int R>
+void pass_mode(Mode mode, const uint8_t* const* rows, const float* xv, size_t groups, float* acc, float* out,
+               const float* scales, const uint8_t* zp, float default_zp, float xs) {
+  switch (mode) {
+    case kFirst: return pass<kBits, R, kFirst>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kMiddle: return pass<kBits, R, kMiddle>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kLast: return pass<kBits, R, kLast>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kOnly: return pass<kBits, R, kOnly>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
+  }
+}
+
+template <int kBits>
+void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
+            size_t nrows, float* out, float* acc) {
+  const size_t width = p.panel, groups = width / kQuantGroup;
+  const uint8_t* q = p.panel_q(panel);
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  const float default_zp = p.default_zp;
+  for (size_t j = 0; j < width; j += 16) _mm512_storeu_ps(out + j, _mm512_setzero_ps());
+  size_t next = 0;
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
+    size_t begin = r0, end = r1;
+    if (rows) {
+      begin = next;
+      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
+      end = next;
+      if (begin == end) continue;
+    }
+    float xs = 0.0f;
+    for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
+    const float* sb = scales + b * width;
+    const uint8_t* zb = zp ? zp + b * width : nullptr;
+    for (size_t i = begin; i < end; i += 4) {
+      const int count = static_cast<int>(std::min<size_t>(4, end - i));
+      const bool first = i == begin, last = i + 4 >= end;
+      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
+      const uint8_t* qr[4];
+      float xv[4];
+      for (int e = 0; e < count; ++e) {
+        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
+        qr[e] = q + r * p.row_bytes;
+        xv[e] = x[r];
+      }
+      switch (count) {
+        case 1: pass_mode<kBits, 1>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 2: pass_mode<kBits, 2>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 3: pass_mode<kBits, 3>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        default: pass_mode<kBits, 4>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+      }
+    }
+  }
+}
+
+void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
+                size_t nrows, float* out, float* acc) {
+  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, out, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (VNNI)
+// ---------------------------------------------------------------------------------------------
+
+// After repacking, vector v (0..3) of a K-quad holds in dword i the 4 K values of column
+// 16 * (i / 4) + 4 * v + i % 4 of the group (the order the byte/word unpacks produce).
+inline size_t vnni_column(size_t v, size_t i) { return 16 * (i / 4) + 4 * v + i % 4; }
+
+struct VnniScratch {
+  uint8_t* w;   // [2 groups][quads][4 vectors][64 bytes]
+  float* scale; // [2 groups][num_blocks][64] in vector order
+  float* zp;    // [2 groups][num_blocks][64] in vector order
+};
+
+size_t vnni_scratch_bytes(const QuantPacked& p) {
+  const size_t ldq = p.num_blocks * p.block;
+  return 2 * ldq * kQuantGroup + 2 * 2 * p.num_blocks * kQuantGroup * sizeof(float) + 64;
+}
+
+VnniScratch vnni_layout(const QuantPacked& p, uint8_t* scratch) {
+  const size_t ldq = p.num_blocks * p.block;
+  VnniScratch s;
+  s.w = scratch;
+  s.scale = reinterpret_cast<float*>(scratch + 2 * ldq * kQuantGroup);
+  s.zp = s.scale + 2 * p.num_blocks * kQuantGroup;
+  return s;
+}
+
+// Column groups [c, c + G * 64) of a panel into dot-product order (rows >= K become 0).
+template <int kBits, int G>
+void repack_vnni(const QuantPacked& p, size_t panel, size_t c, const VnniScratch& s) {
+  const size_t ldq = p.num_blocks * p.block, quads = ldq / 4, rb = p.row_bytes;
+  const uint8_t* q = p.panel_q(panel) + (kBits == 8 ? c : c / 2);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (size_t kq = 0; kq < quads; ++kq) {
+    __m512i r[G][4];
+    for (int e = 0; e < 4; ++e) {
+      const size_t row = kq * 4 + e;
+      for (int gi = 0; gi < G; ++gi) {
+        if (row >= p.k) {
+          r[gi][e] = _mm512_setzero_si512();
+        } else if (kBits == 8) {
+          r[gi][e] = _mm512_loadu_si512(q + row * rb + gi * kQuantGroup);
+        } else {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * rb + gi * 32));
+          const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+          r[gi][e] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+      }
+    }
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512i ab_lo = _mm512_unpacklo_epi8(r[gi][0], r[gi][1]), ab_hi = _mm512_unpackhi_epi8(r[gi][0], r[gi][1]);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(r[gi][2], r[gi][3]), cd_hi = _mm512_unpackhi_epi8(r[gi][2], r[gi][3]);
+      uint8_t* dst = s.w + (gi * quads + kq) * 256;
+      _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(ab_lo, cd_lo));
+      _mm512_storeu_si512(dst + 64, _mm512_unpackhi_epi16(ab_lo, cd_lo));
+      _mm512_storeu_si512(dst + 128, _mm512_unpacklo_epi16(ab_hi, cd_hi));
+      _mm512_storeu_si512(dst + 192, _mm512_unpackhi_epi16(ab_hi, cd_hi));
+    }
+  }
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  for (int gi = 0; gi < G; ++gi)
+    for (size_t b = 0; b < p.num_blocks; ++b) {
+      float* ds = s.scale + (gi * p.num_blocks + b) * kQuantGroup;
+      float* dz = s.zp + (gi * p.num_blocks + b) * kQuantGroup;
+      for (size_t v = 0; v < 4; ++v)
+        for (size_t i = 0; i < 16; ++i) {
+          const size_t col = b * p.panel + c + gi * kQuantGroup + vnni_column(v, i);
+          ds[v * 16 + i] = scales[col];
+          dz[v * 16 + i] = zp ? zp[col] : p.default_zp;
+        }
+    }
+}
+
+// T tokens x 32 columns (vectors 2h, 2h + 1 of group gi) over every block.
+template <int T>
+void gemm_tile(const QuantPacked& p, const VnniScratch& s, int gi, int h, const QuantActivations& a, size_t t0,
+               float (*result)[32]) {
+  const size_t nb = p.num_blocks, ldq = a.ldq, quads = ldq / 4, bq = p.block / 4;
+  const uint8_t* w = s.w + gi * quads * 256 + h * 128;
+  const int8_t* aq[T];
+  for (int t = 0; t < T; ++t) aq[t] = a.q + (t0 + t) * ldq;
+  __m512 f[T][2];
+  for (int t = 0; t < T; ++t) f[t][0] = f[t][1] = _mm512_setzero_ps();
+  for (size_t b = 0; b < nb; ++b) {
+    __m512i acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+    for (size_t kq = b * bq; kq < (b + 1) * bq; ++kq) {
+      const __m512i w0 = _mm512_loadu_si512(w + kq * 256), w1 = _mm512_loadu_si512(w + kq * 256 + 64);
+      for (int t = 0; t < T; ++t) {
+        int32_t quad;
+        __builtin_memcpy(&quad, aq[t] + kq * 4, 4);
+        const __m512i av = _mm512_set1_epi32(quad);
+        acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, av);
+        acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, av);
+      }
+    }
+    const float* sb = s.scale + (gi * nb + b) * kQuantGroup + h * 32;
+    const float* zb = s.zp + (gi * nb + b) * kQuantGroup + h * 32;
+    const __m512 sw0 = _mm512_loadu_ps(sb), sw1 = _mm512_loadu_ps(sb + 16);
+    const __m512 z0 = _mm512_loadu_ps(zb), z1 = _mm512_loadu_ps(zb + 16);
+    for (int t = 0; t < T; ++t) {
+      const float sa = a.scale[(t0 + t) * nb + b];
+      const __m512 sav = _mm512_set1_ps(sa), sas = _mm512_set1_ps(sa * static_cast<float>(a.sum[(t0 + t) * nb + b]));
+      const __m512 v0 = _mm512_fnmadd_ps(z0, sas, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[t][0]), sav));
+      const __m512 v1 = _mm512_fnmadd_ps(z1, sas, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[t][1]), sav));
+      f[t][0] = _mm512_fmadd_ps(sw0, v0, f[t][0]);
+      f[t][1] = _mm512_fmadd_ps(sw1, v1, f[t][1]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    _mm512_storeu_ps(result[t], f[t][0]);
+    _mm512_storeu_ps(result[t] + 16, f[t][1]);
+  }
+}
+
+template <int kBits>
+void prefill_vnni(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
+                  float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
+  const VnniScratch s = vnni_layout(p, scratch);
+  constexpr int kTile = 4;
+  float result[kTile][32];
+  for (size_t c = c0; c < c1 && c - c0 < valid;) {
+    const int groups = (kBits == 4 && c + 2 * kQuantGroup <= c1) ? 2 : 1;
+    if (groups == 2) {
+      repack_vnni<kBits, 2>(p, panel, c, s);
+    } else {
+      repack_vnni<kBits, 1>(p, panel, c, s);
+    }
+    for (int gi = 0; gi < groups; ++gi) {
+      const size_t base = c - c0 + gi * kQuantGroup;  // output column of the group's first column
+      if (base >= valid) break;
+      for (int h = 0; h < 2; ++h) {
+        for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
+          const size_t count = std::min<size_t>(kTile, a.m - t0);
+          switch (count) {
+            case 1: gemm_tile<1>(p, s, gi, h, a, t0, result); break;
+            case 2: gemm_tile<2>(p, s, gi, h, a, t0, result); break;
+            case 3: gemm_tile<3>(p, s, gi, h, a, t0, result); break;
+            default: gemm_tile<4>(p, s, gi, h, a, t0, result); break;
+          }
+          for (size_t t = 0; t < count; ++t)
+            for (size_t vv = 0; vv < 2; ++vv)
+              for (size_t i = 0; i < 16; ++i) {
+                const size_t col = base + vnni_column(2 * h + vv, i);
+                if (col < valid) ys[t0 + t][col] = (bias ? bias[col] : 0.0f) + result[t][vv * 16 + i];
+              }
+        }
+      }
+    }
+    c += groups * kQuantGroup;
+  }
+}
+
+void prefill_any(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
+                 float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
+  (p.bits == 4 ? prefill_vnni<4> : prefill_vnni<8>)(p, panel, c0, c1, a, ys, valid, bias, scratch);
+}
+
+}  // namespace
+
+const QuantKernels& quant_kernels_avx512() {
+  static const QuantKernels table = [] {
+    QuantKernels t{"avx512", decode_any, prefill_any, vnni_scratch_bytes};
+    if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int16 prefill
+      t.prefill = quant_kernels_avx2().prefill;
+      t.prefill_scratch_bytes = quant_kernels_avx2().prefill_scratch_bytes;
+    }
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace ortsparse::engine
