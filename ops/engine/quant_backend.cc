@@ -200,7 +200,10 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     const size_t count = gated.row_count(t, k);
     const size_t chunks = std::max<size_t>(
         1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
-    const int32_t* rows = gated.dense[t] ? nullptr : gated.rows.data() + gated.offset[t];
+    // A gated token's list may be empty (and its pointer null): the kernels read rows == nullptr as
+    // "every row", so an empty list points at a dummy entry instead.
+    static const int32_t kNoRow = 0;
+    const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
     for (size_t c = 0; c < chunks; ++c) {
       Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, nullptr};
       if (rows) {

@@ -176,11 +176,21 @@ class QuantMatMul {
     zp_ = U8Array();
   }
 
-  FloatArray call(FloatArray x, py::object rows, py::object scale, py::object bias) {
+  // out: None, or a C-contiguous float32 [M, N] array written in place (tests prefill it with NaN).
+  FloatArray call(FloatArray x, py::object rows, py::object scale, py::object bias, py::object out) {
     const size_t k = weights_->k(), n = weights_->n();
     const bindings::MatMulArgs args(x, bias, k, n);
     const engine::GatedRows gated = gated_rows(rows, scale, args.m, k);
-    FloatArray y({args.m, n});
+    FloatArray y;
+    if (out.is_none()) {
+      y = FloatArray({args.m, n});
+    } else {
+      py::array given = out.cast<py::array>();
+      if (!given.dtype().is(py::dtype::of<float>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
+          given.ndim() != 2 || static_cast<size_t>(given.shape(0)) != args.m || static_cast<size_t>(given.shape(1)) != n)
+        throw py::value_error("out must be a writable C-contiguous float32 [M, N] array");
+      y = given.cast<FloatArray>();
+    }
     {
       py::gil_scoped_release release;
       backend_->run_quant(x.data(), args.m, gated, args.bias, y.mutable_data(), *kernels_, SerialTaskRunner());
@@ -254,7 +264,7 @@ void register_quant(py::module_& m) {
            py::arg("decode_row_chunks") = engine::QuantTuning{}.decode_row_chunks,
            py::arg("decode_min_chunk_rows") = engine::QuantTuning{}.decode_min_chunk_rows)
       .def("__call__", &QuantMatMul::call, py::arg("x"), py::arg("rows") = py::none(), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none())
+           py::arg("bias") = py::none(), py::arg("out") = py::none())
       .def("dequantized", &QuantMatMul::dequantized)
       .def_property_readonly("bytes", &QuantMatMul::bytes)
       .def_property_readonly("panel", &QuantMatMul::panel)
