@@ -10,6 +10,13 @@
 namespace ortsparse::engine {
 namespace {
 
+// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
+// bytes in flight during one DRAM latency), at least 4 and at most 32 rows.
+constexpr size_t kPrefetchBytes = 6144;
+inline size_t prefetch_rows(size_t row_bytes) {
+  return std::min<size_t>(32, std::max<size_t>(4, (kPrefetchBytes + row_bytes - 1) / row_bytes));
+}
+
 enum Mode { kFirst, kMiddle, kLast, kOnly };  // as in quant_kernels_avx512.cc
 
 inline __m256 bytes_to_float(const uint8_t* p) {
@@ -26,12 +33,14 @@ inline size_t column_of(size_t h, size_t v) {  // first column of vector v (0..3
 }
 
 template <int kBits, int R, Mode kMode>
-void pass(const uint8_t* const* rows, const float* xv, size_t groups, float* acc, float* out, const float* scales,
-          const uint8_t* zp, float default_zp, float xs) {
+void pass(const uint8_t* const* rows, const uint8_t* const* ahead, const float* xv, size_t groups, float* acc,
+          float* out, const float* scales, const uint8_t* zp, float default_zp, float xs) {
   __m256 xb[R];
   for (int i = 0; i < R; ++i) xb[i] = _mm256_set1_ps(xv[i]);
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (size_t g = 0; g < groups; ++g) {
+    // The rows prefetch_rows() further down the token's list (see quant_kernels_avx512.cc).
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * (kQuantGroup * kBits / 8)), _MM_HINT_T0);
     for (size_t h = 0; h < 2; ++h) {
       float* ag = acc + g * kQuantGroup;
       __m256 s[4];
@@ -66,13 +75,13 @@ void pass(const uint8_t* const* rows, const float* xv, size_t groups, float* acc
 }
 
 template <int kBits, int R>
-void pass_mode(Mode mode, const uint8_t* const* rows, const float* xv, size_t groups, float* acc, float* out,
-               const float* scales, const uint8_t* zp, float default_zp, float xs) {
+void pass_mode(Mode mode, const uint8_t* const* rows, const uint8_t* const* ahead, const float* xv, size_t groups,
+               float* acc, float* out, const float* scales, const uint8_t* zp, float default_zp, float xs) {
   switch (mode) {
-    case kFirst: return pass<kBits, R, kFirst>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
-    case kMiddle: return pass<kBits, R, kMiddle>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
-    case kLast: return pass<kBits, R, kLast>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
-    case kOnly: return pass<kBits, R, kOnly>(rows, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kFirst: return pass<kBits, R, kFirst>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kMiddle: return pass<kBits, R, kMiddle>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kLast: return pass<kBits, R, kLast>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kOnly: return pass<kBits, R, kOnly>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
   }
 }
 
@@ -85,6 +94,7 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
   const uint8_t* zp = p.panel_zero_points(panel);
   const float default_zp = p.default_zp;
   for (size_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j, _mm256_setzero_ps());
+  const size_t end_row = std::min(p.k, b1 * p.block), distance = prefetch_rows(p.row_bytes);
   size_t next = 0;
   for (size_t b = b0; b < b1; ++b) {
     const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
@@ -104,17 +114,21 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
       const bool first = i == begin, last = i + 4 >= end;
       const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
       const uint8_t* qr[4];
+      const uint8_t* pf[4];
       float xv[4];
       for (int e = 0; e < count; ++e) {
         const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
         qr[e] = q + r * p.row_bytes;
         xv[e] = x[r];
+        const size_t ahead = i + e + distance;  // in list order (dense: row order), within [b0, b1)
+        const size_t ra = rows ? (ahead < nrows ? static_cast<size_t>(rows[ahead]) : r) : (ahead < end_row ? ahead : r);
+        pf[e] = q + ra * p.row_bytes;
       }
       switch (count) {
-        case 1: pass_mode<kBits, 1>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 2: pass_mode<kBits, 2>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 3: pass_mode<kBits, 3>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        default: pass_mode<kBits, 4>(mode, qr, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 1: pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 2: pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 3: pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        default: pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
       }
     }
   }
