@@ -266,10 +266,8 @@ void QuantBackend::run_prefill(const float* x, const std::vector<size_t>& tokens
   for (size_t i = 0; i < mt; ++i) {
     const size_t t = tokens[i];
     int8_t* q = q_buffer.data() + i * ldq;
-    quantize_activations(x + t * k, k, p.block, nb, gated.scale[t], q, scale_buffer.data() + i * nb,
-                         sum_buffer.data() + i * nb);
-    int16_t* q16 = q16_buffer.data() + i * ldq;
-    for (size_t r = 0; r < ldq; ++r) q16[r] = q[r];
+    kernels.quantize(x + t * k, k, p.block, nb, gated.scale[t], q, q16_buffer.data() + i * ldq,
+                     scale_buffer.data() + i * nb, sum_buffer.data() + i * nb);
   }
   QuantActivations acts;
   acts.m = mt;
@@ -283,7 +281,7 @@ void QuantBackend::run_prefill(const float* x, const std::vector<size_t>& tokens
   size_t span = (groups + std::max<size_t>(1, tuning_.prefill_max_tasks) - 1) / std::max<size_t>(1, tuning_.prefill_max_tasks);
   if (p.bits == 4) span = round_up(span, 2);  // 4-bit kernels read two groups' rows as one 64-byte line
   const size_t task_count = (groups + span - 1) / span;
-  const size_t scratch_bytes = round_up(std::max<size_t>(1, kernels.prefill_scratch_bytes(p)), 64);
+  const size_t scratch_bytes = round_up(std::max<size_t>(1, kernels.prefill_scratch_bytes(p, mt)), 64);
   if (scratch_buffer.size() < task_count * scratch_bytes) scratch_buffer.resize(task_count * scratch_bytes);
   ys_buffer.resize(task_count * mt);
   uint8_t* const scratch = scratch_buffer.data();

@@ -71,11 +71,17 @@ struct QuantKernels {
   //   ys[t][j - c0] = (bias ? bias[j - c0] : 0) + sum_b wscale[b, j] * (a.scale[t, b] * dot(t, b, j)
   //                   - zp[b, j] * a.scale[t, b] * a.sum[t, b])     for j < c0 + valid,
   // where dot is the exact int32 product over the block. Writes nothing past `valid` columns.
-  // scratch: prefill_scratch_bytes(p) bytes, 64-byte aligned (the kernel repacks a column chunk
-  // into its dot-product order there, reused by every token).
+  // scratch: prefill_scratch_bytes(p, a.m) bytes, 64-byte aligned (the kernel repacks a column
+  // chunk into its dot-product order there, reused by every token, and keeps per-token partial sums).
   void (*prefill)(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
                   float* const* ys, size_t valid, const float* bias, uint8_t* scratch);
-  size_t (*prefill_scratch_bytes)(const QuantPacked& p);
+  size_t (*prefill_scratch_bytes)(const QuantPacked& p, size_t m);
+
+  // One token's activations for `prefill`: q and q16 [num_blocks * block] (past K: 0), scale and sum
+  // [num_blocks], as quantize_activations defines them (every ISA gives identical values: the
+  // rounding is one fp32 product rounded half to even).
+  void (*quantize)(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q,
+                   int16_t* q16, float* scale, int32_t* sum);
 };
 
 const QuantKernels& quant_kernels_scalar();
@@ -84,9 +90,9 @@ const QuantKernels& quant_kernels_avx512();
 // The table for an ISA the CPU supports (callers check isa_supported first).
 const QuantKernels& quant_kernels_for(Isa isa);
 
-// Quantizes one token's activations for `prefill` (shared by every ISA, so the int8 values are
-// identical whatever kernel consumes them): q [ldq], scale and sum [num_blocks]; `gate_scale`
-// multiplies the stored scales.
+// The reference quantization (the scalar table's `quantize` without q16): per block, amax = max |x|,
+// q = round_half_even(x * (127 / amax)) (0 when amax = 0), scale = amax / 127 * gate_scale,
+// sum = sum of q; a block holding a NaN or an infinity gets q = 0 and scale = NaN.
 void quantize_activations(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q,
                           float* scale, int32_t* sum);
 

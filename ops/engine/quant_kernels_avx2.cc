@@ -4,6 +4,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "engine/quant_kernels.h"
 
@@ -143,9 +145,11 @@ void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const 
 // Prefill (int16 pairs)
 // ---------------------------------------------------------------------------------------------
 
-// One column group repacked: per pair of K rows, 8 vectors of 8 columns (natural order), each
-// dword = (w[r], w[r + 1]) as int16. Rows >= K become 0.
-size_t pair_scratch_bytes(const QuantPacked& p) { return p.num_blocks * p.block / 2 * 256 + 64; }
+// Scratch: one column group repacked (per pair of K rows, 8 vectors of 8 columns in natural order,
+// each dword = (w[r], w[r + 1]) as int16; rows >= K become 0), then per token the partial sums of
+// the 16 columns being computed.
+size_t pair_weight_bytes(const QuantPacked& p) { return p.num_blocks * p.block / 2 * 256; }
+size_t pair_scratch_bytes(const QuantPacked& p, size_t m) { return pair_weight_bytes(p) + m * 16 * sizeof(float) + 64; }
 
 template <int kBits>
 void repack_pairs(const QuantPacked& p, size_t panel, size_t c, uint8_t* dst) {
@@ -179,18 +183,23 @@ void repack_pairs(const QuantPacked& p, size_t panel, size_t c, uint8_t* dst) {
   }
 }
 
-// T tokens x 16 columns (vectors 2v2, 2v2 + 1 of the group) over every block.
+// T tokens x 16 columns (vectors 2v2, 2v2 + 1 of the group) over blocks [b0, b1), adding to the
+// tokens' partial sums (which start at 0 when `first`).
 template <int T>
 void gemm_tile(const QuantPacked& p, size_t panel, size_t c, const uint8_t* w, size_t v2, const QuantActivations& a,
-               size_t t0, float (*result)[16]) {
+               size_t t0, size_t b0, size_t b1, bool first, float* sums_all) {
   const size_t nb = p.num_blocks, ldq = a.ldq, bp = p.block / 2;
   const float* scales = p.panel_scales(panel);
   const uint8_t* zp = p.panel_zero_points(panel);
   const int16_t* aq[T];
   for (int t = 0; t < T; ++t) aq[t] = a.q16 + (t0 + t) * ldq;
   __m256 f[T][2];
-  for (int t = 0; t < T; ++t) f[t][0] = f[t][1] = _mm256_setzero_ps();
-  for (size_t b = 0; b < nb; ++b) {
+  for (int t = 0; t < T; ++t) {
+    const float* sums = sums_all + (t0 + t) * 16;
+    f[t][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums);
+    f[t][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8);
+  }
+  for (size_t b = b0; b < b1; ++b) {
     __m256i acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
     for (size_t pr = b * bp; pr < (b + 1) * bp; ++pr) {
@@ -218,34 +227,96 @@ void gemm_tile(const QuantPacked& p, size_t panel, size_t c, const uint8_t* w, s
     }
   }
   for (int t = 0; t < T; ++t) {
-    _mm256_storeu_ps(result[t], f[t][0]);
-    _mm256_storeu_ps(result[t] + 8, f[t][1]);
+    float* sums = sums_all + (t0 + t) * 16;
+    _mm256_storeu_ps(sums, f[t][0]);
+    _mm256_storeu_ps(sums + 8, f[t][1]);
   }
 }
+
+// Weight bytes of one K-chunk of a 16-column slice: every token tile passes over it in L1.
+constexpr size_t kChunkBytes = 16 * 1024;
 
 template <int kBits>
 void prefill_pairs(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
                    float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
   constexpr int kTile = 4;
-  float result[kTile][16];
+  float* sums = reinterpret_cast<float*>(scratch + pair_weight_bytes(p));
+  const size_t nb = p.num_blocks, chunk_blocks = std::max<size_t>(1, kChunkBytes / (p.block / 2 * 64));
   for (size_t c = c0; c < c1 && c - c0 < valid; c += kQuantGroup) {
     repack_pairs<kBits>(p, panel, c, scratch);
     for (size_t v2 = 0; v2 < 4; ++v2) {
       const size_t base = c - c0 + 16 * v2;
       if (base >= valid) break;
-      for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
-        const size_t count = std::min<size_t>(kTile, a.m - t0);
-        switch (count) {
-          case 1: gemm_tile<1>(p, panel, c, scratch, v2, a, t0, result); break;
-          case 2: gemm_tile<2>(p, panel, c, scratch, v2, a, t0, result); break;
-          case 3: gemm_tile<3>(p, panel, c, scratch, v2, a, t0, result); break;
-          default: gemm_tile<4>(p, panel, c, scratch, v2, a, t0, result); break;
+      for (size_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+        const size_t b1 = std::min(nb, b0 + chunk_blocks);
+        for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
+          switch (std::min<size_t>(kTile, a.m - t0)) {
+            case 1: gemm_tile<1>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            case 2: gemm_tile<2>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            case 3: gemm_tile<3>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            default: gemm_tile<4>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+          }
         }
-        const size_t width = std::min<size_t>(16, valid - base);
-        for (size_t t = 0; t < count; ++t)
-          for (size_t i = 0; i < width; ++i) ys[t0 + t][base + i] = (bias ? bias[base + i] : 0.0f) + result[t][i];
       }
+      const size_t width = std::min<size_t>(16, valid - base);
+      for (size_t t = 0; t < a.m; ++t)
+        for (size_t i = 0; i < width; ++i) ys[t][base + i] = (bias ? bias[base + i] : 0.0f) + sums[t * 16 + i];
     }
+  }
+}
+
+inline __m256 masked_load(const float* x, size_t count) {  // count < 8: the rest is 0
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t i = 0; i < count; ++i) tmp[i] = x[i];
+  return _mm256_load_ps(tmp);
+}
+
+void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
+              float* scale, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (size_t b = 0; b < num_blocks; ++b) {
+    const size_t r0 = b * block, len = std::min(k, r0 + block) - r0;
+    auto load = [&](size_t i) { return i + 8 <= len ? _mm256_loadu_ps(x + r0 + i) : masked_load(x + r0 + i, i < len ? len - i : 0); };
+    __m256 amax = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();  // x - x is NaN for NaN and +-inf
+    for (size_t i = 0; i < block; i += 8) {
+      const __m256 v = load(i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+      nonfinite = _mm256_add_ps(nonfinite, _mm256_sub_ps(v, v));
+    }
+    alignas(32) float lanes[8], bad[8];
+    _mm256_store_ps(lanes, amax);
+    _mm256_store_ps(bad, nonfinite);
+    float top = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < 8; ++i) {
+      top = std::max(top, lanes[i]);
+      finite &= !std::isnan(bad[i]);
+    }
+    if (!finite) {
+      std::fill(q + r0, q + r0 + block, int8_t{0});
+      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      scale[b] = std::numeric_limits<float>::quiet_NaN();
+      sum[b] = 0;
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i total = _mm256_setzero_si256();
+    for (size_t i = 0; i < block; i += 16) {  // blocks are multiples of 16
+      const __m256i a = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i), inv))));
+      const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i + 8), inv))));
+      total = _mm256_add_epi32(total, _mm256_add_epi32(a, c));
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);  // 16 int16 in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
+      const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), w8);
+    }
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+    int32_t s = 0;
+    for (int i = 0; i < 8; ++i) s += parts[i];
+    sum[b] = s;
+    scale[b] = top / 127.0f * gate_scale;
   }
 }
 
@@ -257,7 +328,7 @@ void prefill_any(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const
 }  // namespace
 
 const QuantKernels& quant_kernels_avx2() {
-  static const QuantKernels table{"avx2", decode_any, prefill_any, pair_scratch_bytes};
+  static const QuantKernels table{"avx2", decode_any, prefill_any, pair_scratch_bytes, quantize};
   return table;
 }
 

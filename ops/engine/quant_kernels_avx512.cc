@@ -4,6 +4,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "engine/quant_kernels.h"
 
@@ -144,14 +146,15 @@ void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const 
 inline size_t vnni_column(size_t v, size_t i) { return 16 * (i / 4) + 4 * v + i % 4; }
 
 struct VnniScratch {
-  uint8_t* w;   // [2 groups][quads][4 vectors][64 bytes]
-  float* scale; // [2 groups][num_blocks][64] in vector order
-  float* zp;    // [2 groups][num_blocks][64] in vector order
+  uint8_t* w;    // [2 groups][quads][4 vectors][64 bytes]
+  float* scale;  // [2 groups][num_blocks][64] in vector order
+  float* zp;     // [2 groups][num_blocks][64] in vector order
+  float* sums;   // [m][32]: per token, the partial sums of the 32 columns being computed
 };
 
-size_t vnni_scratch_bytes(const QuantPacked& p) {
+size_t vnni_scratch_bytes(const QuantPacked& p, size_t m) {
   const size_t ldq = p.num_blocks * p.block;
-  return 2 * ldq * kQuantGroup + 2 * 2 * p.num_blocks * kQuantGroup * sizeof(float) + 64;
+  return 2 * ldq * kQuantGroup + 2 * 2 * p.num_blocks * kQuantGroup * sizeof(float) + m * 32 * sizeof(float) + 64;
 }
 
 VnniScratch vnni_layout(const QuantPacked& p, uint8_t* scratch) {
@@ -160,6 +163,7 @@ VnniScratch vnni_layout(const QuantPacked& p, uint8_t* scratch) {
   s.w = scratch;
   s.scale = reinterpret_cast<float*>(scratch + 2 * ldq * kQuantGroup);
   s.zp = s.scale + 2 * p.num_blocks * kQuantGroup;
+  s.sums = s.zp + 2 * p.num_blocks * kQuantGroup;
   return s;
 }
 
@@ -210,17 +214,22 @@ void repack_vnni(const QuantPacked& p, size_t panel, size_t c, const VnniScratch
     }
 }
 
-// T tokens x 32 columns (vectors 2h, 2h + 1 of group gi) over every block.
+// T tokens x 32 columns (vectors 2h, 2h + 1 of group gi) over blocks [b0, b1), adding to the
+// tokens' partial sums in s.sums (which start at 0 when `first`).
 template <int T>
 void gemm_tile(const QuantPacked& p, const VnniScratch& s, int gi, int h, const QuantActivations& a, size_t t0,
-               float (*result)[32]) {
+               size_t b0, size_t b1, bool first) {
   const size_t nb = p.num_blocks, ldq = a.ldq, quads = ldq / 4, bq = p.block / 4;
   const uint8_t* w = s.w + gi * quads * 256 + h * 128;
   const int8_t* aq[T];
   for (int t = 0; t < T; ++t) aq[t] = a.q + (t0 + t) * ldq;
   __m512 f[T][2];
-  for (int t = 0; t < T; ++t) f[t][0] = f[t][1] = _mm512_setzero_ps();
-  for (size_t b = 0; b < nb; ++b) {
+  for (int t = 0; t < T; ++t) {
+    float* sums = s.sums + (t0 + t) * 32;
+    f[t][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums);
+    f[t][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + 16);
+  }
+  for (size_t b = b0; b < b1; ++b) {
     __m512i acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
     for (size_t kq = b * bq; kq < (b + 1) * bq; ++kq) {
@@ -247,17 +256,22 @@ void gemm_tile(const QuantPacked& p, const VnniScratch& s, int gi, int h, const 
     }
   }
   for (int t = 0; t < T; ++t) {
-    _mm512_storeu_ps(result[t], f[t][0]);
-    _mm512_storeu_ps(result[t] + 16, f[t][1]);
+    float* sums = s.sums + (t0 + t) * 32;
+    _mm512_storeu_ps(sums, f[t][0]);
+    _mm512_storeu_ps(sums + 16, f[t][1]);
   }
 }
+
+// Weight bytes of one K-chunk of a 32-column half group: every token tile passes over the chunk
+// while it sits in L1 (a whole K x 32 slice of a large K would be re-read from L2 per tile).
+constexpr size_t kChunkBytes = 16 * 1024;
 
 template <int kBits>
 void prefill_vnni(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
                   float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
   const VnniScratch s = vnni_layout(p, scratch);
   constexpr int kTile = 4;
-  float result[kTile][32];
+  const size_t nb = p.num_blocks, chunk_blocks = std::max<size_t>(1, kChunkBytes / (p.block / 4 * 128));
   for (size_t c = c0; c < c1 && c - c0 < valid;) {
     const int groups = (kBits == 4 && c + 2 * kQuantGroup <= c1) ? 2 : 1;
     if (groups == 2) {
@@ -269,24 +283,64 @@ void prefill_vnni(const QuantPacked& p, size_t panel, size_t c0, size_t c1, cons
       const size_t base = c - c0 + gi * kQuantGroup;  // output column of the group's first column
       if (base >= valid) break;
       for (int h = 0; h < 2; ++h) {
-        for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
-          const size_t count = std::min<size_t>(kTile, a.m - t0);
-          switch (count) {
-            case 1: gemm_tile<1>(p, s, gi, h, a, t0, result); break;
-            case 2: gemm_tile<2>(p, s, gi, h, a, t0, result); break;
-            case 3: gemm_tile<3>(p, s, gi, h, a, t0, result); break;
-            default: gemm_tile<4>(p, s, gi, h, a, t0, result); break;
+        for (size_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+          const size_t b1 = std::min(nb, b0 + chunk_blocks);
+          for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
+            switch (std::min<size_t>(kTile, a.m - t0)) {
+              case 1: gemm_tile<1>(p, s, gi, h, a, t0, b0, b1, b0 == 0); break;
+              case 2: gemm_tile<2>(p, s, gi, h, a, t0, b0, b1, b0 == 0); break;
+              case 3: gemm_tile<3>(p, s, gi, h, a, t0, b0, b1, b0 == 0); break;
+              default: gemm_tile<4>(p, s, gi, h, a, t0, b0, b1, b0 == 0); break;
+            }
           }
-          for (size_t t = 0; t < count; ++t)
-            for (size_t vv = 0; vv < 2; ++vv)
-              for (size_t i = 0; i < 16; ++i) {
-                const size_t col = base + vnni_column(2 * h + vv, i);
-                if (col < valid) ys[t0 + t][col] = (bias ? bias[col] : 0.0f) + result[t][vv * 16 + i];
-              }
+        }
+        for (size_t t = 0; t < a.m; ++t) {
+          const float* sums = s.sums + t * 32;
+          for (size_t vv = 0; vv < 2; ++vv)
+            for (size_t i = 0; i < 16; ++i) {
+              const size_t col = base + vnni_column(2 * h + vv, i);
+              if (col < valid) ys[t][col] = (bias ? bias[col] : 0.0f) + sums[vv * 16 + i];
+            }
         }
       }
     }
     c += groups * kQuantGroup;
+  }
+}
+
+void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
+              float* scale, int32_t* sum) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (size_t b = 0; b < num_blocks; ++b) {
+    const size_t r0 = b * block, len = std::min(k, r0 + block) - r0;
+    __m512 amax = _mm512_setzero_ps(), nonfinite = _mm512_setzero_ps();  // x - x is NaN for NaN and +-inf
+    for (size_t i = 0; i < block; i += 16) {
+      const __mmask16 m = i >= len ? 0 : (len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1u));
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + r0 + i);
+      amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v));
+      nonfinite = _mm512_add_ps(nonfinite, _mm512_sub_ps(v, v));
+    }
+    const float top = _mm512_reduce_max_ps(amax);
+    if (std::isnan(_mm512_reduce_add_ps(nonfinite))) {
+      std::fill(q + r0, q + r0 + block, int8_t{0});
+      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      scale[b] = std::numeric_limits<float>::quiet_NaN();
+      sum[b] = 0;
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i total = _mm512_setzero_si512();
+    for (size_t i = 0; i < block; i += 16) {
+      const __mmask16 m = i >= len ? 0 : (len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1u));
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + r0 + i);
+      const __m512i iv = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
+      total = _mm512_add_epi32(total, iv);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), _mm512_cvtsepi32_epi8(iv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), _mm512_cvtsepi32_epi16(iv));
+    }
+    sum[b] = _mm512_reduce_add_epi32(total);
+    scale[b] = top / 127.0f * gate_scale;
   }
 }
 
@@ -299,7 +353,7 @@ void prefill_any(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const
 
 const QuantKernels& quant_kernels_avx512() {
   static const QuantKernels table = [] {
-    QuantKernels t{"avx512", decode_any, prefill_any, vnni_scratch_bytes};
+    QuantKernels t{"avx512", decode_any, prefill_any, vnni_scratch_bytes, quantize};
     if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int16 prefill
       t.prefill = quant_kernels_avx2().prefill;
       t.prefill_scratch_bytes = quant_kernels_avx2().prefill_scratch_bytes;

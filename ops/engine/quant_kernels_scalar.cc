@@ -77,7 +77,7 @@ void prefill(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const Qua
   }
 }
 
-size_t prefill_scratch_bytes(const QuantPacked&) { return 0; }
+size_t prefill_scratch_bytes(const QuantPacked&, size_t) { return 0; }
 
 }  // namespace
 
@@ -111,8 +111,16 @@ void quantize_activations(const float* x, size_t k, size_t block, size_t num_blo
   }
 }
 
+namespace {
+void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
+              float* scale, int32_t* sum) {
+  quantize_activations(x, k, block, num_blocks, gate_scale, q, scale, sum);
+  for (size_t r = 0; r < num_blocks * block; ++r) q16[r] = q[r];
+}
+}  // namespace
+
 const QuantKernels& quant_kernels_scalar() {
-  static const QuantKernels table{"scalar", decode, prefill, prefill_scratch_bytes};
+  static const QuantKernels table{"scalar", decode, prefill, prefill_scratch_bytes, quantize};
   return table;
 }
 

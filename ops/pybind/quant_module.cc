@@ -250,9 +250,25 @@ FloatArray bench(const std::vector<QuantMatMul*>& copies, FloatArray x, py::obje
   return out;
 }
 
+// One token's activations quantized by an ISA's kernel: (q int8, q16 int16, scale, sum) per block.
+py::tuple quantize(const std::string& isa, FloatArray x, size_t block, float gate_scale) {
+  if (x.ndim() != 1 || x.size() == 0) throw py::value_error("x must be a non-empty vector");
+  if (block < 16 || block % 16) throw py::value_error("block must be a multiple of 16");
+  const size_t k = x.size(), nb = (k + block - 1) / block;
+  py::array_t<int8_t> q(nb * block);
+  py::array_t<int16_t> q16(nb * block);
+  FloatArray scale(nb);
+  py::array_t<int32_t> sum(nb);
+  engine::quant_kernels_for(bindings::parse_isa(isa))
+      .quantize(x.data(), k, block, nb, gate_scale, q.mutable_data(), q16.mutable_data(), scale.mutable_data(),
+                sum.mutable_data());
+  return py::make_tuple(q, q16, scale, sum);
+}
+
 }  // namespace
 
 void register_quant(py::module_& m) {
+  m.def("quant_quantize", &quantize, py::arg("isa"), py::arg("x"), py::arg("block"), py::arg("gate_scale") = 1.0f);
   m.attr("QUANT_GROUP") = engine::kQuantGroup;
   m.attr("QUANT_MAX_PANEL") = engine::kQuantMaxPanel;
   py::class_<QuantMatMul>(m, "QuantMatMul")

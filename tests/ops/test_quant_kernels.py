@@ -169,6 +169,35 @@ def test_decode_reads_no_skipped_row(isa, rng):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 100, 256, 1234])
+def test_activation_quantization_is_identical_on_every_isa(isa, block, k, rng):
+    x = (rng.standard_normal(k) * rng.choice([1e-3, 1.0, 50.0], k)).astype(np.float32)
+    x[rng.random(k) < 0.1] = 0.0
+    x[: min(k, block)] = np.round(x[: min(k, block)] * 4) / 4  # exact halves: ties must round to even
+    q, q16, scale, total = K.quant_quantize(isa, x, block, 0.5)
+    nb = -(-k // block)
+    xp = np.zeros(nb * block, dtype=np.float32)
+    xp[:k] = x
+    blocks = xp.reshape(nb, block)
+    amax = np.abs(blocks).max(axis=1)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    ref = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int32)
+    np.testing.assert_array_equal(q.reshape(nb, block), ref)
+    np.testing.assert_array_equal(q16, q)
+    np.testing.assert_array_equal(total, ref.sum(axis=1))
+    np.testing.assert_array_equal(scale, (amax / np.float32(127.0) * np.float32(0.5)).astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_quantization_marks_nonfinite_blocks(isa):
+    x = np.ones(64, dtype=np.float32)
+    x[3], x[40] = np.nan, np.inf
+    q, _, scale, total = K.quant_quantize(isa, x, 32)
+    assert np.all(np.isnan(scale)) and np.all(q == 0) and np.all(total == 0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
 @pytest.mark.parametrize("zero_points", [False, True])
