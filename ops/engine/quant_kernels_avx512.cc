@@ -16,13 +16,16 @@ namespace {
 // Decode
 // ---------------------------------------------------------------------------------------------
 
-// How a pass of up to 4 rows of one K-block treats the block accumulator `acc` and the output:
+// How a pass of up to kPassRows rows of one K-block treats the block accumulator `acc` and the output:
 // How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
 // bytes in flight during one DRAM latency), at least 4 and at most 32 rows.
 constexpr size_t kPrefetchBytes = 6144;
 inline size_t prefetch_rows(size_t row_bytes) {
   return std::min<size_t>(32, std::max<size_t>(4, (kPrefetchBytes + row_bytes - 1) / row_bytes));
 }
+
+// Rows per pass over the panel: each pass loads and stores the block accumulator once.
+constexpr size_t kPassRows = 8;
 
 enum Mode { kFirst, kMiddle, kLast, kOnly };  // acc = rows | acc += rows | out += s*(acc+rows-zp*xs) | out += s*(rows-zp*xs)
 
@@ -34,7 +37,7 @@ void pass(const uint8_t* const* rows, const uint8_t* const* ahead, const float* 
   __m512 xb[R];
   for (int i = 0; i < R; ++i) xb[i] = _mm512_set1_ps(xv[i]);
   const __m512 xsv = _mm512_set1_ps(xs), zpc = _mm512_set1_ps(default_zp);
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (size_t g = 0; g < groups; ++g) {
     // The rows prefetch_rows() further down the token's list: a gated list jumps where the hardware
     // prefetchers cannot follow, so the kernel fetches them itself (one line per row and group).
@@ -52,7 +55,8 @@ void pass(const uint8_t* const* rows, const uint8_t* const* ahead, const float* 
         const uint8_t* q = rows[i] + g * (kQuantGroup / 2);
         for (int h = 0; h < 2; ++h) {
           const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
-          s[h] = _mm512_fmadd_ps(xb[i], _mm512_cvtepi32_ps(_mm512_and_si512(d, low4)), s[h]);
+          // vpermps reads only the low 4 bits of each index: the low nibble as a float in one step.
+          s[h] = _mm512_fmadd_ps(xb[i], _mm512_permutexvar_ps(d, nibble_values), s[h]);
           s[h + 2] = _mm512_fmadd_ps(xb[i], _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4)), s[h + 2]);
         }
       }
@@ -107,13 +111,13 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
     for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
     const float* sb = scales + b * width;
     const uint8_t* zb = zp ? zp + b * width : nullptr;
-    for (size_t i = begin; i < end; i += 4) {
-      const int count = static_cast<int>(std::min<size_t>(4, end - i));
-      const bool first = i == begin, last = i + 4 >= end;
+    for (size_t i = begin; i < end; i += kPassRows) {
+      const int count = static_cast<int>(std::min(kPassRows, end - i));
+      const bool first = i == begin, last = i + kPassRows >= end;
       const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
-      const uint8_t* qr[4];
-      const uint8_t* pf[4];
-      float xv[4];
+      const uint8_t* qr[kPassRows];
+      const uint8_t* pf[kPassRows];
+      float xv[kPassRows];
       for (int e = 0; e < count; ++e) {
         const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
         qr[e] = q + r * p.row_bytes;
@@ -126,7 +130,11 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
         case 1: pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
         case 2: pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
         case 3: pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        default: pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 4: pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 5: pass_mode<kBits, 5>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 6: pass_mode<kBits, 6>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 7: pass_mode<kBits, 7>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        default: pass_mode<kBits, 8>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
       }
     }
   }
