@@ -37,9 +37,9 @@ struct MatMulNBitsTensors {
 };
 
 // Widest column panel. Wide panels make each kept row one long run of bytes and each dropped row a
-// long gap: the hardware prefetchers run several lines ahead of a stream, so narrow rows (a 1-2 KB
-// run) get their dropped neighbours fetched anyway; measured at 4096x11008 int4, keep 0.5 took
-// ~0.8x the dense time with 1-2K-column panels and ~0.4x with full rows. The decode accumulators
+// long gap: the hardware prefetchers run some lines past the end of every run, so with short rows
+// (a 1-2 KB run) much of a dropped neighbour is fetched anyway; at 4096x11008 int4, keep 0.5 saved
+// about half as much time with 1-2K-column panels as with full rows. The decode accumulators
 // (2 x panel floats) then live in L2 rather than L1, which costs less than the bytes saved.
 constexpr size_t kQuantMaxPanel = 16384;
 
