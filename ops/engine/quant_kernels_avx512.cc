@@ -17,15 +17,15 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 
 // How a pass of up to kPassRows rows of one K-block treats the block accumulator `acc` and the output:
-// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
-// bytes in flight during one DRAM latency), at least 4 and at most 32 rows.
-constexpr size_t kPrefetchBytes = 6144;
-inline size_t prefetch_rows(size_t row_bytes) {
-  return std::min<size_t>(32, std::max<size_t>(4, (kPrefetchBytes + row_bytes - 1) / row_bytes));
-}
-
 // Rows per pass over the panel: each pass loads and stores the block accumulator once.
 constexpr size_t kPassRows = 8;
+
+// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
+// bytes in flight during one DRAM latency), at least the next pass's rows and at most 32 rows.
+constexpr size_t kPrefetchBytes = 6144;
+inline size_t prefetch_rows(size_t row_bytes) {
+  return std::min<size_t>(32, std::max<size_t>(kPassRows, (kPrefetchBytes + row_bytes - 1) / row_bytes));
+}
 
 enum Mode { kFirst, kMiddle, kLast, kOnly };  // acc = rows | acc += rows | out += s*(acc+rows-zp*xs) | out += s*(rows-zp*xs)
 
