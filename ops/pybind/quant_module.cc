@@ -70,7 +70,8 @@ engine::GatedRows gated_rows(const py::object& rows, const py::object& scale, si
 
 // Two threads for the benchmark's 2-thread rows only (the op library uses ORT's pool): the caller
 // takes tasks too; the helper sleeps on a condition variable between calls (no spinning, like an
-// ORT session with allow_spinning=0).
+// ORT session with allow_spinning=0). The caller waits only for a helper that joined the call: a
+// helper the OS has not scheduled yet when the caller ran out of tasks is simply left out.
 class TwoThreadRunner final : public TaskRunner {
  public:
   TwoThreadRunner() : worker_([this] { loop(); }) {}
@@ -87,48 +88,53 @@ class TwoThreadRunner final : public TaskRunner {
       for (size_t i = 0; i < n_tasks; ++i) fn(i);
       return;
     }
+    Job job{&fn, n_tasks};
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      n_tasks_ = n_tasks;
-      next_.store(0);
-      helper_done_ = false;
+      job_ = &job;
       ++generation_;
     }
     wake_.notify_one();
-    drain();
+    job.drain();
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return helper_done_; });
-    fn_ = nullptr;
+    job_ = nullptr;  // a helper that wakes from now on finds no job
+    done_.wait(lock, [this] { return helper_active_ == 0; });
   }
 
  private:
-  void drain() const {
-    for (size_t i = next_.fetch_add(1); i < n_tasks_; i = next_.fetch_add(1)) (*fn_)(i);
-  }
+  struct Job {
+    const std::function<void(size_t)>* fn;
+    size_t n;
+    std::atomic<size_t> next{0};
+    void drain() {
+      for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) (*fn)(i);
+    }
+  };
   void loop() {
     uint64_t seen = 0;
     for (;;) {
+      Job* job = nullptr;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
+        if (job_ == nullptr) continue;
+        job = job_;
+        ++helper_active_;
       }
-      drain();
+      job->drain();
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        helper_done_ = true;
+        --helper_active_;
       }
       done_.notify_one();
     }
   }
   mutable std::mutex mutex_;
   mutable std::condition_variable wake_, done_;
-  mutable const std::function<void(size_t)>* fn_ = nullptr;
-  mutable size_t n_tasks_ = 0;
-  mutable std::atomic<size_t> next_{0};
-  mutable bool helper_done_ = true;
+  mutable Job* job_ = nullptr;
+  mutable int helper_active_ = 0;
   mutable uint64_t generation_ = 0;
   bool stop_ = false;
   std::thread worker_;
@@ -177,7 +183,9 @@ class QuantMatMul {
   }
 
   // out: None, or a C-contiguous float32 [M, N] array written in place (tests prefill it with NaN).
-  FloatArray call(FloatArray x, py::object rows, py::object scale, py::object bias, py::object out) {
+  // threads = 2: the benchmark's two-thread runner (tests check it gives the serial result).
+  FloatArray call(FloatArray x, py::object rows, py::object scale, py::object bias, py::object out, size_t threads) {
+    if (threads != 1 && threads != 2) throw py::value_error("threads must be 1 or 2");
     const size_t k = weights_->k(), n = weights_->n();
     const bindings::MatMulArgs args(x, bias, k, n);
     const engine::GatedRows gated = gated_rows(rows, scale, args.m, k);
@@ -193,7 +201,11 @@ class QuantMatMul {
     }
     {
       py::gil_scoped_release release;
-      backend_->run_quant(x.data(), args.m, gated, args.bias, y.mutable_data(), *kernels_, SerialTaskRunner());
+      if (threads == 2) {
+        backend_->run_quant(x.data(), args.m, gated, args.bias, y.mutable_data(), *kernels_, TwoThreadRunner());
+      } else {
+        backend_->run_quant(x.data(), args.m, gated, args.bias, y.mutable_data(), *kernels_, SerialTaskRunner());
+      }
     }
     return y;
   }
@@ -280,7 +292,7 @@ void register_quant(py::module_& m) {
            py::arg("decode_row_chunks") = engine::QuantTuning{}.decode_row_chunks,
            py::arg("decode_min_chunk_rows") = engine::QuantTuning{}.decode_min_chunk_rows)
       .def("__call__", &QuantMatMul::call, py::arg("x"), py::arg("rows") = py::none(), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none(), py::arg("out") = py::none())
+           py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("threads") = 1)
       .def("dequantized", &QuantMatMul::dequantized)
       .def_property_readonly("bytes", &QuantMatMul::bytes)
       .def_property_readonly("panel", &QuantMatMul::panel)
