@@ -20,6 +20,7 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
       set.proc = &proc_kernels_avx512();
       set.tt = &tt_kernels_avx512();
       set.attention = &attention_kernels_avx512();
+      set.quant = &quant_kernels_avx512();
       break;
     case Isa::kAvx2:
       set.matmul = &matmul_kernels_avx2();
@@ -27,6 +28,7 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
       set.proc = &proc_kernels_avx2();
       set.tt = &tt_kernels_avx2();
       set.attention = &attention_kernels_avx2();
+      set.quant = &quant_kernels_avx2();
       break;
     default:
       set.matmul = &matmul_kernels_scalar();
@@ -34,6 +36,7 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
       set.proc = &proc_kernels_scalar();
       set.tt = &tt_kernels_scalar();
       set.attention = &attention_kernels_scalar();
+      set.quant = &quant_kernels_scalar();
       break;
   }
   switch (popcnt) {

@@ -11,6 +11,7 @@
 #include "kernels/matmul_kernels.h"
 #include "kernels/popcount_kernels.h"
 #include "kernels/proc_kernels.h"
+#include "kernels/quant_kernels.h"
 #include "kernels/tt_kernels.h"
 
 namespace ortsparse::kernels {
@@ -26,6 +27,7 @@ struct KernelSet {
   const TTKernels* tt;
   const AttentionKernels* attention;
   const PopcountKernels* popcount;
+  const QuantKernels* quant;
 
   const char* isa_name() const { return ortsparse::isa_name(isa); }
 };

@@ -21,6 +21,7 @@ namespace py = pybind11;
 void register_proc(py::module_& m);  // ops/pybind/proc_module.cc
 void register_attention(py::module_& m);
 void register_tt(py::module_& m);  // tt_module.cc
+void register_quant(py::module_& m);  // quant_module.cc
 using namespace ortsparse;
 using bindings::FloatArray;
 using bindings::IntArray;
@@ -218,6 +219,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.attr("TOKEN_TILE") = kernels::kTokenTile;
   register_proc(m);
   register_tt(m);
+  register_quant(m);
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("isa_supported", [](const std::string& name) {
     for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})

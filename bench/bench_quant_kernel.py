@@ -1,0 +1,175 @@
+"""The quant weight backend vs ORT's MatMulNBits (accuracy_level 4, same bits and block_size), same
+process, alternating, medians.
+
+- ORT: one graph of `copies` independent MatMulNBits nodes (each with its own weights) on one input X;
+  time per node = Run time / copies.
+- ours: `copies` QuantMatMul objects built from the same tensors, called in a C++ loop
+  (_kernels.quant_bench: one pass over every copy, per-call time measured inside C++; 1 thread runs
+  inline, 2 threads use a two-thread runner that sleeps between calls, like ORT with
+  session.intra_op.allow_spinning=0).
+- in-cache: copies whose total is <= 8 MiB (skipped for layers larger than 16 MiB);
+  out-of-cache: distinct copies totalling >= 96 MiB (3x the 32 MiB L3).
+At M = 1 the rows each call keeps are a random list (block 1) of `keep` x K rows; GB/s = bytes the
+call must read (kept rows' quantized bytes + scales + zero points) / time.
+
+usage: python bench/bench_quant_kernel.py [--quick] [--bits 4 8] [--block 32] [--threads 1 2] [-o reports/quant_kernel]
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from ortsparse import _kernels as K
+from ortsparse.benchmarking import kernel_bench_parser, kernel_bench_shapes, machine_info, median, read_bandwidth_gbs, write_report
+
+SHAPES = [(576, 1536), (1536, 576), (576, 960), (4096, 11008)]
+KEEPS = [1.0, 0.75, 0.5]
+IN_CACHE_BYTES = 8 * 1024 * 1024
+OUT_OF_CACHE_BYTES = 96 * 1024 * 1024
+
+
+def make_tensors(rng, k, n, bits, block, zero_points):
+    nb = (k + block - 1) // block
+    b = rng.integers(0, 256, (n, nb, block * bits // 8), dtype=np.uint8)
+    scales = (rng.standard_normal((n, nb)) * 0.01).astype(np.float32)
+    zp = rng.integers(0, 256, (n, (nb * bits + 7) // 8), dtype=np.uint8) if zero_points else None
+    return b, scales, zp
+
+
+def layer_bytes(k, n, bits, block, zero_points):
+    nb = (k + block - 1) // block
+    return n * nb * block * bits // 8 + n * nb * 4 + (n * ((nb * bits + 7) // 8) if zero_points else 0)
+
+
+def ort_session(tensors, k, n, bits, block, threads):
+    inits, nodes, outputs = [], [], []
+    for c, (b, scales, zp) in enumerate(tensors):
+        inits += [helper.make_tensor(f"B{c}", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
+                  helper.make_tensor(f"S{c}", TensorProto.FLOAT, scales.shape, scales.tobytes(), raw=True)]
+        names = ["X", f"B{c}", f"S{c}"]
+        if zp is not None:
+            inits.append(helper.make_tensor(f"Z{c}", TensorProto.UINT8, zp.shape, zp.tobytes(), raw=True))
+            names.append(f"Z{c}")
+        nodes.append(helper.make_node("MatMulNBits", names, [f"Y{c}"], domain="com.microsoft", K=k, N=n, bits=bits,
+                                      block_size=block, accuracy_level=4))
+        outputs.append(helper.make_tensor_value_info(f"Y{c}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if threads > 1:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def run_case(k, n, m, bits, block, zero_points, regime, threads, repeats, rng):
+    lb = layer_bytes(k, n, bits, block, zero_points)
+    if regime == "in-cache":
+        if lb > 2 * IN_CACHE_BYTES:
+            return []
+        copies = max(1, min(8, IN_CACHE_BYTES // lb))
+    else:
+        copies = max(1, math.ceil(OUT_OF_CACHE_BYTES / lb))
+    tensors = [make_tensors(np.random.default_rng(c), k, n, bits, block, zero_points) for c in range(copies)]
+    sess = ort_session(tensors, k, n, bits, block, threads)
+    ours = [K.QuantMatMul(b, s, z, k, n, bits, block) for b, s, z in tensors]
+    del tensors
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    keeps = KEEPS if m == 1 else [1.0]
+    row_lists = {keep: (None if keep == 1.0 else
+                        [np.sort(rng.choice(k, int(round(keep * k)), replace=False)).astype(np.int32)])
+                 for keep in keeps}
+    feeds = {"X": x}
+    for _ in range(2):  # warm-up
+        sess.run(None, feeds)
+        for keep in keeps:
+            K.quant_bench(ours, x, row_lists[keep], runs=1, threads=threads)
+    ort_times, our_times = [], {keep: [] for keep in keeps}
+    import time
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        ort_times.append((time.perf_counter() - t0) / copies)
+        for keep in keeps:
+            our_times[keep].append(float(K.quant_bench(ours, x, row_lists[keep], runs=1, threads=threads)[0]))
+    base = median(ort_times)
+    ours_bytes = ours[0].bytes
+    rows = []
+    for keep in keeps:
+        t = median(our_times[keep])
+        row = dict(k=k, n=n, m=m, bits=bits, block=block, zero_points=zero_points, regime=regime, threads=threads,
+                   keep=keep, copies=copies, ort_us=base * 1e6, ours_us=t * 1e6, speedup=base / t,
+                   target=(1.0 if keep == 1.0 else 0.85 / keep) if m == 1 else 0.9)
+        if m == 1:
+            # Scales and zero points of a block are read when any of its rows is kept (at block 1 and
+            # keep >= 0.5 that is every block); the quantized bytes only for kept rows.
+            q_bytes = k * n * bits // 8
+            row["ours_gbs"] = (keep * q_bytes + (ours_bytes - q_bytes * ours[0].panel * ours[0].num_panels / n)) / t / 1e9
+            row["ort_gbs"] = lb / base / 1e9
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, info, bandwidth, command):
+    lines = ["# Quant backend vs ORT MatMulNBits (accuracy_level 4), kernel level", "",
+             f"Command: `{command}`  ", f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, "
+             f"onnxruntime {info['onnxruntime']}, {info['date']}  ",
+             f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
+             f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
+             "Per-call medians, alternating in one process; speedup = ORT time / ours (>1 is faster). "
+             "keep < 1: random row lists at block 1. 2 threads: allow_spinning=0 for ORT, a sleeping "
+             "two-thread runner for ours. GB/s (M = 1) = bytes the call reads / time.", "",
+             "| K x N | bits | block | M | regime | thr | keep | ORT us | ours us | speedup | target | ORT GB/s | ours GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        og = f"{r['ort_gbs']:.1f}" if "ort_gbs" in r else ""
+        ug = f"{r['ours_gbs']:.1f}" if "ours_gbs" in r else ""
+        lines.append(f"| {r['k']}x{r['n']} | {r['bits']} | {r['block']} | {r['m']} | {r['regime']} | {r['threads']} | "
+                     f"{r['keep']} | {r['ort_us']:.1f} | {r['ours_us']:.1f} | {r['speedup']:.2f} | {r['target']:.2f} | "
+                     f"{og} | {ug} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = kernel_bench_parser(__doc__.splitlines()[0], "reports/quant_kernel", "one shape, few repeats (smoke run)")
+    parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--zero-points", action="store_true", help="asymmetric weights (uint8 zero points)")
+    parser.add_argument("--regimes", nargs="+", default=["in-cache", "out-of-cache"])
+    args = parser.parse_args(argv)
+    shapes = kernel_bench_shapes(args, SHAPES)
+    if args.quick:
+        shapes = shapes[:1]
+    rng = np.random.default_rng(0)
+    info = machine_info()
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    for bits in args.bits:
+        for threads in args.threads:
+            for k, n in shapes:
+                for m in args.ms:
+                    for regime in args.regimes:
+                        big = k * n * m > 576 * 1536 * 128
+                        repeats = args.repeats or (5 if args.quick else (7 if big else 25 if m > 1 else 61))
+                        new = run_case(k, n, m, bits, args.block, args.zero_points, regime, threads, repeats, rng)
+                        for r in new:
+                            print(f"int{bits} {k}x{n} M={m} {regime} thr={threads} keep={r['keep']}: ORT {r['ort_us']:.1f}us "
+                                  f"ours {r['ours_us']:.1f}us x{r['speedup']:.2f} (target {r['target']:.2f})"
+                                  + (f" GB/s ORT {r['ort_gbs']:.1f} ours {r['ours_gbs']:.1f}" if m == 1 else ""),
+                                  flush=True)
+                        rows.extend(new)
+    command = "python bench/bench_quant_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload = dict(machine=info, bandwidth=bandwidth, command=command.strip(), rows=rows)
+    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command.strip()))
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

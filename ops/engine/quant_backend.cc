@@ -1,0 +1,294 @@
+#include "engine/quant_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace ortsparse::engine {
+
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// True when `shape` is [d0, d1] or the flat [d0 * d1].
+bool matrix_or_flat(const std::vector<int64_t>& shape, int64_t d0, int64_t d1) {
+  return (shape.size() == 2 && shape[0] == d0 && shape[1] == d1) || (shape.size() == 1 && shape[0] == d0 * d1);
+}
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+QuantWeights::QuantWeights(const MatMulNBitsTensors& t, size_t max_panel) {
+  if (t.bits != 4 && t.bits != 8) fail("attribute bits=", t.bits, " is not supported (4 or 8)");
+  if (t.block_size < 16 || t.block_size > 128 || (t.block_size & (t.block_size - 1)) != 0)
+    fail("attribute block_size=", t.block_size, " is not supported (a power of two in [16, 128])");
+  if (t.k <= 0 || t.n <= 0) fail("attributes K=", t.k, " and N=", t.n, " must be positive");
+  if (t.k >= (int64_t{1} << 31) || t.n >= (int64_t{1} << 31)) fail("attributes K=", t.k, " or N=", t.n, " are too large");
+  const int64_t nb = (t.k + t.block_size - 1) / t.block_size;
+  const int64_t blob = t.block_size * t.bits / 8;
+  const std::vector<int64_t> b_expected{t.n, nb, blob};
+  if (t.b_shape != b_expected)
+    fail("input B has shape ", shape_string(t.b_shape), "; K=", t.k, ", N=", t.n, ", bits=", t.bits,
+         ", block_size=", t.block_size, " need ", shape_string(b_expected));
+  if (!matrix_or_flat(t.scales_shape, t.n, nb))
+    fail("input scales has shape ", shape_string(t.scales_shape), "; K=", t.k, ", N=", t.n, ", block_size=",
+         t.block_size, " need [", t.n, ", ", nb, "] or [", t.n * nb, "]");
+  const int64_t zp_blob = (nb * t.bits + 7) / 8;
+  if (t.zero_points) {
+    if (t.zero_points_are_float)
+      fail("input zero_points is a float tensor; only uint8 zero points (packed as MatMulNBits packs them) are "
+           "supported");
+    if (!matrix_or_flat(t.zero_points_shape, t.n, zp_blob))
+      fail("input zero_points has shape ", shape_string(t.zero_points_shape), "; K=", t.k, ", N=", t.n,
+           ", bits=", t.bits, ", block_size=", t.block_size, " need [", t.n, ", ", zp_blob, "] or [",
+           t.n * zp_blob, "]");
+  }
+  if (t.b == nullptr || t.scales == nullptr) fail("inputs B and scales must hold data");
+  if (max_panel < kQuantGroup || max_panel % kQuantGroup) fail("max_panel=", max_panel, " must be a multiple of ", kQuantGroup);
+
+  QuantPacked& p = packed_;
+  p.k = static_cast<size_t>(t.k);
+  p.n = static_cast<size_t>(t.n);
+  p.bits = static_cast<size_t>(t.bits);
+  p.block = static_cast<size_t>(t.block_size);
+  p.num_blocks = static_cast<size_t>(nb);
+  const size_t groups = (p.n + kQuantGroup - 1) / kQuantGroup;
+  const size_t panels_wanted = (groups * kQuantGroup + max_panel - 1) / max_panel;
+  p.panel = (groups + panels_wanted - 1) / panels_wanted * kQuantGroup;
+  p.num_panels = (p.n + p.panel - 1) / p.panel;
+  p.row_bytes = p.panel * p.bits / 8;
+  p.default_zp = p.bits == 4 ? 8 : 128;
+
+  q_.resize(p.num_panels * p.k * p.row_bytes);
+  scales_.resize(p.num_panels * p.num_blocks * p.panel);
+  std::memset(q_.data(), 0, q_.size());
+  std::fill(scales_.data(), scales_.data() + scales_.size(), 0.0f);
+  const uint8_t* zp_src = static_cast<const uint8_t*>(t.zero_points);
+  if (zp_src) {
+    zero_points_.resize(scales_.size());
+    std::memset(zero_points_.data(), 0, zero_points_.size());
+  }
+  // One column group at a time: its 64 source columns are read sequentially, its rows written whole.
+  const size_t bs = p.block, k = p.k;
+  for (size_t n0 = 0; n0 < p.n; n0 += kQuantGroup) {
+    const size_t n1 = std::min(p.n, n0 + kQuantGroup);
+    const size_t panel = n0 / p.panel, g = (n0 % p.panel) / kQuantGroup;
+    uint8_t* dst = q_.data() + panel * k * p.row_bytes;
+    for (size_t kk = 0; kk < k; ++kk) {
+      const size_t b = kk / bs, e = kk % bs;
+      uint8_t* row = dst + kk * p.row_bytes;
+      for (size_t nn = n0; nn < n1; ++nn) {
+        const uint8_t* src = t.b + (nn * p.num_blocks + b) * static_cast<size_t>(blob);
+        const size_t i = nn - n0;
+        if (p.bits == 8) {
+          row[g * kQuantGroup + i] = src[e];
+        } else {
+          const uint8_t v = (src[e / 2] >> (4 * (e & 1))) & 0x0F;
+          row[g * (kQuantGroup / 2) + i % 32] |= static_cast<uint8_t>(i < 32 ? v : v << 4);
+        }
+      }
+    }
+  }
+  for (size_t nn = 0; nn < p.n; ++nn) {
+    const size_t panel = nn / p.panel, j = nn % p.panel;
+    for (size_t b = 0; b < p.num_blocks; ++b) {
+      const size_t at = (panel * p.num_blocks + b) * p.panel + j;
+      scales_[at] = t.scales[nn * p.num_blocks + b];
+      if (zp_src) {
+        const uint8_t* z = zp_src + nn * static_cast<size_t>(zp_blob);
+        zero_points_[at] = p.bits == 8 ? z[b] : static_cast<uint8_t>((z[b / 2] >> (4 * (b & 1))) & 0x0F);
+      }
+    }
+  }
+  p.q = q_.data();
+  p.scales = scales_.data();
+  p.zero_points = zp_src ? zero_points_.data() : nullptr;
+}
+
+std::vector<float> QuantWeights::dequantized() const {
+  const QuantPacked& p = packed_;
+  std::vector<float> w(p.k * p.n);
+  for (size_t nn = 0; nn < p.n; ++nn) {
+    const size_t panel = nn / p.panel, j = nn % p.panel, g = j / kQuantGroup, i = j % kQuantGroup;
+    for (size_t kk = 0; kk < p.k; ++kk) {
+      const uint8_t* row = p.panel_q(panel) + kk * p.row_bytes;
+      const int q = p.bits == 8 ? row[g * kQuantGroup + i]
+                                : (i < 32 ? row[g * 32 + i] & 0x0F : row[g * 32 + i - 32] >> 4);
+      const size_t b = kk / p.block, at = b * p.panel + j;
+      const float zp = p.zero_points ? p.panel_zero_points(panel)[at] : p.default_zp;
+      w[kk * p.n + nn] = p.panel_scales(panel)[at] * (static_cast<float>(q) - zp);
+    }
+  }
+  return w;
+}
+
+std::vector<float> QuantWeights::block_norms(const BlockPartition& partition) const {
+  const std::vector<float> w = dequantized();
+  std::vector<float> norms(partition.num_blocks, 0.0f);
+  for (size_t b = 0; b < partition.num_blocks; ++b) {
+    double s = 0.0;
+    for (size_t r = partition.begin(b); r < partition.end(b); ++r)
+      for (size_t j = 0; j < packed_.n; ++j) s += static_cast<double>(w[r * packed_.n + j]) * w[r * packed_.n + j];
+    norms[b] = static_cast<float>(std::sqrt(s));
+  }
+  return norms;
+}
+
+QuantBackend::QuantBackend(std::shared_ptr<const QuantWeights> weights, QuantTuning tuning)
+    : weights_(std::move(weights)), tuning_(tuning) {}
+
+BackendStats QuantBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                               const kernels::KernelSet& kernels, const TaskRunner& runner) const {
+  run_quant(x, m, gated, bias, y, *kernels.quant, runner);
+  return {};
+}
+
+void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                             const QuantKernels& kernels, const TaskRunner& runner) const {
+  if (m == 0) return;
+  // Reused per calling thread (the tasks only see what is taken from them here).
+  thread_local std::vector<size_t> dense_tokens, decode_tokens;
+  dense_tokens.clear();
+  decode_tokens.clear();
+  for (size_t t = 0; t < m; ++t) (gated.dense[t] ? dense_tokens : decode_tokens).push_back(t);
+  if (dense_tokens.size() < std::max<size_t>(1, tuning_.prefill_min_tokens)) {
+    decode_tokens.insert(decode_tokens.end(), dense_tokens.begin(), dense_tokens.end());
+    dense_tokens.clear();
+  }
+  if (!decode_tokens.empty()) run_decode(x, decode_tokens, gated, bias, y, kernels, runner);
+  if (!dense_tokens.empty()) run_prefill(x, dense_tokens, gated, bias, y, kernels, runner);
+}
+
+// Decode: per token, its K-blocks split into a few chunks; each task streams the kept rows of its
+// blocks (whole panel rows) into a partial sum per column, and the partials are added at the end.
+void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
+                              const float* bias, float* y, const QuantKernels& kernels,
+                              const TaskRunner& runner) const {
+  const QuantPacked& p = weights_->packed();
+  const size_t k = p.k, n = p.n, nb = p.num_blocks, width = p.num_panels * p.panel;
+  struct Task {
+    size_t token, b0, b1, nrows;
+    const int32_t* rows;
+  };
+  thread_local std::vector<Task> tasks;
+  thread_local std::vector<size_t> token_tasks;  // first task of each token, then the end
+  thread_local AlignedBuffer<float> partial_buffer, acc_buffer;
+  tasks.clear();
+  token_tasks.clear();
+  for (size_t t : tokens) {
+    token_tasks.push_back(tasks.size());
+    const size_t count = gated.row_count(t, k);
+    const size_t chunks = std::max<size_t>(
+        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
+    // A gated token's list may be empty (and its pointer null): the kernels read rows == nullptr as
+    // "every row", so an empty list points at a dummy entry instead.
+    static const int32_t kNoRow = 0;
+    const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
+    for (size_t c = 0; c < chunks; ++c) {
+      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, nullptr};
+      if (rows) {
+        const int32_t* lo = std::lower_bound(rows, rows + count, static_cast<int32_t>(task.b0 * p.block));
+        const int32_t* hi = std::lower_bound(lo, rows + count, static_cast<int32_t>(std::min(k, task.b1 * p.block)));
+        task.rows = lo;
+        task.nrows = static_cast<size_t>(hi - lo);
+      }
+      tasks.push_back(task);
+    }
+  }
+  token_tasks.push_back(tasks.size());
+  if (partial_buffer.size() < tasks.size() * width) partial_buffer.resize(tasks.size() * width);
+  if (acc_buffer.size() < tasks.size() * p.panel) acc_buffer.resize(tasks.size() * p.panel);
+  float* const partial = partial_buffer.data();
+  float* const acc = acc_buffer.data();
+  const Task* const task_list = tasks.data();
+  runner.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
+    const Task& task = task_list[i];
+    for (size_t panel = 0; panel < p.num_panels; ++panel)
+      kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows,
+                     partial + i * width + panel * p.panel, acc + i * p.panel);
+  });
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
+    const float s = gated.scale[t];
+    float* yt = y + t * n;
+    const float* p0 = partial + first * width;
+    if (last - first == 1) {
+      for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * p0[j];
+      continue;
+    }
+    for (size_t j = 0; j < n; ++j) yt[j] = p0[j];
+    for (size_t c = first + 1; c < last; ++c) {
+      const float* pc = partial + c * width;
+      for (size_t j = 0; j < n; ++j) yt[j] += pc[j];
+    }
+    for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * yt[j];
+  }
+}
+
+// Prefill: the dense tokens' activations are quantized once; the columns are split into chunks of
+// whole groups, and each task runs every token over each of its chunks (a chunk's weights are
+// repacked once by the kernel and reused by all tokens).
+void QuantBackend::run_prefill(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
+                               const float* bias, float* y, const QuantKernels& kernels,
+                               const TaskRunner& runner) const {
+  const QuantPacked& p = weights_->packed();
+  const size_t k = p.k, n = p.n, nb = p.num_blocks, ldq = nb * p.block, mt = tokens.size();
+  thread_local AlignedBuffer<int8_t> q_buffer;
+  thread_local AlignedBuffer<int16_t> q16_buffer;
+  thread_local std::vector<float> scale_buffer;
+  thread_local std::vector<int32_t> sum_buffer;
+  thread_local std::vector<float*> ys_buffer;
+  thread_local AlignedBuffer<uint8_t> scratch_buffer;
+  if (q_buffer.size() < mt * ldq) q_buffer.resize(mt * ldq);
+  if (q16_buffer.size() < mt * ldq) q16_buffer.resize(mt * ldq);
+  scale_buffer.resize(mt * nb);
+  sum_buffer.resize(mt * nb);
+  for (size_t i = 0; i < mt; ++i) {
+    const size_t t = tokens[i];
+    int8_t* q = q_buffer.data() + i * ldq;
+    kernels.quantize(x + t * k, k, p.block, nb, gated.scale[t], q, q16_buffer.data() + i * ldq,
+                     scale_buffer.data() + i * nb, sum_buffer.data() + i * nb);
+  }
+  QuantActivations acts;
+  acts.m = mt;
+  acts.ldq = ldq;
+  acts.q = q_buffer.data();
+  acts.q16 = q16_buffer.data();
+  acts.scale = scale_buffer.data();
+  acts.sum = sum_buffer.data();
+
+  const size_t groups_per_panel = p.panel / kQuantGroup, groups = p.num_panels * groups_per_panel;
+  size_t span = (groups + std::max<size_t>(1, tuning_.prefill_max_tasks) - 1) / std::max<size_t>(1, tuning_.prefill_max_tasks);
+  if (p.bits == 4) span = round_up(span, 2);  // 4-bit kernels read two groups' rows as one 64-byte line
+  const size_t task_count = (groups + span - 1) / span;
+  const size_t scratch_bytes = round_up(std::max<size_t>(1, kernels.prefill_scratch_bytes(p, mt)), 64);
+  if (scratch_buffer.size() < task_count * scratch_bytes) scratch_buffer.resize(task_count * scratch_bytes);
+  ys_buffer.resize(task_count * mt);
+  uint8_t* const scratch = scratch_buffer.data();
+  float** const ys_all = ys_buffer.data();
+  const size_t* const token_list = tokens.data();
+  runner.run(task_count, [&, scratch, ys_all, token_list](size_t task) {
+    const size_t g0 = task * span, g1 = std::min(groups, g0 + span);
+    float** ys = ys_all + task * mt;
+    for (size_t g = g0; g < g1;) {
+      const size_t panel = g / groups_per_panel;
+      const size_t end = std::min(g1, (panel + 1) * groups_per_panel);
+      const size_t c0 = (g - panel * groups_per_panel) * kQuantGroup, c1 = (end - panel * groups_per_panel) * kQuantGroup;
+      g = end;
+      const size_t col = panel * p.panel + c0;
+      if (col >= n) continue;
+      for (size_t i = 0; i < mt; ++i) ys[i] = y + token_list[i] * n + col;
+      kernels.prefill(p, panel, c0, c1, acts, ys, std::min(c1 - c0, n - col), bias ? bias + col : nullptr,
+                      scratch + task * scratch_bytes);
+    }
+  });
+}
+
+}  // namespace ortsparse::engine

@@ -1,0 +1,335 @@
+// AVX2 kernels of the quant backend. Decode converts the kept rows' bytes to fp32 and multiplies in
+// fp32; prefill widens weights and int8 activations to int16 pairs and multiplies with vpmaddwd
+// (exact, no saturation: vpmaddubsw would saturate on 8-bit weights).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/quant_kernels.h"
+
+namespace ortsparse::kernels {
+namespace {
+
+// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
+// bytes in flight during one DRAM latency), at least 4 and at most 32 rows.
+constexpr size_t kPrefetchBytes = 6144;
+inline size_t prefetch_rows(size_t row_bytes) {
+  return std::min<size_t>(32, std::max<size_t>(4, (kPrefetchBytes + row_bytes - 1) / row_bytes));
+}
+
+enum Mode { kFirst, kMiddle, kLast, kOnly };  // as in quant_kernels_avx512.cc
+
+inline __m256 bytes_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Half a group (32 columns) at a time keeps the 8 accumulators and R broadcasts in 16 registers:
+// at 8 bits half h is columns [32h, 32h + 32); at 4 bits it is the bytes [16h, 16h + 16), i.e.
+// columns [16h, 16h + 16) (low nibbles) and [32 + 16h, 48 + 16h) (high nibbles).
+template <int kBits>
+inline size_t column_of(size_t h, size_t v) {  // first column of vector v (0..3) of half h
+  if (kBits == 8) return 32 * h + 8 * v;
+  return (v < 2 ? 16 * h + 8 * v : 32 + 16 * h + 8 * (v - 2));
+}
+
+template <int kBits, int R, Mode kMode>
+void pass(const uint8_t* const* rows, const uint8_t* const* ahead, const float* xv, size_t groups, float* acc,
+          float* out, const float* scales, const uint8_t* zp, float default_zp, float xs) {
+  __m256 xb[R];
+  for (int i = 0; i < R; ++i) xb[i] = _mm256_set1_ps(xv[i]);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (size_t g = 0; g < groups; ++g) {
+    // The rows prefetch_rows() further down the token's list (see quant_kernels_avx512.cc).
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * (kQuantGroup * kBits / 8)), _MM_HINT_T0);
+    for (size_t h = 0; h < 2; ++h) {
+      float* ag = acc + g * kQuantGroup;
+      __m256 s[4];
+      for (int v = 0; v < 4; ++v)
+        s[v] = (kMode == kMiddle || kMode == kLast) ? _mm256_loadu_ps(ag + column_of<kBits>(h, v)) : _mm256_setzero_ps();
+      for (int i = 0; i < R; ++i) {
+        if (kBits == 8) {
+          const uint8_t* q = rows[i] + g * kQuantGroup + 32 * h;
+          for (int v = 0; v < 4; ++v) s[v] = _mm256_fmadd_ps(xb[i], bytes_to_float(q + 8 * v), s[v]);
+        } else {
+          const uint8_t* q = rows[i] + g * (kQuantGroup / 2) + 16 * h;
+          for (int e = 0; e < 2; ++e) {
+            const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * e)));
+            s[e] = _mm256_fmadd_ps(xb[i], _mm256_cvtepi32_ps(_mm256_and_si256(d, low4)), s[e]);
+            s[e + 2] = _mm256_fmadd_ps(xb[i], _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4)), s[e + 2]);
+          }
+        }
+      }
+      if (kMode == kFirst || kMode == kMiddle) {
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(ag + column_of<kBits>(h, v), s[v]);
+      } else {
+        const __m256 xsv = _mm256_set1_ps(xs);
+        for (int v = 0; v < 4; ++v) {
+          const size_t col = g * kQuantGroup + column_of<kBits>(h, v);
+          const __m256 z = zp ? bytes_to_float(zp + col) : _mm256_set1_ps(default_zp);
+          const __m256 t = _mm256_fnmadd_ps(z, xsv, s[v]);
+          _mm256_storeu_ps(out + col, _mm256_fmadd_ps(_mm256_loadu_ps(scales + col), t, _mm256_loadu_ps(out + col)));
+        }
+      }
+    }
+  }
+}
+
+template <int kBits, int R>
+void pass_mode(Mode mode, const uint8_t* const* rows, const uint8_t* const* ahead, const float* xv, size_t groups,
+               float* acc, float* out, const float* scales, const uint8_t* zp, float default_zp, float xs) {
+  switch (mode) {
+    case kFirst: return pass<kBits, R, kFirst>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kMiddle: return pass<kBits, R, kMiddle>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kLast: return pass<kBits, R, kLast>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+    case kOnly: return pass<kBits, R, kOnly>(rows, ahead, xv, groups, acc, out, scales, zp, default_zp, xs);
+  }
+}
+
+template <int kBits>
+void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
+            size_t nrows, float* out, float* acc) {
+  const size_t width = p.panel, groups = width / kQuantGroup;
+  const uint8_t* q = p.panel_q(panel);
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  const float default_zp = p.default_zp;
+  for (size_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j, _mm256_setzero_ps());
+  const size_t end_row = std::min(p.k, b1 * p.block), distance = prefetch_rows(p.row_bytes);
+  size_t next = 0;
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
+    size_t begin = r0, end = r1;
+    if (rows) {
+      begin = next;
+      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
+      end = next;
+      if (begin == end) continue;
+    }
+    float xs = 0.0f;
+    for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
+    const float* sb = scales + b * width;
+    const uint8_t* zb = zp ? zp + b * width : nullptr;
+    for (size_t i = begin; i < end; i += 4) {
+      const int count = static_cast<int>(std::min<size_t>(4, end - i));
+      const bool first = i == begin, last = i + 4 >= end;
+      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
+      const uint8_t* qr[4];
+      const uint8_t* pf[4];
+      float xv[4];
+      for (int e = 0; e < count; ++e) {
+        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
+        qr[e] = q + r * p.row_bytes;
+        xv[e] = x[r];
+        const size_t ahead = i + e + distance;  // in list order (dense: row order), within [b0, b1)
+        const size_t ra = rows ? (ahead < nrows ? static_cast<size_t>(rows[ahead]) : r) : (ahead < end_row ? ahead : r);
+        pf[e] = q + ra * p.row_bytes;
+      }
+      switch (count) {
+        case 1: pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 2: pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        case 3: pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+        default: pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
+      }
+    }
+  }
+}
+
+void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
+                size_t nrows, float* out, float* acc) {
+  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, out, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (int16 pairs)
+// ---------------------------------------------------------------------------------------------
+
+// Scratch: one column group repacked (per pair of K rows, 8 vectors of 8 columns in natural order,
+// each dword = (w[r], w[r + 1]) as int16; rows >= K become 0), then per token the partial sums of
+// the 16 columns being computed.
+size_t pair_weight_bytes(const QuantPacked& p) { return p.num_blocks * p.block / 2 * 256; }
+size_t pair_scratch_bytes(const QuantPacked& p, size_t m) { return pair_weight_bytes(p) + m * 16 * sizeof(float) + 64; }
+
+template <int kBits>
+void repack_pairs(const QuantPacked& p, size_t panel, size_t c, uint8_t* dst) {
+  const size_t ldq = p.num_blocks * p.block, pairs = ldq / 2, rb = p.row_bytes;
+  const uint8_t* q = p.panel_q(panel) + (kBits == 8 ? c : c / 2);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (size_t pr = 0; pr < pairs; ++pr) {
+    __m256i half[2][2];  // [row of the pair][32-column half]
+    for (int e = 0; e < 2; ++e) {
+      const size_t row = pr * 2 + e;
+      if (row >= p.k) {
+        half[e][0] = half[e][1] = _mm256_setzero_si256();
+      } else if (kBits == 8) {
+        half[e][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * rb));
+        half[e][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * rb + 32));
+      } else {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * rb));
+        half[e][0] = _mm256_and_si256(b, low4);
+        half[e][1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      }
+    }
+    __m256i* out = reinterpret_cast<__m256i*>(dst + pr * 256);
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m256i lo = _mm256_unpacklo_epi8(half[0][hh], half[1][hh]);  // cols 0-7 | 16-23
+      const __m256i hi = _mm256_unpackhi_epi8(half[0][hh], half[1][hh]);  // cols 8-15 | 24-31
+      _mm256_storeu_si256(out + 4 * hh + 0, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)));
+      _mm256_storeu_si256(out + 4 * hh + 1, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)));
+      _mm256_storeu_si256(out + 4 * hh + 2, _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)));
+      _mm256_storeu_si256(out + 4 * hh + 3, _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)));
+    }
+  }
+}
+
+// T tokens x 16 columns (vectors 2v2, 2v2 + 1 of the group) over blocks [b0, b1), adding to the
+// tokens' partial sums (which start at 0 when `first`).
+template <int T>
+void gemm_tile(const QuantPacked& p, size_t panel, size_t c, const uint8_t* w, size_t v2, const QuantActivations& a,
+               size_t t0, size_t b0, size_t b1, bool first, float* sums_all) {
+  const size_t nb = p.num_blocks, ldq = a.ldq, bp = p.block / 2;
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  const int16_t* aq[T];
+  for (int t = 0; t < T; ++t) aq[t] = a.q16 + (t0 + t) * ldq;
+  __m256 f[T][2];
+  for (int t = 0; t < T; ++t) {
+    const float* sums = sums_all + (t0 + t) * 16;
+    f[t][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums);
+    f[t][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8);
+  }
+  for (size_t b = b0; b < b1; ++b) {
+    __m256i acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+    for (size_t pr = b * bp; pr < (b + 1) * bp; ++pr) {
+      const __m256i* wp = reinterpret_cast<const __m256i*>(w + pr * 256) + 2 * v2;
+      const __m256i w0 = _mm256_loadu_si256(wp), w1 = _mm256_loadu_si256(wp + 1);
+      for (int t = 0; t < T; ++t) {
+        int32_t pair;
+        __builtin_memcpy(&pair, aq[t] + pr * 2, 4);
+        const __m256i av = _mm256_set1_epi32(pair);
+        acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(w0, av));
+        acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(w1, av));
+      }
+    }
+    const size_t col = b * p.panel + c + 16 * v2;
+    const __m256 sw0 = _mm256_loadu_ps(scales + col), sw1 = _mm256_loadu_ps(scales + col + 8);
+    const __m256 z0 = zp ? bytes_to_float(zp + col) : _mm256_set1_ps(p.default_zp);
+    const __m256 z1 = zp ? bytes_to_float(zp + col + 8) : _mm256_set1_ps(p.default_zp);
+    for (int t = 0; t < T; ++t) {
+      const float sa = a.scale[(t0 + t) * nb + b];
+      const __m256 sav = _mm256_set1_ps(sa), sas = _mm256_set1_ps(sa * static_cast<float>(a.sum[(t0 + t) * nb + b]));
+      const __m256 v0 = _mm256_fnmadd_ps(z0, sas, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[t][0]), sav));
+      const __m256 v1 = _mm256_fnmadd_ps(z1, sas, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[t][1]), sav));
+      f[t][0] = _mm256_fmadd_ps(sw0, v0, f[t][0]);
+      f[t][1] = _mm256_fmadd_ps(sw1, v1, f[t][1]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float* sums = sums_all + (t0 + t) * 16;
+    _mm256_storeu_ps(sums, f[t][0]);
+    _mm256_storeu_ps(sums + 8, f[t][1]);
+  }
+}
+
+// Weight bytes of one K-chunk of a 16-column slice: every token tile passes over it in L1.
+constexpr size_t kChunkBytes = 16 * 1024;
+
+template <int kBits>
+void prefill_pairs(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
+                   float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
+  constexpr int kTile = 4;
+  float* sums = reinterpret_cast<float*>(scratch + pair_weight_bytes(p));
+  const size_t nb = p.num_blocks, chunk_blocks = std::max<size_t>(1, kChunkBytes / (p.block / 2 * 64));
+  for (size_t c = c0; c < c1 && c - c0 < valid; c += kQuantGroup) {
+    repack_pairs<kBits>(p, panel, c, scratch);
+    for (size_t v2 = 0; v2 < 4; ++v2) {
+      const size_t base = c - c0 + 16 * v2;
+      if (base >= valid) break;
+      for (size_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+        const size_t b1 = std::min(nb, b0 + chunk_blocks);
+        for (size_t t0 = 0; t0 < a.m; t0 += kTile) {
+          switch (std::min<size_t>(kTile, a.m - t0)) {
+            case 1: gemm_tile<1>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            case 2: gemm_tile<2>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            case 3: gemm_tile<3>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+            default: gemm_tile<4>(p, panel, c, scratch, v2, a, t0, b0, b1, b0 == 0, sums); break;
+          }
+        }
+      }
+      const size_t width = std::min<size_t>(16, valid - base);
+      for (size_t t = 0; t < a.m; ++t)
+        for (size_t i = 0; i < width; ++i) ys[t][base + i] = (bias ? bias[base + i] : 0.0f) + sums[t * 16 + i];
+    }
+  }
+}
+
+inline __m256 masked_load(const float* x, size_t count) {  // count < 8: the rest is 0
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t i = 0; i < count; ++i) tmp[i] = x[i];
+  return _mm256_load_ps(tmp);
+}
+
+void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
+              float* scale, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (size_t b = 0; b < num_blocks; ++b) {
+    const size_t r0 = b * block, len = std::min(k, r0 + block) - r0;
+    auto load = [&](size_t i) { return i + 8 <= len ? _mm256_loadu_ps(x + r0 + i) : masked_load(x + r0 + i, i < len ? len - i : 0); };
+    __m256 amax = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();  // x - x is NaN for NaN and +-inf
+    for (size_t i = 0; i < block; i += 8) {
+      const __m256 v = load(i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+      nonfinite = _mm256_add_ps(nonfinite, _mm256_sub_ps(v, v));
+    }
+    alignas(32) float lanes[8], bad[8];
+    _mm256_store_ps(lanes, amax);
+    _mm256_store_ps(bad, nonfinite);
+    float top = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < 8; ++i) {
+      top = std::max(top, lanes[i]);
+      finite &= !std::isnan(bad[i]);
+    }
+    if (!finite) {
+      std::fill(q + r0, q + r0 + block, int8_t{0});
+      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      scale[b] = std::numeric_limits<float>::quiet_NaN();
+      sum[b] = 0;
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i total = _mm256_setzero_si256();
+    for (size_t i = 0; i < block; i += 16) {  // blocks are multiples of 16
+      const __m256i a = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i), inv))));
+      const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i + 8), inv))));
+      total = _mm256_add_epi32(total, _mm256_add_epi32(a, c));
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);  // 16 int16 in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
+      const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), w8);
+    }
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+    int32_t s = 0;
+    for (int i = 0; i < 8; ++i) s += parts[i];
+    sum[b] = s;
+    scale[b] = top / 127.0f * gate_scale;
+  }
+}
+
+void prefill_any(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
+                 float* const* ys, size_t valid, const float* bias, uint8_t* scratch) {
+  (p.bits == 4 ? prefill_pairs<4> : prefill_pairs<8>)(p, panel, c0, c1, a, ys, valid, bias, scratch);
+}
+
+}  // namespace
+
+const QuantKernels& quant_kernels_avx2() {
+  static const QuantKernels table{decode_any, prefill_any, pair_scratch_bytes, quantize};
+  return table;
+}
+
+}  // namespace ortsparse::kernels
