@@ -1,5 +1,8 @@
-// KwtaBlockMatMul(X, W, B?) = the composer with the `kwta` gate (behind the `bitmap` gate when
-// pack_mode is set) over the dense weight backend.
+// KwtaBlockMatMul = the composer with the `kwta` gate (behind the `bitmap` gate when pack_mode is
+// set) over one of two weight backends, told apart by the type of input 1:
+//   float form      (X, W float [K, N], B?)                                   -> dense backend
+//   quantized form  (X, B uint8, scales, zero_points?, bias?) + K, N, bits, block_size, exactly
+//                   com.microsoft.MatMulNBits' weight inputs and attributes   -> quant backend
 #include <memory>
 
 #include "common/metrics.h"
@@ -7,6 +10,7 @@
 #include "engine/dense_backend.h"
 #include "engine/gated_matmul.h"
 #include "engine/kwta_gate.h"
+#include "engine/quant_backend.h"
 #include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
@@ -53,8 +57,10 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   static constexpr const char* kOpName = "KwtaBlockMatMul";
   static std::vector<InputSpec> inputs() {
     return {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
-            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, false},
-            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true}};
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, false},  // W float, or MatMulNBits' B uint8
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true},       // bias (float form) or scales (quantized)
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, true},   // zero_points (quantized form, uint8)
+            {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, true}};      // bias (quantized form)
   }
   static size_t output_count() { return 1; }
 
@@ -63,13 +69,13 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     const kernels::KernelSet& kernels = kernel_set_or_fail();
     const engine::KwtaConfig config = read_kwta_attributes(attrs, "", 0.5f);
     const int64_t block = attrs.get_int("block", 1);
-    const ConstantTensor w = constant_float_input(info, 1, "W", 2);
-    const size_t k = static_cast<size_t>(w.shape[0]), n = static_cast<size_t>(w.shape[1]);
-    if (k == 0) fail("input W has shape ", shape_string(w.shape), ": K must be >= 1");
+    quantized_ = input_type(info, 1) == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    std::shared_ptr<const engine::WeightBackend> backend = quantized_ ? quant_backend(info, attrs) : dense_backend(info);
+    const size_t k = backend->k();
+    if (k == 0) fail("the weights have K = 0 rows: K must be >= 1");
     if (block < 1 || static_cast<size_t>(block) > k)
       fail("attribute block=", block, " must be in [1, K=", k, "]");
     if (k > static_cast<size_t>(INT32_MAX)) fail("K=", k, " is too large");
-    auto backend = std::make_shared<const engine::DenseBackend>(engine::DenseWeights::pack_shared(w.data, k, n));
     const engine::BlockPartition partition(k, static_cast<size_t>(block));
     std::vector<float> norms;
     if (config.score == engine::KwtaScore::kL2Weighted) norms = backend->block_norms(partition);
@@ -92,7 +98,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   }
 
   void Compute(OrtKernelContext* context) {
-    const engine::MatMulStats run = run_matmul(context, *matmul_, 2);
+    const engine::MatMulStats run = run_matmul(context, *matmul_, quantized_ ? 4 : 2);
     const engine::GateStats& s = run.gate;
     if (s.rows == 0) return;
     metrics_->add(kCalls, 1);
@@ -109,6 +115,47 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   }
 
  private:
+  static std::shared_ptr<const engine::WeightBackend> dense_backend(const OrtKernelInfo* info) {
+    const ConstantTensor w = constant_float_input(info, 1, "W", 2);
+    if (input_present(info, 3) || input_present(info, 4))
+      fail("inputs zero_points / bias (#3, #4) belong to the quantized form, whose input 1 is MatMulNBits' uint8 B; "
+           "with a float W the inputs are (X, W, B?)");
+    return std::make_shared<const engine::DenseBackend>(
+        engine::DenseWeights::pack_shared(w.data, static_cast<size_t>(w.shape[0]), static_cast<size_t>(w.shape[1])));
+  }
+
+  // MatMulNBits' B / scales / zero_points and K, N, bits, block_size, repacked once here.
+  static std::shared_ptr<const engine::WeightBackend> quant_backend(const OrtKernelInfo* info, const Attributes& attrs) {
+    constexpr const char* kWhy = "MatMulNBits' quantized weights, repacked once at session creation";
+    engine::MatMulNBitsTensors t;
+    t.k = attrs.get_int("K", 0);
+    t.n = attrs.get_int("N", 0);
+    t.bits = attrs.get_int("bits", 0);
+    t.block_size = attrs.get_int("block_size", 0);
+    if (t.k < 1 || t.n < 1 || t.bits == 0 || t.block_size == 0)
+      fail("the quantized form (uint8 input B) needs attributes K, N, bits and block_size as MatMulNBits has them; got K=",
+           t.k, ", N=", t.n, ", bits=", t.bits, ", block_size=", t.block_size);
+    const ConstantTensorAny b = constant_input(info, 1, "B", kWhy);
+    t.b = static_cast<const uint8_t*>(b.data);
+    t.b_shape = b.shape;
+    if (!input_present(info, 2)) fail("input scales (#2) is required in the quantized form");
+    const ConstantTensorAny scales = constant_input(info, 2, "scales", kWhy);
+    if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      fail("input scales must be float32, got element type ", static_cast<int>(scales.type));
+    t.scales = static_cast<const float*>(scales.data);
+    t.scales_shape = scales.shape;
+    if (input_present(info, 3)) {
+      const ConstantTensorAny zp = constant_input(info, 3, "zero_points", kWhy);
+      if (zp.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 && zp.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+        fail("input zero_points must be uint8, got element type ", static_cast<int>(zp.type));
+      t.zero_points = zp.data;
+      t.zero_points_shape = zp.shape;
+      t.zero_points_are_float = zp.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+    return std::make_shared<const engine::QuantBackend>(std::make_shared<const engine::QuantWeights>(t));
+  }
+
+  bool quantized_ = false;
   std::unique_ptr<engine::GatedMatMul> matmul_;
   std::shared_ptr<MetricsSlot> metrics_;
 };

@@ -147,4 +147,30 @@ ConstantTensor constant_float_input(const OrtKernelInfo* info, size_t index, con
   return out;
 }
 
+ConstantTensorAny constant_input(const OrtKernelInfo* info, size_t index, const char* input_name, const char* why) {
+  Ort::ConstKernelInfo kinfo(info);
+  if (index >= kinfo.GetInputCount()) fail("input ", input_name, " (#", index, ") is missing");
+  int is_constant = 0;
+  Ort::ConstValue value = kinfo.GetTensorConstantInput(index, &is_constant);
+  if (!is_constant)
+    fail("input ", input_name, " (#", index, ", '", kinfo.GetInputName(index), "') must be a constant initializer (",
+         why, ")");
+  auto info_shape = value.GetTensorTypeAndShapeInfo();
+  ConstantTensorAny out;
+  out.type = info_shape.GetElementType();
+  out.shape = info_shape.GetShape();
+  out.data = value.GetTensorRawData();
+  return out;
+}
+
+bool input_present(const OrtKernelInfo* info, size_t index) {
+  Ort::ConstKernelInfo kinfo(info);
+  return index < kinfo.GetInputCount() && !kinfo.GetInputName(index).empty();
+}
+
+ONNXTensorElementDataType input_type(const OrtKernelInfo* info, size_t index) {
+  Ort::ConstKernelInfo kinfo(info);
+  return kinfo.GetInputTypeInfo(index).GetTensorTypeAndShapeInfo().GetElementType();
+}
+
 }  // namespace ortsparse::ort

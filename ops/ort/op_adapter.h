@@ -113,6 +113,20 @@ struct ConstantTensor {
 };
 ConstantTensor constant_float_input(const OrtKernelInfo* info, size_t index, const char* input_name, size_t rank);
 
+// A constant initializer of any element type (packed or quantized weights); throws naming the input
+// when it is missing or not constant (`why` says what the op does with it).
+struct ConstantTensorAny {
+  const void* data = nullptr;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+};
+ConstantTensorAny constant_input(const OrtKernelInfo* info, size_t index, const char* input_name, const char* why);
+
+// Whether optional input `index` is given (present and not the empty name).
+bool input_present(const OrtKernelInfo* info, size_t index);
+// The element type of input `index` as the graph declares it.
+ONNXTensorElementDataType input_type(const OrtKernelInfo* info, size_t index);
+
 std::string shape_string(const std::vector<int64_t>& shape);
 
 }  // namespace ortsparse::ort

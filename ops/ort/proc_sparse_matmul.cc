@@ -48,29 +48,6 @@ GateSpec read_gate(const Attributes& attrs, int64_t proc_block) {
   return g;
 }
 
-// A constant initializer of any element type (the packed tensors are uint16 and float/float16).
-struct ConstantAny {
-  const void* data = nullptr;
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<int64_t> shape;
-};
-
-ConstantAny constant_input(const OrtKernelInfo* info, size_t index, const char* name) {
-  Ort::ConstKernelInfo kinfo(info);
-  if (index >= kinfo.GetInputCount()) fail("input ", name, " (#", index, ") is missing");
-  int is_constant = 0;
-  Ort::ConstValue value = kinfo.GetTensorConstantInput(index, &is_constant);
-  if (!is_constant)
-    fail("input ", name, " (#", index, ", '", kinfo.GetInputName(index),
-         "') must be a constant initializer (the builder's packed weights, read once at session creation)");
-  auto ti = value.GetTensorTypeAndShapeInfo();
-  ConstantAny out;
-  out.type = ti.GetElementType();
-  out.shape = ti.GetShape();
-  out.data = value.GetTensorRawData();
-  return out;
-}
-
 class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
  public:
   static constexpr const char* kOpName = "ProcSparseMatMul";
@@ -95,8 +72,10 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
     if (!std::isfinite(base_scale)) fail("attribute base_scale=", base_scale, " must be finite");
     const int64_t nb = (k + block - 1) / block;
     const int64_t fanout = attrs.get_int("fanout", -1);
-    const ConstantAny index = constant_input(info, 1, "indices");
-    const ConstantAny deltas = constant_input(info, 2, "deltas");
+    const ConstantTensorAny index = constant_input(info, 1, "indices",
+                                                   "the builder's packed weights, read once at session creation");
+    const ConstantTensorAny deltas = constant_input(info, 2, "deltas",
+                                                    "the builder's packed weights, read once at session creation");
     if (index.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16)
       fail("input indices must be uint16, got element type ", static_cast<int>(index.type));
     if (index.shape.size() != 2 || index.shape[0] != n)

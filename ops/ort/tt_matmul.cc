@@ -38,10 +38,6 @@ std::vector<std::pair<std::string, double>> describe_tt(const uint64_t* c, const
   };
 }
 
-bool input_present(const OrtKernelInfo* info, size_t index) {
-  Ort::ConstKernelInfo kinfo(info);
-  return index < kinfo.GetInputCount() && !kinfo.GetInputName(index).empty();
-}
 
 class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
  public:

@@ -1,0 +1,105 @@
+"""KwtaBlockMatMul on MatMulNBits' weight inputs (X, B uint8, scales, zero_points?, bias?) + K, N,
+bits, block_size: the op against ORT's own MatMulNBits (keep everything) and against the gated
+numpy reference on the dequantized weights (keep part), and its input errors."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import ortsparse
+
+from .test_quant_kernels import (assert_within, dequantize, fp32_bound, int8_bound, make_weights,
+                                 matmulnbits_session)
+
+
+def quantized_kwta_model(b, scales, zp, k, n, bits, block, bias=None, node_name="kwta_q", **attrs):
+    inits = [helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
+             helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales.tobytes(), raw=True)]
+    names = ["X", "B", "scales", "", ""]
+    if zp is not None:
+        inits.append(helper.make_tensor("zp", TensorProto.UINT8, zp.shape, zp.tobytes(), raw=True))
+        names[3] = "zp"
+    if bias is not None:
+        inits.append(helper.make_tensor("bias", TensorProto.FLOAT, bias.shape, bias.tobytes(), raw=True))
+        names[4] = "bias"
+    while names[-1] == "":
+        names.pop()
+    node = helper.make_node("KwtaBlockMatMul", names, ["Y"], domain="ai.ortsparse", name=node_name, K=k, N=n,
+                            bits=bits, block_size=block, **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortsparse", 1)],
+                             ir_version=9)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("k,n", [(64, 48), (93, 65), (576, 160)])
+def test_keep_all_matches_matmulnbits(bits, block, zero_points, k, n, rng):
+    b, scales, zp = make_weights(rng, k, n, bits, block, zero_points)
+    bias = rng.standard_normal(n).astype(np.float32)
+    ours = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, bias, k_frac=1.0))
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    for m, level in ((1, 0), (2, 0), (7, 4)):  # decode rows: fp32 like accuracy 0; >= 4 dense rows: int8 like 4
+        reference = matmulnbits_session(b, scales, zp, k, n, bits, block, level, bias)
+        x = (rng.standard_normal((m, k)) * 0.25).astype(np.float32)
+        got = ours.run(None, {"X": x})[0]
+        (expected,) = reference.run(None, {"A": x})
+        bound = fp32_bound(x, w) if level == 0 else 2 * int8_bound(x, w, block) + fp32_bound(x, w)
+        assert_within(got, expected, bound + 1e-6 * np.abs(bias))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k_frac", [0.25, 0.75])
+def test_gated_rows_match_the_dequantized_reference(bits, k_frac, rng):
+    k, n, block = 256, 96, 32
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    session = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, k_frac=k_frac))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    got = session.run(None, {"X": x})[0]
+    keep = int(np.ceil(k_frac * k))
+    for t in range(3):
+        rows = np.sort(np.argsort(-np.abs(x[t]), kind="stable")[:keep])
+        expected = x[t, rows].astype(np.float64) @ w[rows].astype(np.float64)
+        assert_within(got[t:t + 1], expected[None], fp32_bound(x[t:t + 1], w))
+
+
+def test_quantized_form_metrics_and_threads(rng):
+    k, n, block = 128, 64, 32
+    b, scales, zp = make_weights(rng, k, n, 8, block, False)
+    model = quantized_kwta_model(b, scales, zp, k, n, 8, block, node_name="kq", k_frac=0.5)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    one = ortsparse.inference_session(model, intra_op_num_threads=1)
+    two = ortsparse.inference_session(model, intra_op_num_threads=2)
+    ortsparse.reset_metrics()
+    np.testing.assert_array_equal(one.run(None, {"X": x})[0], two.run(None, {"X": x})[0])
+    metrics = ortsparse.metrics()["KwtaBlockMatMul/kq"]
+    assert metrics["kwta.keep_ratio"] == 0.5 and metrics["calls"] == 2
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(attrs=dict(K=0)), "needs attributes K, N, bits and block_size"),
+    (dict(attrs=dict(bits=3)), "bits"),
+    (dict(attrs=dict(block_size=24)), "block_size"),
+    (dict(scales_shape=(5,)), "scales"),
+    (dict(no_scales=True), "scales"),
+])
+def test_quantized_form_errors_name_the_input(change, message, rng):
+    k, n, block, bits = 64, 32, 32, 4
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    attrs = dict(K=k, N=n, bits=bits, block_size=block)
+    attrs.update(change.get("attrs", {}))
+    if "scales_shape" in change:
+        scales = np.zeros(change["scales_shape"], np.float32)
+    inits = [helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
+             helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales.tobytes(), raw=True)]
+    names = ["X", "B"] if change.get("no_scales") else ["X", "B", "scales"]
+    node = helper.make_node("KwtaBlockMatMul", names, ["Y"], domain="ai.ortsparse", name="bad_q", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortsparse", 1)],
+                              ir_version=9)
+    with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'bad_q': .*{message}"):
+        ortsparse.inference_session(model)
