@@ -80,7 +80,7 @@ def test_sweep_points_and_report(tmp_path, model, tokens):
     points = sweep.grid(["mlp"], [1.0, 0.5], [1], ["l2"])
     assert len(points) == 2
     results = sweep.run_sweep(model, onnx.load(str(KV)), tokens, points, windows=1, window_len=32, context=8,
-                              repeats=2, log=lambda *_: None)
+                              steps=2, log=lambda *_: None)
     exact, gated = results
     assert exact["dppl"] == pytest.approx(0.0, abs=1e-6) and exact["top1_agreement"] == 1.0
     assert gated["mean_keep_ratio"] == pytest.approx(0.5, abs=0.02) and gated["top1_agreement"] < 1.0

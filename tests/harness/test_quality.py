@@ -104,9 +104,17 @@ def test_gated_rewrite_changes_perplexity_and_reports_keep_ratios(tokens):
     assert 0.3 <= metrics["weighted_keep_ratio"] < 0.35
 
 
-def test_perplexity_refuses_kv_exports_and_short_corpora(tokens):
-    with pytest.raises(ValueError, match="KV cache|full-sequence"):
-        perplexity(LLAMA_KV, tokens, windows=1, window_len=8)
+def test_perplexity_of_a_kv_decoder_prefills_from_an_empty_past(tokens):
+    """Same weights, decode graph scored with an empty past: the full export's perplexity."""
+    full = perplexity(LLAMA, tokens, windows=2, window_len=24)
+    kv = perplexity(LLAMA_KV, tokens, windows=2, window_len=24)
+    assert kv["ppl"] == pytest.approx(full["ppl"], rel=1e-5)
+    assert (kv["predictions"] == full["predictions"]).all()
+
+
+def test_perplexity_refuses_short_corpora_and_foreign_tokens(tokens):
+    with pytest.raises(ValueError, match="need"):
+        perplexity(LLAMA_KV, tokens[:10], windows=1, window_len=16)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         perplexity(LLAMA, np.full(64, 999), windows=1, window_len=16)
 
@@ -175,7 +183,7 @@ def test_opset_domains_reads_only_the_top_level_of_a_file(tmp_path):
 
 def test_detect_kind():
     assert quality.detect_kind(LLAMA) == "lm"
-    assert quality.detect_kind(LLAMA_KV) == "generic"
+    assert quality.detect_kind(LLAMA_KV) == "lm"  # a decoder: windows prefill from an empty past
     assert quality.detect_kind(BERT) == "embedding"
 
 
