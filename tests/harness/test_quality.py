@@ -20,6 +20,7 @@ from ortsparse.harness.perplexity import compare_lm, perplexity
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
 LLAMA_KV = TINY / "llama_tiny_kv.torchscript.onnx"
+GENAI = TINY / "llama_tiny_genai"  # the onnxruntime-genai builder's graph of llama_tiny's weights
 GPT2 = TINY / "gpt2_tiny.dynamo.onnx"
 BERT = TINY / "bert_tiny.torchscript.onnx"
 VOCAB = 256  # every tiny export (models/tiny/manifest.json)
@@ -203,6 +204,31 @@ def test_cli_lm_writes_json(tokens, tmp_path, capsys):
     # a budget that cannot be met -> exit 1
     assert main(["quality", str(LLAMA), "--corpus", str(corpus), "--windows", "1", "--window-len", "16",
                  "--kwta-k", "0.3", "--kwta-target", "all", "--max-dppl", "-1", "-q"]) == 1
+
+
+def test_quality_runs_on_the_genai_graph(tokens, tmp_path, capsys):
+    """A genai folder is scored on its own decoder graph (GroupQueryAttention, empty past): the
+    same perplexity as the full export of the same weights; a rewritten folder is measured on the
+    graph it runs, and agrees with the in-memory rewrite."""
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+
+    assert perplexity(GENAI / "model.onnx", tokens, 2, 24)["ppl"] == pytest.approx(
+        perplexity(LLAMA, tokens, 2, 24)["ppl"], rel=1e-5)
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, tokens)
+    flags = ["--kwta-target", "mlp", "--kwta-k", "0.5"]
+    common = ["--corpus", str(corpus), "--windows", "2", "--window-len", "24"]
+    assert main(["quality", str(GENAI), *common, *flags, "--json", str(tmp_path / "mem.json"), "-q"]) == 0
+    in_memory = json.loads((tmp_path / "mem.json").read_text())["result"]
+    assert in_memory["dppl"] != 0 and in_memory["top1_agreement"] < 1
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")})
+    rewrite_genai_folder(GENAI, tmp_path / "gated", config)
+    assert main(["quality", str(GENAI), "--rewritten", str(tmp_path / "gated"), *common,
+                 "--json", str(tmp_path / "folder.json"), "-q"]) == 0
+    folder = json.loads((tmp_path / "folder.json").read_text())["result"]
+    assert folder["ppl_rewritten"] == pytest.approx(in_memory["ppl_rewritten"], rel=1e-6)
+    assert folder["metrics"]["ops"]["KwtaBlockMatMul"]["keep_ratio"] == pytest.approx(0.5)
+    assert main(["quality", str(tmp_path / "gated" / "missing"), *common]) == 2
 
 
 def test_cli_embedding_and_generic_with_a_rewritten_file(sentences, tmp_path, capsys):
