@@ -76,8 +76,7 @@ def markdown(payload: dict, command: str) -> str:
                           (model, runner, threads, c)), None)
                 cells.append(f"{r['tokens_per_s']:.1f} ({r['top1_agreement']:.2f})" if r else "")
             lines.append(f"| {model} | {runner} | " + " | ".join(cells) + " |")
-    detail = speed.markdown(payload["speed"], command, "Detail").splitlines()
-    lines += ["", "## Detail", ""] + detail[detail.index("") + 1:]
+    lines += ["", "## Detail", ""] + speed.markdown_body(payload["speed"])
     return "\n".join(lines) + "\n"
 
 

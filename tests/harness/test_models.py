@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ortsparse import runtime
 from ortsparse.harness import models
 from ortsparse.harness.models import (BuildContext, ModelBuildError, ModelNotBuiltError, ModelSpec,
                                       atomic_write, ensure_models, model_path)
@@ -507,3 +508,34 @@ def test_real_minilm_embeddings_match_the_torch_reference(variant):
 
         ops = {n.op_type for n in onnx.load(str(_real("minilm", variant))).graph.node}
         assert {"Attention", "SkipLayerNormalization"} <= ops
+
+
+@pytest.mark.slow
+def test_real_genai_fp32_generator_equals_torch_and_its_graph_equals_our_export():
+    """The genai fp32 folder: the Generator's greedy continuation is torch's, and its graph run in
+    ORT (one window, empty past) gives our full export's logits."""
+    from ortsparse.harness.export_genai import generator_greedy
+
+    folder = models.genai_folder_path("fp32")
+    reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
+    assert generator_greedy(folder)["tokens"] == reference
+    window = np.load(_real("corpus", "smollm2.tokens"))[:128]
+    genai = _session(folder / "model.onnx")
+    feeds = runtime.lm_feeds(genai, window, runtime.kv_layout(genai, folder / "model.onnx"))
+    ours = _session(_real("smollm2", "full.torchscript"))
+    got = genai.run(["logits"], feeds)[0]
+    want = ours.run(["logits"], runtime.lm_feeds(ours, window))[0]
+    assert np.abs(got - want).max() < 1e-3 and (got.argmax(-1) == want.argmax(-1)).mean() == 1.0
+
+
+@pytest.mark.slow
+def test_real_genai_folder_rewritten_runs_in_the_generator(tmp_path):
+    from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+    from ortsparse.harness.export_genai import generator_greedy
+
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="mlp")})
+    result = rewrite_genai_folder(models.genai_folder_path("fp32"), tmp_path / "kwta", config)
+    assert len(result.report.rewritten) == 90 and result.library is not None
+    reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
+    assert generator_greedy(result.folder)["tokens"] == reference  # k = 1 keeps every input: exact

@@ -36,7 +36,7 @@ from onnx import helper
 from ..benchmarking import machine_info, read_bandwidth_gbs, report_header, write_report
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
-from ..graph_rewrite.techniques import TECHNIQUES
+from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_decoder, load_proto
 from .corpus import load_corpus_tokens
@@ -108,33 +108,52 @@ def resolve_model(spec: str, runners: Sequence[str] = RUNNERS) -> Candidate:
     return Candidate(spec, model_path("smollm2", variant), ("ort",))
 
 
-def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None = None) -> float:
-    """Bytes of linear-layer weights one decode step reads: every constant weight of a MatMul /
-    Gemm / KwtaBlockMatMul / MatMulNBits (scales and packed int4/int8 included), the gated ones
-    times their measured keep ratio."""
+@dataclass(frozen=True)
+class WeightTable:
+    """Per linear node of a graph: its first weight's bytes (the one a gate skips rows of) and the
+    bytes of its other constant inputs (scales, bias, packed extras). Kept instead of the graph, so
+    a benchmark does not hold every model's weights twice."""
+
+    rows: tuple[tuple[str, str, float, float], ...]  # (node name, op type, gateable bytes, other bytes)
+    nodes: int
+
+    def bytes(self, keep_ratio_by_node: Mapping[str, float] | None = None) -> float:
+        total = 0.0
+        for name, op_type, gateable, other in self.rows:
+            keep = (keep_ratio_by_node or {}).get(name, 1.0) if op_type == "KwtaBlockMatMul" else 1.0
+            total += gateable * keep + other
+        return total
+
+    @property
+    def gated(self) -> list[str]:
+        return [name for name, op_type, _, _ in self.rows if op_type == "KwtaBlockMatMul"]
+
+
+def weight_table(source) -> WeightTable:
+    """The :class:`WeightTable` of a graph (path, ModelProto or bytes; external data not loaded)."""
     proto = load_proto(source)
     sizes = {}
     for init in proto.graph.initializer:
         count = int(np.prod(init.dims)) if len(init.dims) else 1
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
         sizes[init.name] = count * itemsize
-    total = 0.0
-    seen: set[tuple[str, str]] = set()
+    rows = []
     for node in proto.graph.node:
         if node.op_type not in LINEAR_OPS:
             continue
-        keep = (keep_ratio_by_node or {}).get(node.name, 1.0) if node.op_type == "KwtaBlockMatMul" else 1.0
-        for name in node.input[1:]:
-            if name in sizes and (name, node.name) not in seen:
-                seen.add((name, node.name))
-                total += sizes[name] * (keep if name == node.input[1] else 1.0)
-    return total
+        names = list(dict.fromkeys(n for n in node.input[1:] if n in sizes))
+        gateable = float(sizes[node.input[1]]) if len(node.input) > 1 and node.input[1] in sizes else 0.0
+        other = float(sum(sizes[n] for n in names if n != node.input[1]))
+        rows.append((node.name, node.op_type, gateable, other))
+    return WeightTable(tuple(rows), len(proto.graph.node))
 
 
-def _graph_facts(candidate: Candidate) -> dict[str, Any]:
-    proto = load_proto(candidate.graph)
-    return {"nodes": len(proto.graph.node), "proto": proto,
-            "gated": [n.name for n in proto.graph.node if n.op_type == "KwtaBlockMatMul"]}
+def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None = None) -> float:
+    """Bytes of linear-layer weights one decode step reads: every constant weight of a MatMul /
+    Gemm / KwtaBlockMatMul / MatMulNBits (scales and packed int4/int8 included), the gated ones
+    times their measured keep ratio. ``source``: a graph or its :class:`WeightTable`."""
+    table = source if isinstance(source, WeightTable) else weight_table(source)
+    return table.bytes(keep_ratio_by_node)
 
 
 def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
@@ -155,7 +174,7 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
         raise ValueError(f"reference {reference!r} is not one of the models ({', '.join(names)})")
     reference_key = candidates[names.index(reference)].keys()[0]
     bandwidth = read_bandwidth_gbs()
-    facts = {c.name: _graph_facts(c) for c in candidates}
+    tables = {c.name: weight_table(c.graph) for c in candidates}
     rows: list[dict] = []
     for n_threads in threads:
         log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
@@ -179,8 +198,8 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
                 base = result[key_label(reference_key)]["tokens_per_s"]
                 mean_position = loop.prompt + loop.warmup + (loop.steps + 1) / 2
                 for candidate in candidates:
-                    weights = weight_bytes_per_token(facts[candidate.name]["proto"], ratios)
-                    gated = [ratios[n] for n in facts[candidate.name]["gated"] if n in ratios]
+                    weights = tables[candidate.name].bytes(ratios)
+                    gated = [ratios[n] for n in tables[candidate.name].gated if n in ratios]
                     for key in candidate.keys():
                         r = result[key_label(key)]
                         kv = kv_bytes[key] * mean_position
@@ -196,7 +215,7 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
                             prefill_tokens_per_s=r["prefill_tokens_per_s"],
                             weight_mb=weights / 1e6, kv_mb=kv / 1e6, kv_copy_mb=copy / 1e6, bytes_mb=total / 1e6,
                             bound_tokens_per_s=bound, achieved_over_bound=r["tokens_per_s"] / bound,
-                            nodes=facts[candidate.name]["nodes"], steps=loop.steps, warmup=loop.warmup,
+                            nodes=tables[candidate.name].nodes, steps=loop.steps, warmup=loop.warmup,
                             keep_ratio=float(np.mean(gated)) if gated else None))
                         log(f"  {key_label(key)}: {r['tokens_per_s']:.1f} tok/s (x{r['tokens_per_s'] / base:.2f}), "
                             f"top-1 {r['top1_agreement']:.3f}, {total / 1e6:.0f} MB/step")
@@ -232,8 +251,13 @@ def median_rows(rows: Sequence[Mapping]) -> list[dict]:
 def markdown(payload: dict, command: str, title: str) -> str:
     lines = report_header(title, command, payload["machine"], payload["bandwidth"],
                           matvec_note="numpy matvec; used for the bound")
+    return "\n".join(lines + markdown_body(payload)) + "\n"
+
+
+def markdown_body(payload: dict) -> list[str]:
+    """The report's text and tables (without the header: title, command, machine)."""
     loop = payload["loop"]
-    lines += [f"Real decode loop: corpus prompt from token {loop['offset']}, chunked prefill ({loop['prefill_chunk']}), "
+    lines = [f"Real decode loop: corpus prompt from token {loop['offset']}, chunked prefill ({loop['prefill_chunk']}), "
               f"then {loop['warmup']} warm-up + {loop['steps']} timed teacher-forced steps, the KV cache growing; "
               "models advanced round-robin in one process; median step time. Runner `ort`: the graph in an ONNX "
               "Runtime session (present K/V bound as the next past); `og`: onnxruntime_genai.Generator "
@@ -257,7 +281,7 @@ def markdown(payload: dict, command: str, title: str) -> str:
         for s in payload["stability"]:
             lines.append(f"| {s['threads']} | {s['context']} | {s['model']} | {s['runner']} | "
                          f"{' / '.join(f'{m:.2f}' for m in s['medians_ms'])} | {s['spread']:.1%} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] = DEFAULT_CONTEXTS) -> None:
@@ -290,11 +314,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_loop_arguments(parser)
     parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
     add_technique_arguments(parser)
+    # A rewrite is added only when a technique flag is given: its default stays off the namespace
+    # (argparse.SUPPRESS) so that run() can tell, and is filled in there.
+    dests = {flag.dest for group in flag_groups() for flag in group.flags} | {"config"}
+    for action in parser._actions:  # noqa: SLF001 (argparse has no public accessor)
+        if action.dest in dests:
+            _TECHNIQUE_DEFAULTS[action.dest] = action.default
+            action.default = argparse.SUPPRESS
 
 
-def technique_requested(args: argparse.Namespace, config) -> bool:
-    return bool(args.config) or getattr(config, "attention", None) is not None or \
-        any(config.choice(name).enabled for name in TECHNIQUES)
+_TECHNIQUE_DEFAULTS: dict[str, Any] = {}
+
+
+def technique_requested(args: argparse.Namespace) -> bool:
+    """Whether the command line gave ``--config`` or any technique flag (KWTA's default ``auto``
+    alone adds no rewrite: ``ortsparse bench genai-int4`` measures what is named). Fills in the
+    defaults of the flags not given."""
+    given = [dest for dest in _TECHNIQUE_DEFAULTS if dest in vars(args)]
+    for dest, default in _TECHNIQUE_DEFAULTS.items():
+        if dest not in vars(args):
+            setattr(args, dest, default)
+    return bool(given)
 
 
 def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[str], None] = print) -> Candidate:
@@ -307,10 +347,13 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
     rewritten, report = rewrite_model(onnx.load(str(base.source)) if not isinstance(base.source, onnx.ModelProto)
                                       else base.source, config)
     log(report.summary())
-    return Candidate(name, rewritten, ("ort",))
+    path = workdir / f"{name}.onnx"  # a file: the sessions read it, Python holds no copy of the weights
+    onnx.save(rewritten, str(path))
+    return Candidate(name, path, ("ort",))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    requested = technique_requested(args)
     config = config_from_args(args)
     specs = args.models or ["ours", "ours-int4", "ours-int8"]
     try:
@@ -319,7 +362,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error).strip("'\""))
     tokens = load_corpus_tokens(args.corpus)
     with tempfile.TemporaryDirectory(prefix="ortsparse-bench-") as workdir:
-        if technique_requested(args, config):
+        if requested:
             names = [c.name for c in candidates]
             target = args.rewrite or names[0]
             if target not in names:
@@ -330,9 +373,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         reference=args.reference)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
-    payload["models"] = {c.name: str(c.source) if not isinstance(c.source, onnx.ModelProto) else "rewritten in memory"
+    payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
                          for c in candidates}
-    if technique_requested(args, config):
+    if requested:
         payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
                              "techniques": {name: dataclasses.asdict(choice)
                                             for name, choice in config.techniques.items()}}
