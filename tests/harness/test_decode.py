@@ -138,3 +138,22 @@ def test_genai_stepper_threads_and_capacity():
     stepper.reset(500)  # more than the model's 128 positions: the Generator's buffer is capped
     logits = stepper.advance(TOKENS[:100])
     np.testing.assert_allclose(logits, full_logits(TOKENS[:100])[99], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_real_loop_ours_and_genai_fp32_predict_alike():
+    """SmolLM2: our TorchScript KV export and the genai fp32 folder (both runners) in the real loop
+    on the corpus: the same next-token predictions at every decode step."""
+    from ortsparse.harness import models
+    from ortsparse.harness.corpus import load_corpus_tokens
+
+    try:
+        ours, folder = models.model_path("smollm2", "kv.torchscript"), models.genai_folder_path("fp32")
+    except models.ModelNotBuiltError as error:
+        pytest.fail(str(error))
+    steppers = {"ours": decode.open_stepper(ours, "ort", 1), "genai-ort": decode.open_stepper(folder, "ort", 1),
+                "genai-og": decode.open_stepper(folder, "og", 1)}
+    result = decode.decode_loop(steppers, load_corpus_tokens(), decode.plan(200, 8, 2), prefill_chunk=128,
+                                reference="ours", measure_metrics=False)
+    assert result["genai-ort"]["top1_agreement"] == result["genai-og"]["top1_agreement"] == 1.0
+    assert result["ours"]["next_token_accuracy"] > 0.2  # a trained model on real text

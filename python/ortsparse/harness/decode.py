@@ -41,6 +41,8 @@ class Stepper(Protocol):
     """One model in the loop."""
 
     runner: str  # "ort" or "og"
+    kv_bytes_per_position: int  # the K/V cache's bytes per token position (every layer's K and V)
+    copies_cache: bool  # whether each step copies the past into a new present (separate buffers)
 
     def reset(self, capacity: int) -> None: ...  # noqa: E704 (protocol): a new sequence of <= capacity positions
 
@@ -54,6 +56,7 @@ class OrtStepper:
     is a proto."""
 
     runner = "ort"
+    copies_cache = True  # the graph writes a new present (past + the new token) every step
 
     def __init__(self, source: Any, threads: int = 1, layout_source: Any = None):
         self.session = open_session(source, thread_options(threads))
@@ -64,6 +67,7 @@ class OrtStepper:
         self.layout = layout
         self.decoder = KVDecoder(self.session, layout)
         self.uses_library = uses_ortsparse(source)
+        self.kv_bytes_per_position = layout.bytes_per_position()
 
     @property
     def max_positions(self) -> int | None:
@@ -93,6 +97,7 @@ class GenaiStepper:
     positions) stay as they are, only the thread options are overlaid."""
 
     runner = "og"
+    copies_cache = False  # past and present share one buffer
 
     def __init__(self, folder: str | os.PathLike, threads: int = 1):
         import onnxruntime_genai as og  # optional: the models extra
@@ -104,6 +109,8 @@ class GenaiStepper:
         self.model = og.Model(config)
         self.generator = None
         self.uses_library = bool(self.info.session_options.get("custom_ops_library"))
+        # The CPU cache is float32 whatever the weights' precision.
+        self.kv_bytes_per_position = 2 * self.info.layers * self.info.kv_heads * self.info.head_size * 4
 
     @property
     def max_positions(self) -> int | None:

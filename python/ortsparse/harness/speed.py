@@ -6,9 +6,9 @@ Models are KV-cache decoder graphs run in ONNX Runtime (our exports, ORT's MatMu
 them) and onnxruntime-genai folders, which run twice: their graph in an ONNX Runtime session
 (runner ``ort``) and the folder through ``onnxruntime_genai.Generator`` (runner ``og``, the way
 apps run it), so a difference between the two is visible. The technique flags (``--config``,
-``--kwta-*``, ``--attn`` ...) add the rewrite of one model (``--rewrite``, default the first): a
-KV graph is rewritten in memory, a genai folder into a temporary rewritten folder
-(:func:`ortsparse.graph_rewrite.genai.rewrite_genai_folder`) that both runners use.
+``--kwta-*``, ``--attn`` ...; only when given) add the rewrite of one model (``--rewrite``, default
+the first): a KV graph is rewritten into a temporary file, a genai folder into a temporary rewritten
+folder (:func:`ortsparse.graph_rewrite.genai.rewrite_genai_folder`) that both runners use.
 
 Bytes per step: the weights of every linear layer (MatMul / Gemm / MatMulNBits / KwtaBlockMatMul,
 packed weights and scales included; gated layers at the keep ratio the op library counted over
@@ -180,12 +180,6 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
         log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
         steppers = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
         limits = [s.max_positions for s in steppers.values() if s.max_positions]
-        kv_bytes = {key: s.layout.bytes_per_position() if hasattr(s, "layout") else None
-                    for key, s in steppers.items()}
-        for key, stepper in steppers.items():
-            if kv_bytes[key] is None:  # the Generator: the decoder's own cache layout
-                info = stepper.info
-                kv_bytes[key] = 2 * info.layers * info.kv_heads * info.head_size * 4
         labelled = {key_label(k): s for k, s in steppers.items()}
         for context in contexts:
             loop = plan(context, steps, warmup, offset=offset, max_positions=min(limits) if limits else None)
@@ -202,8 +196,8 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
                     gated = [ratios[n] for n in tables[candidate.name].gated if n in ratios]
                     for key in candidate.keys():
                         r = result[key_label(key)]
-                        kv = kv_bytes[key] * mean_position
-                        copy = 2 * kv if key[1] == "ort" else 0.0
+                        kv = steppers[key].kv_bytes_per_position * mean_position
+                        copy = 2 * kv if steppers[key].copies_cache else 0.0
                         total = weights + kv + copy
                         bound = bandwidth["numpy_matvec_gbs"] * 1e9 / total
                         rows.append(dict(
@@ -338,7 +332,7 @@ def technique_requested(args: argparse.Namespace) -> bool:
 
 
 def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[str], None] = print) -> Candidate:
-    """``base`` rewritten with ``config``: a KV graph in memory, a genai folder into ``workdir``."""
+    """``base`` rewritten with ``config`` into ``workdir``: a KV graph as a file, a genai folder as a folder."""
     name = f"{base.name}+ortsparse"
     if base.is_genai:
         result = rewrite_genai_folder(base.source, workdir / name, config)
