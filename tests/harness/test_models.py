@@ -539,3 +539,17 @@ def test_real_genai_folder_rewritten_runs_in_the_generator(tmp_path):
     assert len(result.report.rewritten) == 90 and result.library is not None
     reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
     assert generator_greedy(result.folder)["tokens"] == reference  # k = 1 keeps every input: exact
+
+
+def test_a_failing_genai_builder_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """A builder that fails: a ModelBuildError naming the precision with the builder's last line,
+    and no output folder (nor temporary) left behind."""
+    from ortsparse.harness import export_genai
+
+    script = "import sys; print('Traceback ...', file=sys.stderr); sys.exit('ValueError: unsupported model type')"
+    monkeypatch.setattr(export_genai, "builder_command", lambda *args: [sys.executable, "-c", script])
+    target = tmp_path / "genai-fp32"
+    with pytest.raises(ModelBuildError, match=r"builder \(fp32\) failed: ValueError: unsupported model type$"):
+        export_genai.write_folder(target, lambda tmp: export_genai.run_builder(tmp_path, tmp, "fp32", tmp_path / "c",
+                                                                               lambda _: None))
+    assert list(tmp_path.iterdir()) == []
