@@ -1,8 +1,9 @@
 """Where a decode step's time goes: ORT's profiler per op type, dense vs KWTA-rewritten KV export.
 
 usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5]
-Node times come from ORT's own profiler (it adds overhead; compare the two columns, not absolute
-tokens/s).
+Each model prefills `--context` corpus tokens, then `--runs` real decode steps (the corpus
+continuation, the cache growing) are profiled. Node times come from ORT's own profiler (it adds
+overhead; compare the two columns, not absolute tokens/s).
 """
 from __future__ import annotations
 
@@ -14,14 +15,20 @@ import tempfile
 import onnx
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+from ortsparse.harness.corpus import load_corpus_tokens
 from ortsparse.harness.models import model_path
-from ortsparse.runtime import decode_feeds, open_session, vocab_size
+from ortsparse.runtime import KVDecoder, kv_layout, open_session
 
 
-def profile(model, feeds, runs: int, prefix: str) -> collections.Counter:
+def profile(model, tokens, context: int, runs: int, prefix: str) -> collections.Counter:
+    plain = open_session(model, {"intra_op_num_threads": 1})  # the prefill is not what this profiles
+    prefill = KVDecoder(plain, kv_layout(plain, model))
+    prefill.advance(tokens[:context])
     session = open_session(model, {"intra_op_num_threads": 1, "enable_profiling": True, "profile_file_prefix": prefix})
-    for _ in range(runs):
-        session.run(None, feeds)
+    decoder = KVDecoder(session, prefill.layout)
+    decoder.past, decoder.position = prefill.past, prefill.position  # the cache is a plain CPU value
+    for step in range(runs):
+        decoder.advance(tokens[context + step:context + step + 1])
     events = json.load(open(session.end_profiling()))
     per_op: collections.Counter = collections.Counter()
     for event in events:
@@ -39,10 +46,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     gated, _ = rewrite_model(dense, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=args.k), enabled=True, target=args.target)}))
-    feeds = decode_feeds(dense, new_tokens=1, past=args.context, vocab=vocab_size(dense))
+    tokens = load_corpus_tokens()
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {"dense": profile(dense, feeds, args.runs, f"{tmp}/dense"),
-                   "kwta": profile(gated, feeds, args.runs, f"{tmp}/kwta")}
+        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense"),
+                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta")}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
     print(f"per decode step, context {args.context}, 1 thread, k {args.k} on {args.target} (us of node time)")
     print(f"{'op':24s} {'dense':>10s} {'kwta':>10s}")

@@ -31,8 +31,8 @@ from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
 from ortsparse.harness.embeddings import compare_embeddings
 from ortsparse.harness.models import model_path
 from ortsparse.harness.perplexity import perplexity
-from ortsparse.harness.speed import SpeedModel, time_models
-from ortsparse.runtime import decode_feeds, lm_feeds, open_session, vocab_size, with_outputs
+from ortsparse.harness.speed import decode_speed
+from ortsparse.runtime import lm_feeds, open_session, with_outputs
 
 
 def proc_config(point: dict[str, Any]):
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--minilm", action="store_true", help="also MiniLM embedding cosine per point")
     parser.add_argument("--speed", action="store_true", help="also decode speed on the KV export (lead's runs)")
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps of the real decode loop (--speed)")
     parser.add_argument("-o", "--output", default="reports/sweep_proc")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="only combine earlier sweep reports (their JSON) into one table and PNG")
@@ -225,10 +225,7 @@ def main(argv=None) -> int:
             row.update(cosine_mean=emb["cosine_mean"], cosine_min=emb["cosine_min"])
         if kv is not None:
             kv_rw, _ = rewrite_model(kv, config)
-            feeds = {"kv": decode_feeds(kv, new_tokens=1, past=args.context, vocab=vocab_size(kv))}
-            speed = time_models([SpeedModel("dense", kv, "kv"), SpeedModel("rewritten", kv_rw, "kv")], feeds,
-                                threads=1, repeats=args.repeats, tokens_per_run=1)
-            speed.pop("_metrics", None)
+            speed = decode_speed({"dense": kv, "rewritten": kv_rw}, tokens, context=args.context, steps=args.steps)
             row.update(speedup=speed["rewritten"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
                        decode_tokens_per_s=speed["rewritten"]["tokens_per_s"],
                        dense_tokens_per_s=speed["dense"]["tokens_per_s"])

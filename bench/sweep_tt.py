@@ -44,7 +44,7 @@ from ortsparse.harness.corpus import encoder_batches, lm_windows, load_corpus_to
 from ortsparse.harness.embeddings import compare_embeddings  # noqa: E402
 from ortsparse.harness.models import model_path  # noqa: E402
 from ortsparse.harness.perplexity import perplexity  # noqa: E402
-from ortsparse.harness.speed import bench  # noqa: E402
+from ortsparse.harness.speed import decode_speed  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ONE_THREAD = {"intra_op_num_threads": 1}  # quality runs share the machine
@@ -181,7 +181,7 @@ def _restrict(config, names: set[str], model, args):
 def _bench(config, calib, args) -> dict:
     kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     rewritten, _ = rewrite_model(kv, config, calibration=calib)  # same node names as the full export
-    return bench({"dense": kv, "tt": rewritten}, None, contexts=(128,), threads=(1,), repeats=args.repeats, log=log)
+    return decode_speed({"dense": kv, "tt": rewritten}, context=128, steps=args.steps)
 
 
 def sweep_encoder(args) -> dict[str, Any]:
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--max-rows", type=int, default=2048, help="calibration rows kept per layer")
     parser.add_argument("--bench", action="store_true", help="decode tokens/s of each autotuned model (KV export)")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps of the real decode loop (--bench)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, tiny windows, one point each")
     parser.add_argument("-o", "--output", default="reports/sweep_tt")
     args = parser.parse_args(argv)

@@ -141,13 +141,13 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     if (!input_present(info, 2)) fail("input scales (#2) is required in the quantized form");
     const ConstantTensorAny scales = constant_input(info, 2, "scales", kWhy);
     if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-      fail("input scales must be float32, got element type ", static_cast<int>(scales.type));
+      fail("input scales must be float32, got ", element_type_name(scales.type));
     t.scales = static_cast<const float*>(scales.data);
     t.scales_shape = scales.shape;
     if (input_present(info, 3)) {
       const ConstantTensorAny zp = constant_input(info, 3, "zero_points", kWhy);
       if (zp.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 && zp.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-        fail("input zero_points must be uint8, got element type ", static_cast<int>(zp.type));
+        fail("input zero_points must be uint8, got ", element_type_name(zp.type));
       t.zero_points = zp.data;
       t.zero_points_shape = zp.shape;
       t.zero_points_are_float = zp.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

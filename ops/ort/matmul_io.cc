@@ -9,7 +9,7 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
   Ort::ConstValue x = context.GetInput(0);
   auto x_info = x.GetTensorTypeAndShapeInfo();
   if (x_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-    fail("input X must be float32, got element type ", static_cast<int>(x_info.GetElementType()));
+    fail("input X must be float32, got ", element_type_name(x_info.GetElementType()));
   std::vector<int64_t> shape = x_info.GetShape();
   if (shape.empty()) fail("input X must have rank >= 1, got a scalar");
   if (shape.back() != static_cast<int64_t>(k))
@@ -30,7 +30,7 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
     if (b) {
       auto b_info = b.GetTensorTypeAndShapeInfo();
       if (b_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-        fail("input B must be float32, got element type ", static_cast<int>(b_info.GetElementType()));
+        fail("input B must be float32, got ", element_type_name(b_info.GetElementType()));
       if (b_info.GetElementCount() != n)
         fail("input B has shape ", shape_string(b_info.GetShape()), " but N = ", n, " (B must hold N values)");
       io.bias = b.GetTensorData<float>();

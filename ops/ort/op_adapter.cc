@@ -118,6 +118,24 @@ void OrtTaskRunner::run(size_t n_tasks, const std::function<void(size_t)>& fn) c
                                                             const_cast<std::function<void(size_t)>*>(&fn)));
 }
 
+std::string element_type_name(ONNXTensorElementDataType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "double";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return "uint16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return "int16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return "string";
+    default: return "element type " + std::to_string(static_cast<int>(type));
+  }
+}
+
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::ostringstream out;
   out << '[';
@@ -138,7 +156,7 @@ ConstantTensor constant_float_input(const OrtKernelInfo* info, size_t index, con
   }
   auto info_shape = value.GetTensorTypeAndShapeInfo();
   if (info_shape.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-    fail("input ", input_name, " must be float32, got element type ", static_cast<int>(info_shape.GetElementType()));
+    fail("input ", input_name, " must be float32, got ", element_type_name(info_shape.GetElementType()));
   ConstantTensor out;
   out.shape = info_shape.GetShape();
   if (out.shape.size() != rank)

@@ -62,7 +62,7 @@ Tensor4 float_input4(Ort::KernelContext& context, size_t index, const char* name
   Ort::ConstValue value = context.GetInput(index);
   auto info = value.GetTensorTypeAndShapeInfo();
   if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-    fail("input ", name, " must be float32, got element type ", static_cast<int>(info.GetElementType()));
+    fail("input ", name, " must be float32, got ", element_type_name(info.GetElementType()));
   Tensor4 t;
   t.shape = info.GetShape();
   if (t.shape.size() != 4) fail("input ", name, " must be 4-D ", dims, ", got shape ", shape_string(t.shape));
@@ -128,7 +128,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
         } else if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
           mask.add = m.GetTensorData<float>();
         } else {
-          fail("input attn_mask must be bool or float32, got element type ", static_cast<int>(type));
+          fail("input attn_mask must be bool or float32, got ", element_type_name(type));
         }
         const std::vector<int64_t> ms = info.GetShape();
         if (ms.empty() || ms.size() > 4)

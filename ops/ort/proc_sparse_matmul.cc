@@ -77,7 +77,7 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
     const ConstantTensorAny deltas = constant_input(info, 2, "deltas",
                                                     "the builder's packed weights, read once at session creation");
     if (index.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16)
-      fail("input indices must be uint16, got element type ", static_cast<int>(index.type));
+      fail("input indices must be uint16, got ", element_type_name(index.type));
     if (index.shape.size() != 2 || index.shape[0] != n)
       fail("input indices has shape ", shape_string(index.shape), ", expected [N=", n, ", fanout]");
     const int64_t f = index.shape[1];
@@ -89,7 +89,7 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
     } else if (deltas.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       type = kernels::DeltaType::kF16;
     } else {
-      fail("input deltas must be float32 or float16, got element type ", static_cast<int>(deltas.type));
+      fail("input deltas must be float32 or float16, got ", element_type_name(deltas.type));
     }
     const std::vector<int64_t> want{n, f, block};
     if (deltas.shape != want)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
 
@@ -56,8 +57,10 @@ def _budget(text: str) -> float:
 
 
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", nargs="?", metavar="IN.onnx", help="model to rewrite (never modified)")
-    parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model")
+    parser.add_argument("input", nargs="?", metavar="IN.onnx",
+                        help="model to rewrite (never modified); an onnxruntime-genai folder (or its model.onnx "
+                             "with a folder as -o) gives a new runnable genai folder")
+    parser.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the rewritten model (or folder)")
     add_technique_arguments(parser)
 
     check = parser.add_argument_group("checking")
@@ -100,16 +103,18 @@ def _read_by_flags(args: argparse.Namespace) -> dict[str, str]:
     return {args.config: "the config file"} if getattr(args, "config", None) else {}
 
 
-def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes) -> int:
+def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes,
+            original=None, rewritten=None) -> int:
     from .verify import DEFAULT_BUDGET, EXACT_BUDGET, verify_models
 
+    original, rewritten = original or args.input, rewritten or args.output
     if report.exact:
         budget, reason = EXACT_BUDGET, "tight: every rewritten layer keeps all inputs (k=1, threshold=0)"
     else:
         budget = DEFAULT_BUDGET if args.verify_budget is None else args.verify_budget
         reason = "approximate layers present; set with --verify-budget"
     try:
-        result = verify_models(args.input, args.output, runs=args.verify, budget=budget, budget_reason=reason,
+        result = verify_models(original, rewritten, runs=args.verify, budget=budget, budget_reason=reason,
                                shapes=shapes, seed=args.verify_seed, progress=progress)
     except Exception as error:
         if not type(error).__module__.startswith("onnxruntime"):
@@ -120,13 +125,37 @@ def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progre
     if not result.passed:
         worst = max(result.outputs, key=lambda o: o.rel_l2)
         print(f"verify failed: output {worst.name!r} relative L2 error {worst.rel_l2:.3e} > budget {budget:g}; "
-              f"the rewritten model was kept at {args.output}", file=sys.stderr)
+              f"the rewritten model was kept at {rewritten}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return EXIT_OK
 
 
+def _rewrite_genai_folder(args: argparse.Namespace, config, say: Callable[[str], None], progress: bool,
+                          shapes) -> int:
+    """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder."""
+    from .graph_rewrite.genai import model_input, read_genai_folder, rewrite_genai_folder
+
+    result = rewrite_genai_folder(args.input, args.output, config, check=not args.no_check)
+    library = ", op library copied in" if result.library else ""
+    say(f"wrote {result.folder} (onnxruntime-genai folder, decoder {result.model_file.name}{library})")
+    say(result.report.summary())
+    if args.report:
+        from .graph_rewrite.output_paths import write_text_files
+
+        write_text_files({args.report: ("report", json.dumps(result.report.to_dict(), indent=2) + "\n")},
+                         {model_input(args.input): "the input model", **_read_by_flags(args)})
+    if not args.verify:
+        return EXIT_OK
+    # The genai decoder declares symbolic K/V sizes; generated inputs take them from its config.
+    info = read_genai_folder(result.folder)
+    shapes = {"kv_cache_dim": info.head_size, "past_sequence_length": 4, "sequence_length": 8,
+              "total_sequence_length": 12, **(shapes or {})}
+    return _verify(args, result.report, say, progress, shapes, model_input(args.input), result.model_file)
+
+
 def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .graph_rewrite.files import list_file_layers, rewrite_file
+    from .graph_rewrite.genai import is_folder_rewrite, model_input
 
     say = (lambda text: None) if args.quiet else print
     if args.list_rules:
@@ -136,7 +165,8 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("the input model IN.onnx is required")
     config = config_from_args(args)
     if args.list_layers:
-        report = list_file_layers(args.input, config, report_path=args.report, inputs=_read_by_flags(args))
+        report = list_file_layers(model_input(args.input), config, report_path=args.report,
+                                  inputs=_read_by_flags(args))
         print(report.layer_table())
         if report.attention:
             print(report.attention_table())
@@ -150,12 +180,39 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         from .verify import parse_shape_overrides
 
         shapes = parse_shape_overrides(args.verify_shape)  # a bad spec is a usage error before anything is written
+    if is_folder_rewrite(args.input, args.output):
+        return _rewrite_genai_folder(args, config, say, progress, shapes)
     report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check,
                           report_path=args.report, inputs=_read_by_flags(args))
     say(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
     say(report.summary())
     if args.verify:
         return _verify(args, report, say, progress, shapes)
+    return EXIT_OK
+
+
+def add_genai_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", metavar="DIR", help="an onnxruntime-genai folder written by rewrite-onnx")
+    parser.add_argument("--check", action="store_true",
+                        help="only report; exit 1 when the folder needs the op library and its copy is missing, "
+                             "not configured, or differs from the installed one")
+
+
+def run_genai_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .graph_rewrite.genai import library_state, refresh_genai_library
+
+    state = library_state(args.folder) if args.check else refresh_genai_library(args.folder)
+    if not state["needs_library"]:
+        print(f"{state['folder']}: the decoder uses no ortsparse op; no library needed")
+        return EXIT_OK
+    ok = state["present"] and state["current"] and bool(state["configured"])
+    if args.check:
+        hint = "" if ok else f"; `ortsparse genai-config {args.folder}` refreshes it"
+        print(f"{state['folder']}: op library {'up to date' if ok else 'missing or out of date'} "
+              f"(installed: {state['installed']}){hint}")
+        return EXIT_OK if ok else EXIT_VERIFY_FAILED
+    print(f"{state['folder']}: op library {'refreshed from' if state['changed'] else 'already matches'} "
+          f"{state['installed']}; genai_config.json custom_ops_library = {state['configured']}")
     return EXIT_OK
 
 
@@ -189,6 +246,8 @@ def _available(module_name: str) -> bool:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "rewrite": Subcommand("replace linear layers by ortsparse ops (same as rewrite-onnx)",
                           add_rewrite_arguments, run_rewrite),
+    "genai-config": Subcommand("refresh the op library copy of a rewritten onnxruntime-genai folder",
+                               add_genai_config_arguments, run_genai_config),
 }
 for _name, _module, _help in [
     ("models", "models", "fetch and export the real models into the cache (idempotent)"),

@@ -9,15 +9,24 @@ One place for what every measurement, benchmark and offline builder needs:
   ``ai.ortsparse`` domain (dense models run without it); :func:`thread_options` is the thread
   policy of every benchmark here (N intra-op threads; above one, ``session.intra_op.allow_spinning``
   off so idle pool threads do not steal the other candidate's core);
-- feeds: :func:`lm_feeds` (one full-sequence window, or named sentence batches),
+- feeds: :func:`lm_feeds` (one full-sequence window, or named sentence batches; a KV-cache
+  decoder gets an empty past, so a decoder graph is scored on the graph that runs),
   :func:`decode_feeds` (one decoder step after a past of a given length, generated values),
-  :func:`kv_step_feeds` (one real decode step: new ids, their positions and the past K/V).
+  :func:`kv_step_feeds` (one real decode step: new ids, their positions and the past K/V);
+- KV-cache decoders: :func:`kv_layout` (past/present names, heads, head size — a symbolic head
+  size, as onnxruntime-genai's graphs declare it, is read from the folder's ``genai_config.json``
+  or from the graph), :func:`genai_decoder` (what a genai model folder's config says about its
+  decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
+  present K/V kept as ONNX Runtime values (IOBinding: the cache is never copied through numpy).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import mmap
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,24 +170,31 @@ def open_session(model: Any, session_options: Any = None) -> ort.InferenceSessio
 _NUMPY_INTS = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
-def lm_feeds(session_or_inputs: Any, tokens: Any) -> dict[str, np.ndarray]:
+def lm_feeds(session_or_inputs: Any, tokens: Any, kv: KVLayout | None = None) -> dict[str, np.ndarray]:
     """Feeds of one full-sequence run: ``tokens`` are the ids of one window (``[L]`` or ``[1, L]``;
     mask all ones, positions 0..L-1, token types 0), or a mapping of named arrays (a sentence batch)
-    fed by name (:func:`named_feeds`). ``session_or_inputs``: a session or its ``get_inputs()``."""
+    fed by name (:func:`named_feeds`). ``session_or_inputs``: a session or its ``get_inputs()``.
+    A KV-cache decoder is fed an empty past when its ``kv`` layout (:func:`kv_layout`) is given:
+    the whole window is then one prefill of the graph that decodes."""
     inputs = session_or_inputs.get_inputs() if hasattr(session_or_inputs, "get_inputs") else session_or_inputs
     if isinstance(tokens, Mapping):
         return named_feeds(inputs, tokens)
     window = np.asarray(tokens).reshape(-1)
     feeds = {}
     length = window.shape[-1]
+    empty = dict(zip(kv.past, kv.empty())) if kv is not None else {}
     for spec in inputs:
+        if spec.name in empty:
+            feeds[spec.name] = empty[spec.name]
+            continue
         dtype = _NUMPY_INTS.get(spec.type)
         name = spec.name.lower()
+        if "past" in name or "cache" in name or "present" in name:
+            raise ValueError(f"input {spec.name!r} looks like a KV cache: perplexity needs a full-sequence export "
+                             "or the decoder's KV layout (ortsparse.runtime.kv_layout) for an empty past")
         if dtype is None and spec.type != "tensor(bool)":
             raise ValueError(f"input {spec.name!r} of type {spec.type}: perplexity needs a full-sequence LM export "
                              "(integer input_ids, attention_mask [, position_ids])")
-        if "past" in name or "cache" in name or "present" in name:
-            raise ValueError(f"input {spec.name!r} looks like a KV cache: perplexity needs a full-sequence export")
         if "mask" in name:
             feeds[spec.name] = np.ones((1, length), dtype=dtype or np.bool_)
         elif "position" in name:
@@ -260,18 +276,232 @@ def past_inputs(session: Any) -> list:
     return [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
 
 
-def empty_past(session: Any, batch: int = 1) -> list[np.ndarray]:
-    """K/V arrays of past length 0 for every KV input: a Run with them prefills the whole prompt."""
-    return [np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32) for i in past_inputs(session)]
+def empty_past(session: Any, batch: int = 1, model: Any = None) -> list[np.ndarray]:
+    """K/V arrays of past length 0 for every KV input: a Run with them prefills the whole prompt.
+    ``model`` (the session's path or proto) resolves a symbolic head size (:func:`kv_layout`)."""
+    layout = kv_layout(session, model)
+    return layout.empty(batch) if layout is not None else []
 
 
 def kv_step_feeds(session: Any, ids: Any, position: int, past: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     """Feeds of one real decode step of a KV export: ``ids`` [1, S] new tokens at positions
     ``position``..``position + S - 1``, the mask over past and new tokens, and ``past`` (the
-    previous step's present K/V, or :func:`empty_past`)."""
+    previous step's present K/V, or :func:`empty_past`). A graph without a ``position_ids`` input
+    (onnxruntime-genai's: positions come from the mask) gets none."""
     ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
     seq = ids.shape[1]
-    feeds = {"input_ids": ids, "attention_mask": np.ones((1, position + seq), np.int64),
-             "position_ids": np.arange(position, position + seq, dtype=np.int64)[None, :]}
+    types = {i.name: i.type for i in session.get_inputs()}
+    feeds = {"input_ids": ids.astype(_NUMPY_INTS.get(types.get("input_ids"), np.int64)),
+             "attention_mask": np.ones((1, position + seq), _NUMPY_INTS.get(types.get("attention_mask"), np.int64))}
+    if "position_ids" in types:
+        feeds["position_ids"] = np.arange(position, position + seq, dtype=_NUMPY_INTS.get(types["position_ids"],
+                                                                                          np.int64))[None, :]
     feeds.update(zip((i.name for i in past_inputs(session)), past))
     return feeds
+
+
+# --------------------------------------------------------------------------- KV-cache decoders
+
+GENAI_CONFIG = "genai_config.json"
+
+
+class GenaiConfigError(ValueError):
+    """A folder that is not a usable onnxruntime-genai model folder (one-line reason)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenaiDecoder:
+    """What an onnxruntime-genai model folder's ``genai_config.json`` says about its decoder."""
+
+    folder: Path
+    config_path: Path
+    config: dict
+    model_file: Path
+    head_size: int
+    kv_heads: int
+    layers: int
+    context_length: int | None
+
+    @property
+    def session_options(self) -> dict:
+        return self.config["model"]["decoder"].setdefault("session_options", {})
+
+
+def genai_folder(path: str | os.PathLike) -> Path | None:
+    """The onnxruntime-genai folder ``path`` is or belongs to: a folder holding ``genai_config.json``,
+    or a file beside one (its model.onnx, the config itself); None otherwise."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    return folder if (folder / GENAI_CONFIG).is_file() else None
+
+
+def genai_decoder(path: str | os.PathLike) -> GenaiDecoder:
+    """Read the genai folder ``path`` (or the folder of a file in it). Raises
+    :class:`GenaiConfigError` naming the folder and the problem: no genai_config.json, a config that
+    is not JSON or lacks the decoder's filename / head_size, a decoder model file that is missing."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    config_path = folder / GENAI_CONFIG
+    if not config_path.is_file():
+        raise GenaiConfigError(f"{folder} has no {GENAI_CONFIG}: not an onnxruntime-genai model folder")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise GenaiConfigError(f"cannot read {config_path}: {getattr(error, 'strerror', None) or error}") from None
+    except ValueError as error:
+        raise GenaiConfigError(f"{config_path} is not valid JSON ({error})") from None
+    decoder = config.get("model", {}).get("decoder") if isinstance(config.get("model"), dict) else None
+    if not isinstance(decoder, dict):
+        raise GenaiConfigError(f"{config_path} has no model.decoder section")
+    filename = decoder.get("filename")
+    if not isinstance(filename, str) or not filename:
+        raise GenaiConfigError(f"{config_path}: model.decoder.filename is missing")
+    model_file = folder / filename
+    if not model_file.resolve().is_relative_to(folder.resolve()):
+        raise GenaiConfigError(f"{config_path}: decoder filename {filename!r} lies outside the folder")
+    if not model_file.is_file():
+        raise GenaiConfigError(f"{config_path} names the decoder model {filename}, which does not exist in {folder}")
+    try:
+        head_size = int(decoder["head_size"])
+        kv_heads = int(decoder.get("num_key_value_heads", decoder.get("num_attention_heads")))
+        layers = int(decoder["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise GenaiConfigError(f"{config_path}: model.decoder lacks a usable {error} entry") from None
+    context = config["model"].get("context_length")
+    return GenaiDecoder(folder, config_path, config, model_file, head_size, kv_heads, layers,
+                        int(context) if isinstance(context, int) else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The KV cache of a decoder graph: past inputs and the present outputs that follow them (same
+    order), K/V heads and head size, element type, and the other decoder inputs / outputs."""
+
+    past: tuple[str, ...]
+    present: tuple[str, ...]
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    logits: str
+    has_position_ids: bool
+    max_positions: int | None = None  # the model's longest sequence when it has one (genai config)
+
+    def empty(self, batch: int = 1) -> list[np.ndarray]:
+        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype) for _ in self.past]
+
+    def bytes_per_position(self) -> int:
+        """Bytes the cache holds per token position (every layer's K and V)."""
+        return len(self.past) * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+
+_NUMPY_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _graph_head_size(model: Any, past_name: str) -> int | None:
+    """Head size of the attention node that consumes ``past_name``, from the graph: the linear
+    layer after it reads ``num_heads * head_size`` inputs (its weight's K, or MatMulNBits' K)."""
+    graph = load_proto(model).graph
+    dims = {init.name: list(init.dims) for init in graph.initializer}
+    for node in graph.node:
+        if past_name not in node.input:
+            continue
+        heads = next((a.i for a in node.attribute if a.name == "num_heads"), 0)
+        if heads <= 0:
+            continue
+        for consumer in graph.node:
+            if not consumer.input or consumer.input[0] != node.output[0]:
+                continue
+            k = next((a.i for a in consumer.attribute if a.name == "K"), 0)
+            if not k and len(consumer.input) > 1 and len(dims.get(consumer.input[1], [])) == 2:
+                k = dims[consumer.input[1]][0]
+            if k and k % heads == 0:
+                return k // heads
+    return None
+
+
+def kv_layout(session: Any, model: Any = None) -> KVLayout | None:
+    """The KV layout of a decoder session (None when it has no ``past_key_values.*`` inputs).
+    Heads and head size come from the past inputs' shapes; a symbolic head size (onnxruntime-genai
+    declares ``kv_cache_dim``) from ``model``: the ``genai_config.json`` of its folder when it is a
+    path there, else the graph (:func:`_graph_head_size`). Raises ValueError when neither tells."""
+    past = past_inputs(session)
+    if not past:
+        return None
+    outputs = [o.name for o in session.get_outputs()]
+    present = []
+    for spec in past:
+        wanted = spec.name.replace("past_key_values.", "present.", 1)
+        if wanted not in outputs:
+            raise ValueError(f"decoder input {spec.name!r} has no matching output {wanted!r}")
+        present.append(wanted)
+    spec = past[0]
+    shape = list(spec.shape)
+    if len(shape) != 4:
+        raise ValueError(f"KV input {spec.name!r} has shape {shape}; expected [batch, heads, past, head size]")
+    heads, head_dim = shape[1], shape[3]
+    folder = genai_folder(model) if isinstance(model, (str, os.PathLike)) else None
+    genai = genai_decoder(folder) if folder is not None else None
+    if not isinstance(head_dim, int):
+        head_dim = genai.head_size if genai is not None else (_graph_head_size(model, spec.name) if model is not None
+                                                                 else None)
+    if not isinstance(heads, int) and genai is not None:
+        heads = genai.kv_heads
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        raise ValueError(f"KV input {spec.name!r} has symbolic dims {shape} and nothing tells their size "
+                         "(give the model's path inside its genai folder, or a graph with numeric K/V dims)")
+    inputs = {i.name for i in session.get_inputs()}
+    logits = "logits" if "logits" in outputs else outputs[0]
+    return KVLayout(tuple(i.name for i in past), tuple(present), int(heads), int(head_dim),
+                    _NUMPY_FLOATS.get(spec.type, np.float32), logits, "position_ids" in inputs,
+                    genai.context_length if genai is not None else None)
+
+
+class KVDecoder:
+    """Runs a KV-cache decoder session step by step: :meth:`advance` feeds new tokens after the
+    cache and returns the last token's logits. The present K/V stay ONNX Runtime values bound as
+    the next step's past (IOBinding), so the cache is never copied into or out of numpy; only the
+    ids, the mask and the last logits cross."""
+
+    def __init__(self, session: Any, layout: KVLayout):
+        self.session = session
+        self.layout = layout
+        types = {i.name: i.type for i in session.get_inputs()}
+        self._ids_type = _NUMPY_INTS.get(types.get("input_ids"), np.int64)
+        self._mask_type = _NUMPY_INTS.get(types.get("attention_mask"), np.int64)
+        self._position_type = _NUMPY_INTS.get(types.get("position_ids"), np.int64)
+        self._cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        self._outputs = (layout.logits, *layout.present)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the cache (the next :meth:`advance` is a prefill from position 0)."""
+        self.position = 0
+        self.past = [ort.OrtValue.ortvalue_from_numpy(a)._ortvalue for a in self.layout.empty()]
+
+    def advance(self, ids: Any) -> np.ndarray:
+        """Feed ``ids`` (1-D) at the next positions; returns the logits after the last one ([vocab])."""
+        ids = np.asarray(ids).reshape(1, -1).astype(self._ids_type)
+        count = ids.shape[1]
+        # A fresh binding per step: outputs bound to the CPU device get ORT-allocated values of this
+        # step's shapes (a reused binding would treat the last step's outputs as preallocated). The
+        # values are bound through the binding's C object (onnxruntime's Python wrapper adds ~10 us
+        # of checks per value, 60 K/V values a step).
+        binding = self.session.io_binding()
+        native = binding._iobinding  # noqa: SLF001
+        # The bound inputs wrap these arrays' memory: they stay referenced until the Run is done.
+        mask = np.ones((1, self.position + count), self._mask_type)
+        positions = np.arange(self.position, self.position + count, dtype=self._position_type)[None, :]
+        native.bind_input("input_ids", ids)
+        native.bind_input("attention_mask", mask)
+        if self.layout.has_position_ids:
+            native.bind_input("position_ids", positions)
+        for name, value in zip(self.layout.past, self.past):
+            native.bind_ortvalue_input(name, value)
+        for name in self._outputs:
+            native.bind_output(name, self._cpu)
+        self.session.run_with_iobinding(binding)
+        outputs = native.get_outputs()
+        self.past = [outputs[i] for i in range(1, len(outputs))]
+        self.position += count
+        logits = outputs[0].numpy()
+        return np.array(logits.reshape(-1, logits.shape[-1])[-1], dtype=np.float32)

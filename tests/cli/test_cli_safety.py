@@ -318,7 +318,7 @@ def test_harness_outputs_refuse_inputs_devices_and_each_other(inline_model, tmp_
     refused(capsys, ["calibrate", inline_model, "-o", tmp_path / "o.json", "--report", tmp_path / "o.json"],
             "same file", **run)
     fifo = _fifo(tmp_path / "bench.json")
-    refused(capsys, ["bench", "--kv", inline_model, "-o", tmp_path / "bench"], "FIFO", **run)
+    refused(capsys, ["bench", inline_model, "-o", tmp_path / "bench"], "FIFO", **run)
     refused(capsys, ["sweep", "--full", inline_model, "--kv", inline_model, "-o", tmp_path / "bench"], "FIFO", **run)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     if Path("/dev/null").exists():

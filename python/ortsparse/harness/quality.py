@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnx_ir as ir
 
 from ..benchmarking import json_default, versions
-from ..graph_rewrite import load_model, rewrite_model
+from ..graph_rewrite import ModelFileError, rewrite_model
+from ..graph_rewrite.genai import model_input
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import load_proto
 from .corpus import default_corpus, default_sentences, load_corpus_tokens
@@ -40,24 +40,21 @@ KINDS = ("auto", "lm", "embedding", "generic")
 
 
 def rewrite_in_memory(model: Any, config: Any = None):
-    """(rewritten ModelProto, RewriteReport) of a path or ModelProto; nothing is written."""
+    """(rewritten ModelProto, RewriteReport) of a path (external data loaded into memory, so the
+    result runs from memory) or ModelProto; nothing is written."""
     if isinstance(model, (bytes, bytearray)):
         model = onnx.load_from_string(bytes(model))
-    if isinstance(model, onnx.ModelProto):
-        return rewrite_model(model, config)
-    ir_model = load_model(model)
-    ir_model, report = rewrite_model(ir_model, config)
-    return ir.to_proto(ir_model), report
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model))
+    return rewrite_model(model, config)
 
 
 def detect_kind(model: Any) -> str:
-    """``lm`` (a ``logits`` output and no KV-cache inputs), ``embedding`` (``last_hidden_state``
-    output) or ``generic``."""
+    """``lm`` (a ``logits`` output; a KV-cache decoder is scored with an empty past),
+    ``embedding`` (``last_hidden_state`` output) or ``generic``."""
     graph = load_proto(model).graph
     outputs = {o.name for o in graph.output}
-    initializers = {i.name for i in graph.initializer}
-    inputs = [i.name.lower() for i in graph.input if i.name not in initializers]
-    if "logits" in outputs and not any("past" in n or "cache" in n for n in inputs):
+    if "logits" in outputs:
         return "lm"
     if "last_hidden_state" in outputs:
         return "embedding"
@@ -65,13 +62,16 @@ def detect_kind(model: Any) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL.onnx", help="the dense model")
+    parser.add_argument("model", metavar="MODEL.onnx",
+                        help="the dense model (an onnxruntime-genai folder: its decoder graph)")
     parser.add_argument("--rewritten", metavar="OUT.onnx",
-                        help="the rewritten model; without it MODEL is rewritten in memory with the flags below")
+                        help="the rewritten model or genai folder; without it MODEL is rewritten in memory with the "
+                             "flags below")
     parser.add_argument("--kind", choices=KINDS, default="auto",
-                        help="lm: perplexity; embedding: sentence cosine; generic: output error on generated "
-                             "inputs; auto (default): lm if there is a logits output and no KV cache, embedding "
-                             "if last_hidden_state, else generic")
+                        help="lm: perplexity (a KV-cache decoder, e.g. a genai graph, prefills each window from an "
+                             "empty past); embedding: sentence cosine; generic: output error on generated "
+                             "inputs; auto (default): lm if there is a logits output, embedding if "
+                             "last_hidden_state, else generic")
     lm = parser.add_argument_group("lm")
     lm.add_argument("--corpus", metavar="TOKENS.npy",
                     help="1-D token ids (default: the cache's smollm2/corpus_britannica.npy)")
@@ -127,8 +127,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     say = (lambda text: None) if args.quiet else print
     inputs = [args.model, args.rewritten, args.corpus, args.sentences, args.config]  # never overwritten
     check_outputs([(args.json, "JSON report")], inputs)  # before the long run
-    if not Path(args.model).is_file():
+    if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")
+    try:
+        args.model = str(model_input(args.model))
+        if args.rewritten and Path(args.rewritten).is_dir():
+            args.rewritten = str(model_input(args.rewritten))
+    except ModelFileError as error:
+        parser.error(str(error))
     kind = detect_kind(args.model) if args.kind == "auto" else args.kind
     options = {"intra_op_num_threads": args.threads} if args.threads else None
     report = None

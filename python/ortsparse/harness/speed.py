@@ -1,18 +1,31 @@
-"""End-to-end speed: prefill and decode tokens/s, dense vs rewritten vs ORT's int4/int8
-MatMulNBits, same process, alternating, medians (measure.md "Speed").
+"""``ortsparse bench``: decode tokens/s in the real loop (:mod:`ortsparse.harness.decode`), every
+model side by side in one process, with top-1 agreement, bytes read per step and the machine's
+read bandwidth beside the speed (docs/measure.md "Speed").
 
-- decode: a KV-cache export, one new token per Run at a fixed context length (past K/V of that
-  length are fed every step; their values do not change the cost);
-- prefill: a full-sequence export (or the KV export with an empty past) on a prompt of P tokens.
-The machine's read bandwidth is measured in the same report, with the bandwidth-bound tokens/s
-(weight bytes a decode step must read / bandwidth) beside the achieved ones.
+Models are KV-cache decoder graphs run in ONNX Runtime (our exports, ORT's MatMulNBits baselines of
+them) and onnxruntime-genai folders, which run twice: their graph in an ONNX Runtime session
+(runner ``ort``) and the folder through ``onnxruntime_genai.Generator`` (runner ``og``, the way
+apps run it), so a difference between the two is visible. The technique flags (``--config``,
+``--kwta-*``, ``--attn`` ...; only when given) add the rewrite of one model (``--rewrite``, default
+the first): a KV graph is rewritten into a temporary file, a genai folder into a temporary rewritten
+folder (:func:`ortsparse.graph_rewrite.genai.rewrite_genai_folder`) that both runners use.
+
+Bytes per step: the weights of every linear layer (MatMul / Gemm / MatMulNBits / KwtaBlockMatMul,
+packed weights and scales included; gated layers at the keep ratio the op library counted over
+the decode steps), the K/V cache read by attention at the mean position of the timed steps, and
+the copy of the past into a new present the graph makes when past and present are separate buffers
+(ORT runner: read + write of the cache; the Generator shares one buffer and copies nothing). The
+bound is read bandwidth / those bytes.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
-from dataclasses import dataclass, field
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,174 +33,365 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .._library import metrics, reset_metrics
-from ..benchmarking import (check_report, machine_info, median, read_bandwidth_gbs, report_header, session, time_sessions,
-                            write_report)
+from ..benchmarking import check_report, machine_info, read_bandwidth_gbs, report_header, write_report
 from ..graph_rewrite import rewrite_model
-from ..graph_rewrite.techniques import TECHNIQUES
+from ..graph_rewrite.genai import rewrite_genai_folder
+from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
-from ..runtime import decode_feeds, load_proto, vocab_size
-from .models import model_path, quantized_model
+from ..runtime import genai_decoder, load_proto
+from .corpus import load_corpus_tokens
+from .decode import decode_loop, open_stepper, plan
+from .models import genai_folder_path, model_path
 from .op_metrics import keep_ratios
 
 LINEAR_OPS = {"MatMul", "Gemm", "KwtaBlockMatMul", "MatMulNBits"}
+RUNNERS = ("ort", "og")
+DEFAULT_CONTEXTS = (128, 1024)
+BASELINE_CONTEXTS = (128, 1024, 4096, 8192)
+
+# Model names `ortsparse bench` knows from the cache (`ortsparse models`): a KV export, or a genai
+# folder. ours-int8 / ours-int4: ORT's MatMulNBits of our TorchScript KV export at accuracy level 4.
+CACHE_MODELS: dict[str, tuple[str, str]] = {
+    "ours": ("kv", "kv.torchscript"),
+    "ours-dynamo": ("kv", "kv.dynamo"),
+    "ours-int8": ("kv", "kv.torchscript.int8.acc4"),
+    "ours-int4": ("kv", "kv.torchscript.int4.acc4"),
+    "genai-fp32": ("genai", "fp32"),
+    "genai-int8": ("genai", "int8"),
+    "genai-int4": ("genai", "int4"),
+}
 
 
 @dataclass
-class SpeedModel:
-    """One model under test: a name, its (KV or full) ONNX path or proto."""
+class Candidate:
+    """One model under test. ``source``: a KV graph (path or ModelProto) or a genai folder;
+    ``runners``: how it runs (``ort`` and, for a genai folder, ``og``)."""
 
     name: str
     source: Any
-    kind: str  # "kv" or "full"
-    sessions: dict = field(default_factory=dict)
+    runners: tuple[str, ...] = ("ort",)
+
+    @property
+    def is_genai(self) -> bool:
+        return isinstance(self.source, (str, Path)) and Path(self.source).is_dir()
+
+    @property
+    def graph(self) -> Any:
+        """The decoder graph (for byte accounting): the KV graph, or the genai folder's decoder."""
+        return genai_decoder(self.source).model_file if self.is_genai else self.source
+
+    def keys(self) -> list[tuple[str, str]]:
+        return [(self.name, runner) for runner in self.runners]
 
 
-def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None = None) -> float:
-    """Bytes of linear-layer weights one decode step reads: every constant weight of a MatMul /
-    Gemm / KwtaBlockMatMul / MatMulNBits (scales and packed int4/int8 included), the gated ones
-    times their measured keep ratio."""
+def key_label(key: tuple[str, str]) -> str:
+    return f"{key[0]} [{key[1]}]"
+
+
+def resolve_model(spec: str, runners: Sequence[str] = RUNNERS) -> Candidate:
+    """A command-line model: a cache name (:data:`CACHE_MODELS`) or ``NAME=PATH`` (a KV-cache .onnx,
+    or an onnxruntime-genai folder / its decoder file)."""
+    if "=" in spec:
+        name, _, path_text = spec.partition("=")
+        path = Path(path_text)
+        if not name or not path.exists():
+            raise FileNotFoundError(f"model {spec!r}: give NAME=PATH with an existing PATH")
+        if path.is_dir():
+            genai_decoder(path)  # a bad folder fails here, with its reason
+            return Candidate(name, path, tuple(runners))
+        return Candidate(name, path, ("ort",))  # a file (also a genai decoder file) runs as a graph
+    if spec not in CACHE_MODELS:
+        raise KeyError(f"unknown model {spec!r}: use one of {', '.join(CACHE_MODELS)} or NAME=PATH")
+    kind, variant = CACHE_MODELS[spec]
+    if kind == "genai":
+        return Candidate(spec, genai_folder_path(variant), tuple(runners))
+    return Candidate(spec, model_path("smollm2", variant), ("ort",))
+
+
+@dataclass(frozen=True)
+class WeightTable:
+    """Per linear node of a graph: its first weight's bytes (the one a gate skips rows of) and the
+    bytes of its other constant inputs (scales, bias, packed extras). Kept instead of the graph, so
+    a benchmark does not hold every model's weights twice."""
+
+    rows: tuple[tuple[str, str, float, float], ...]  # (node name, op type, gateable bytes, other bytes)
+    nodes: int
+
+    def bytes(self, keep_ratio_by_node: Mapping[str, float] | None = None) -> float:
+        total = 0.0
+        for name, op_type, gateable, other in self.rows:
+            keep = (keep_ratio_by_node or {}).get(name, 1.0) if op_type == "KwtaBlockMatMul" else 1.0
+            total += gateable * keep + other
+        return total
+
+    @property
+    def gated(self) -> list[str]:
+        return [name for name, op_type, _, _ in self.rows if op_type == "KwtaBlockMatMul"]
+
+
+def weight_table(source) -> WeightTable:
+    """The :class:`WeightTable` of a graph (path, ModelProto or bytes; external data not loaded)."""
     proto = load_proto(source)
     sizes = {}
     for init in proto.graph.initializer:
         count = int(np.prod(init.dims)) if len(init.dims) else 1
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
         sizes[init.name] = count * itemsize
-    total = 0.0
-    seen: set[str] = set()
+    rows = []
     for node in proto.graph.node:
         if node.op_type not in LINEAR_OPS:
             continue
-        keep = (keep_ratio_by_node or {}).get(node.name, 1.0) if node.op_type == "KwtaBlockMatMul" else 1.0
-        for name in node.input[1:]:
-            if name in sizes and (name, node.name) not in seen:
-                seen.add((name, node.name))
-                total += sizes[name] * (keep if name == node.input[1] else 1.0)
-    return total
+        names = list(dict.fromkeys(n for n in node.input[1:] if n in sizes))
+        gateable = float(sizes[node.input[1]]) if len(node.input) > 1 and node.input[1] in sizes else 0.0
+        other = float(sum(sizes[n] for n in names if n != node.input[1]))
+        rows.append((node.name, node.op_type, gateable, other))
+    return WeightTable(tuple(rows), len(proto.graph.node))
 
 
-def time_models(models: list[SpeedModel], feeds_by_kind: dict[str, dict], threads: int, repeats: int,
-                tokens_per_run: int) -> dict[str, dict]:
-    """Alternates Run calls of every model (feeds by the model's kind); returns per model median
-    seconds and tokens/s, and under ``_metrics`` the op counters of those runs."""
-    sessions = {m.name: session(m.source, threads) for m in models}
-    reset_metrics()
-    times = time_sessions(sessions, {m.name: feeds_by_kind[m.kind] for m in models}, repeats=repeats, warmup=2,
-                          per_session=True)
-    snapshot = metrics()
-    out = {}
-    for m in models:
-        seconds = median(times[m.name])
-        out[m.name] = {"median_s": seconds, "tokens_per_s": tokens_per_run / seconds, "runs": len(times[m.name])}
-    out["_metrics"] = snapshot
-    return out
+def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None = None) -> float:
+    """Bytes of linear-layer weights one decode step reads: every constant weight of a MatMul /
+    Gemm / KwtaBlockMatMul / MatMulNBits (scales and packed int4/int8 included), the gated ones
+    times their measured keep ratio. ``source``: a graph or its :class:`WeightTable`."""
+    table = source if isinstance(source, WeightTable) else weight_table(source)
+    return table.bytes(keep_ratio_by_node)
 
 
-def bench(kv: dict[str, Any], full: dict[str, Any] | None, *, contexts=(128, 1024), prompt_len: int = 128,
-          threads=(1, 2), repeats: int = 15, log=print) -> dict:
-    """kv / full: name -> model (path or proto); the names are the compared variants, the first
-    being the reference (dense). Returns the report payload."""
+def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
+          threads: Sequence[int] = (1, 2), steps: int = 64, warmup: int = 4, prefill_chunk: int = 512,
+          offset: int = 0, runs: int = 1, reference: str | None = None,
+          log: Callable[[str], None] = print) -> dict:
+    """The real decode loop over every candidate (and runner) at every thread count and context;
+    ``runs`` back-to-back loops per setting (their medians' spread is the loop's stability).
+    ``reference``: the model whose predictions the others are compared with (default the first).
+    Returns the report payload (rows, stability, bandwidth, machine)."""
+    if not candidates:
+        raise ValueError("no model to benchmark")
+    names = [c.name for c in candidates]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be unique: {', '.join(names)}")
+    reference = reference or names[0]
+    if reference not in names:
+        raise ValueError(f"reference {reference!r} is not one of the models ({', '.join(names)})")
+    reference_key = candidates[names.index(reference)].keys()[0]
     bandwidth = read_bandwidth_gbs()
-    vocab = vocab_size(next(iter(kv.values())))
-    rows = []
+    tables = {c.name: weight_table(c.graph) for c in candidates}
+    rows: list[dict] = []
     for n_threads in threads:
+        log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
+        steppers = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
+        limits = [s.max_positions for s in steppers.values() if s.max_positions]
+        labelled = {key_label(k): s for k, s in steppers.items()}
         for context in contexts:
-            models = [SpeedModel(name, src, "kv") for name, src in kv.items()]
-            feeds = {"kv": decode_feeds(models[0].source, new_tokens=1, past=context, vocab=vocab)}
-            result = time_models(models, feeds, n_threads, repeats, tokens_per_run=1)
-            ratios = keep_ratios(result.pop("_metrics"))
-            base = result[models[0].name]["tokens_per_s"]
-            for m in models:
-                r = result[m.name]
-                weight_bytes = weight_bytes_per_token(m.source, ratios)
-                bound = bandwidth["numpy_matvec_gbs"] * 1e9 / weight_bytes
-                rows.append(dict(phase="decode", context=context, threads=n_threads, model=m.name,
-                                 tokens_per_s=r["tokens_per_s"], speedup=r["tokens_per_s"] / base,
-                                 weight_mb_per_token=weight_bytes / 1e6, bound_tokens_per_s=bound,
-                                 achieved_over_bound=r["tokens_per_s"] / bound))
-                log(f"decode ctx={context} threads={n_threads} {m.name}: {r['tokens_per_s']:.1f} tok/s "
-                    f"(x{r['tokens_per_s'] / base:.2f}, bound {bound:.0f})")
-        prefill_sources = full if full else kv
-        models = [SpeedModel(name, src, "prefill") for name, src in prefill_sources.items()]
-        feeds = {"prefill": decode_feeds(models[0].source, new_tokens=prompt_len, past=0, vocab=vocab)}
-        result = time_models(models, feeds, n_threads, max(5, repeats // 3), tokens_per_run=prompt_len)
-        result.pop("_metrics")
-        base = result[models[0].name]["tokens_per_s"]
-        for m in models:
-            r = result[m.name]
-            rows.append(dict(phase="prefill", context=prompt_len, threads=n_threads, model=m.name,
-                             tokens_per_s=r["tokens_per_s"], speedup=r["tokens_per_s"] / base))
-            log(f"prefill {prompt_len} threads={n_threads} {m.name}: {r['tokens_per_s']:.1f} tok/s "
-                f"(x{r['tokens_per_s'] / base:.2f})")
-    return dict(machine=machine_info(), bandwidth=bandwidth, rows=rows)
+            loop = plan(context, steps, warmup, offset=offset, max_positions=min(limits) if limits else None)
+            for run in range(runs):
+                log(f"threads {n_threads}, context {context} (positions {loop.first_position}-{loop.last_position}), "
+                    f"run {run + 1}/{runs}")
+                result = decode_loop(labelled, tokens, loop, prefill_chunk=prefill_chunk,
+                                     reference=key_label(reference_key), log=log)
+                ratios = keep_ratios(result.pop("_metrics"))
+                base = result[key_label(reference_key)]["tokens_per_s"]
+                mean_position = loop.prompt + loop.warmup + (loop.steps + 1) / 2
+                for candidate in candidates:
+                    weights = tables[candidate.name].bytes(ratios)
+                    gated = [ratios[n] for n in tables[candidate.name].gated if n in ratios]
+                    for key in candidate.keys():
+                        r = result[key_label(key)]
+                        kv = steppers[key].kv_bytes_per_position * mean_position
+                        copy = 2 * kv if steppers[key].copies_cache else 0.0
+                        total = weights + kv + copy
+                        bound = bandwidth["numpy_matvec_gbs"] * 1e9 / total
+                        rows.append(dict(
+                            context=context, prompt=loop.prompt, positions=[loop.first_position, loop.last_position],
+                            threads=n_threads, run=run, model=key[0], runner=key[1],
+                            tokens_per_s=r["tokens_per_s"], median_ms=1e3 * r["median_s"],
+                            p10_ms=1e3 * r["p10_s"], p90_ms=1e3 * r["p90_s"], speedup=r["tokens_per_s"] / base,
+                            top1_agreement=r["top1_agreement"], next_token_accuracy=r["next_token_accuracy"],
+                            prefill_tokens_per_s=r["prefill_tokens_per_s"],
+                            weight_mb=weights / 1e6, kv_mb=kv / 1e6, kv_copy_mb=copy / 1e6, bytes_mb=total / 1e6,
+                            bound_tokens_per_s=bound, achieved_over_bound=r["tokens_per_s"] / bound,
+                            nodes=tables[candidate.name].nodes, steps=loop.steps, warmup=loop.warmup,
+                            keep_ratio=float(np.mean(gated)) if gated else None))
+                        log(f"  {key_label(key)}: {r['tokens_per_s']:.1f} tok/s (x{r['tokens_per_s'] / base:.2f}), "
+                            f"top-1 {r['top1_agreement']:.3f}, {total / 1e6:.0f} MB/step")
+        del steppers, labelled
+        gc.collect()
+    return dict(machine=machine_info(), bandwidth=bandwidth, reference=reference, rows=rows,
+                stability=stability(rows), loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk,
+                                                     offset=offset, runs=runs))
+
+
+def stability(rows: Sequence[Mapping]) -> list[dict]:
+    """Per (threads, context, model, runner) with more than one run: the spread of the runs'
+    median step times, max / min - 1."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["threads"], r["context"], r["model"], r["runner"]), []).append(r["median_ms"])
+    return [dict(threads=t, context=c, model=m, runner=k, medians_ms=v, spread=max(v) / min(v) - 1.0)
+            for (t, c, m, k), v in groups.items() if len(v) > 1]
+
+
+def median_rows(rows: Sequence[Mapping]) -> list[dict]:
+    """One row per (threads, context, model, runner): the run with the median tokens/s."""
+    groups: dict[tuple, list[Mapping]] = {}
+    for r in rows:
+        groups.setdefault((r["threads"], r["context"], r["model"], r["runner"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda r: r["tokens_per_s"])
+        out.append(dict(ordered[(len(ordered) - 1) // 2]))
+    return out
 
 
 def markdown(payload: dict, command: str, title: str) -> str:
     lines = report_header(title, command, payload["machine"], payload["bandwidth"],
                           matvec_note="numpy matvec; used for the bound")
-    lines += ["Medians of alternated runs; speedup vs the first model; 2 threads with allow_spinning=0. "
-              "Bound = read bandwidth / linear-weight bytes per token (kept bytes for gated layers).", "",
-              "| phase | context | threads | model | tokens/s | speedup | weight MB/token | bound tok/s | achieved/bound |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["rows"]:
-        extra = (f"{r['weight_mb_per_token']:.1f} | {r['bound_tokens_per_s']:.0f} | {r['achieved_over_bound']:.2f}"
-                 if r["phase"] == "decode" else " | | ")
-        lines.append(f"| {r['phase']} | {r['context']} | {r['threads']} | {r['model']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f} | {extra} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + markdown_body(payload)) + "\n"
+
+
+def markdown_body(payload: dict) -> list[str]:
+    """The report's text and tables (without the header: title, command, machine)."""
+    loop = payload["loop"]
+    lines = [f"Real decode loop: corpus prompt from token {loop['offset']}, chunked prefill ({loop['prefill_chunk']}), "
+              f"then {loop['warmup']} warm-up + {loop['steps']} timed teacher-forced steps, the KV cache growing; "
+              "models advanced round-robin in one process; median step time. Runner `ort`: the graph in an ONNX "
+              "Runtime session (present K/V bound as the next past); `og`: onnxruntime_genai.Generator "
+              "(shared KV buffer). 2 threads with allow_spinning=0. Speedup and top-1 agreement vs "
+              f"`{payload['reference']}`; next-token accuracy vs the corpus. MB/step = linear weights (gated at "
+              "their measured keep ratio) + K/V read by attention + the past-to-present copy of separate buffers. "
+              "Bound = read bandwidth / MB per step.", "",
+              "| threads | context | model | runner | tok/s | ms/step (p10-p90) | speedup | top-1 agr. | next-tok acc. | "
+              "MB/step (weights + KV + copy) | bound tok/s | achieved/bound | prefill tok/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(median_rows(payload["rows"]), key=lambda r: (r["threads"], r["context"])):
+        lines.append(
+            f"| {r['threads']} | {r['context']} | {r['model']} | {r['runner']} | {r['tokens_per_s']:.1f} | "
+            f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f}) | {r['speedup']:.2f} | "
+            f"{r['top1_agreement']:.3f} | {r['next_token_accuracy']:.3f} | {r['bytes_mb']:.0f} ({r['weight_mb']:.0f} + "
+            f"{r['kv_mb']:.0f} + {r['kv_copy_mb']:.0f}) | {r['bound_tokens_per_s']:.0f} | "
+            f"{r['achieved_over_bound']:.2f} | {r['prefill_tokens_per_s']:.0f} |")
+    if payload["stability"]:
+        lines += ["", "Stability (median step time of back-to-back runs, max/min - 1):", "",
+                  "| threads | context | model | runner | medians (ms) | spread |", "|---|---|---|---|---|---|"]
+        for s in payload["stability"]:
+            lines.append(f"| {s['threads']} | {s['context']} | {s['model']} | {s['runner']} | "
+                         f"{' / '.join(f'{m:.2f}' for m in s['medians_ms'])} | {s['spread']:.1%} |")
+    return lines
+
+
+def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] = DEFAULT_CONTEXTS) -> None:
+    """The decode loop's flags (``ortsparse bench``, bench/baselines.py)."""
+    loop = parser.add_argument_group("decode loop")
+    loop.add_argument("--contexts", type=int, nargs="+", default=list(contexts),
+                      help=f"prompt lengths before the decode steps (default {' '.join(map(str, contexts))}; "
+                           "shortened to fit the models' longest sequence)")
+    loop.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                      help="intra-op threads (default 1 2; above 1 with allow_spinning=0)")
+    loop.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
+    loop.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
+    loop.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    loop.add_argument("--runs", type=int, default=1,
+                      help="back-to-back loops per setting; the report gives the spread of their medians (default 1)")
+    loop.add_argument("--corpus", metavar="TOKENS.npy", help="token ids (default: the cache's britannica corpus)")
+    loop.add_argument("--offset", type=int, default=0, help="first corpus token of the prompt (default 0)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv", metavar="KV.onnx", help="KV-cache decode export (default: the cached SmolLM2 one)")
-    parser.add_argument("--full", metavar="FULL.onnx", help="full-sequence export for prefill (default: cached SmolLM2)")
-    parser.add_argument("--baselines", nargs="*", default=["int4", "int8"], choices=["int4", "int8"],
-                        help="MatMulNBits baselines to include (default int4 int8)")
-    parser.add_argument("--baseline-accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
-                        help="MatMulNBits accuracy_level of the baselines (default 4: int8 compute, ORT's fast "
-                             "CPU path; 0 = ORT's default, fp32 compute)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
-    parser.add_argument("--prompt", type=int, default=128, help="prefill prompt length (default 128)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("models", nargs="*", metavar="MODEL", default=None,
+                        help="models to compare, the first being the reference: cache names "
+                             f"({', '.join(CACHE_MODELS)}) or NAME=PATH (a KV-cache .onnx, or an onnxruntime-genai "
+                             "folder); default: ours ours-int4 ours-int8")
+    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS,
+                        help="how genai folders run: ort (their graph in an ORT session), og (onnxruntime_genai."
+                             "Generator); default both")
+    parser.add_argument("--rewrite", metavar="NAME", help="the model the technique flags rewrite (default the first)")
+    parser.add_argument("--reference", metavar="NAME", help="the model the others are compared with (default the first)")
+    add_loop_arguments(parser)
     parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
     add_technique_arguments(parser)
+    # A rewrite is added only when a technique flag is given: its default stays off the namespace
+    # (argparse.SUPPRESS) so that run() can tell, and is filled in there.
+    dests = {flag.dest for group in flag_groups() for flag in group.flags} | {"config"}
+    for action in parser._actions:  # noqa: SLF001 (argparse has no public accessor)
+        if action.dest in dests:
+            _TECHNIQUE_DEFAULTS[action.dest] = action.default
+            action.default = argparse.SUPPRESS
 
 
-def _default_paths(args) -> tuple[Path, Path | None]:
-    if args.kv:
-        return Path(args.kv), Path(args.full) if args.full else None
-    return model_path("smollm2", "kv.torchscript"), (Path(args.full) if args.full
-                                                      else model_path("smollm2", "full.torchscript"))
+_TECHNIQUE_DEFAULTS: dict[str, Any] = {}
+
+
+def technique_requested(args: argparse.Namespace) -> bool:
+    """Whether the command line gave ``--config`` or any technique flag (KWTA's default ``auto``
+    alone adds no rewrite: ``ortsparse bench genai-int4`` measures what is named). Fills in the
+    defaults of the flags not given."""
+    given = [dest for dest in _TECHNIQUE_DEFAULTS if dest in vars(args)]
+    for dest, default in _TECHNIQUE_DEFAULTS.items():
+        if dest not in vars(args):
+            setattr(args, dest, default)
+    return bool(given)
+
+
+def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[str], None] = print) -> Candidate:
+    """``base`` rewritten with ``config`` into ``workdir``: a KV graph as a file, a genai folder as a folder."""
+    name = f"{base.name}+ortsparse"
+    if base.is_genai:
+        result = rewrite_genai_folder(base.source, workdir / name, config)
+        log(result.report.summary())
+        return Candidate(name, result.folder, base.runners)
+    rewritten, report = rewrite_model(onnx.load(str(base.source)) if not isinstance(base.source, onnx.ModelProto)
+                                      else base.source, config)
+    log(report.summary())
+    path = workdir / f"{name}.onnx"  # a file: the sessions read it, Python holds no copy of the weights
+    onnx.save(rewritten, str(path))
+    return Candidate(name, path, ("ort",))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    kv_path, full_path = _default_paths(args)
-    inputs = [kv_path, full_path, args.config]  # never overwritten by the report
+    requested = technique_requested(args)
+    inputs = [args.config, args.corpus, *(m for m in (args.models or []) if Path(m).exists())]  # never overwritten
     check_report(args.output, inputs)
     config = config_from_args(args)
-    kv_dense = onnx.load(str(kv_path))
-    kv_models: dict[str, Any] = {"dense": kv_dense}
-    full_models: dict[str, Any] | None = {"dense": onnx.load(str(full_path))} if full_path else None
-    attention_on = getattr(config, "attention", None) is not None
-    if args.config or attention_on or any(config.choice(name).enabled for name in TECHNIQUES):
-        kv_models["ortsparse"], report = rewrite_model(kv_dense, config)
-        print(report.summary())
-        if full_models is not None:
-            full_models["ortsparse"], _ = rewrite_model(full_models["dense"], config)
-    for bits in args.baselines:
-        level = args.baseline_accuracy_level or None
-        kv_models[bits] = quantized_model(kv_path, bits=int(bits[3:]), accuracy_level=level)
-        if full_models is not None:
-            full_models[bits] = quantized_model(full_path, bits=int(bits[3:]), accuracy_level=level)
-    payload = bench(kv_models, full_models, contexts=args.contexts, prompt_len=args.prompt,
-                    threads=args.threads, repeats=args.repeats)
+    specs = args.models or ["ours", "ours-int4", "ours-int8"]
+    try:
+        candidates = [resolve_model(spec, args.runners) for spec in specs]
+    except (KeyError, FileNotFoundError, ValueError) as error:
+        parser.error(str(error).strip("'\""))
+    tokens = load_corpus_tokens(args.corpus)
+    with tempfile.TemporaryDirectory(prefix="ortsparse-bench-") as workdir:
+        if requested:
+            names = [c.name for c in candidates]
+            target = args.rewrite or names[0]
+            if target not in names:
+                parser.error(f"--rewrite {target}: not one of the models ({', '.join(names)})")
+            candidates.append(rewritten_candidate(candidates[names.index(target)], config, Path(workdir)))
+        payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
+                        warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset, runs=args.runs,
+                        reference=args.reference)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
-    kwta = config.choice("kwta")
-    payload["config"] = {"kwta": dataclasses.asdict(kwta.settings), "kwta_enabled": config.switched_on("kwta"),
-                         "target": kwta.target, "override_file": args.config,
-                         "techniques": {name: dataclasses.asdict(choice) for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, f"End-to-end speed: {kv_path.name}"),
+    payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
+                         for c in candidates}
+    if requested:
+        payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
+                             "techniques": {name: dataclasses.asdict(choice)
+                                            for name, choice in config.techniques.items()}}
+    paths = write_report(args.output, payload, markdown(payload, command, "Decode speed, real loop"),
                          protected=inputs)
     print("wrote", *paths)
     return 0
+
+
+def decode_speed(models: Mapping[str, Any], tokens: np.ndarray | None = None, *, context: int = 128,
+                 steps: int = 32, warmup: int = 4, threads: int = 1, log: Callable[[str], None] | None = None) -> dict:
+    """Tokens/s of a few KV graphs in the real loop at one context and thread count (sweeps and
+    calibration use it): name -> ``tokens_per_s``, ``top1_agreement`` (vs the first),
+    ``keep_ratio`` (mean over gated nodes, when any)."""
+    tokens = load_corpus_tokens() if tokens is None else tokens
+    payload = bench([Candidate(n, s) for n, s in models.items()], tokens, contexts=(context,), threads=(threads,),
+                    steps=steps, warmup=warmup, log=log or (lambda text: None))
+    out = {}
+    for row in payload["rows"]:
+        out[row["model"]] = {key: row[key] for key in ("tokens_per_s", "top1_agreement", "speedup", "weight_mb",
+                                                        "keep_ratio")}
+    return out
+

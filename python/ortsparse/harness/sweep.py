@@ -16,12 +16,10 @@ import onnx
 from ..benchmarking import check_report, machine_info, write_report
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..graph_rewrite.output_paths import write_files
-from ..runtime import decode_feeds, vocab_size
 from .corpus import load_corpus_tokens
 from .models import model_path
-from .op_metrics import keep_ratios
 from .perplexity import perplexity
-from .speed import SpeedModel, time_models
+from .speed import decode_speed
 
 
 def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:
@@ -39,8 +37,10 @@ def label(point: dict[str, Any]) -> str:
 
 
 def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, Any]], *, windows: int,
-              window_len: int, context: int, repeats: int, log=print) -> list[dict[str, Any]]:
-    feeds = {"kv": decode_feeds(kv_model, new_tokens=1, past=context, vocab=vocab_size(kv_model))}
+              window_len: int, context: int, steps: int, log=print) -> list[dict[str, Any]]:
+    """Quality on ``windows`` x ``window_len`` tokens of the full export, decode speed of the KV
+    export in the real loop (dense and rewritten round-robin, ``context`` prompt tokens, ``steps``
+    timed steps, 1 thread)."""
     dense = perplexity(full_model, tokens, windows, window_len)
     log(f"sweep: dense ppl {dense['ppl']:.3f} on {windows}x{window_len} tokens")
     results = []
@@ -51,15 +51,15 @@ def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, A
         quality = {"dppl": gated["ppl"] / dense["ppl"] - 1.0, "ppl_rewritten": gated["ppl"], "ppl_dense": dense["ppl"],
                    "top1_agreement": float(np.mean(gated["predictions"] == dense["predictions"]))}
         kv_rewritten, _ = rewrite_model(kv_model, config)
-        speed = time_models([SpeedModel("dense", kv_model, "kv"), SpeedModel("rewritten", kv_rewritten, "kv")],
-                            feeds, threads=1, repeats=repeats, tokens_per_run=1)
-        ratios = keep_ratios(speed.pop("_metrics"))
+        speed = decode_speed({"dense": kv_model, "rewritten": kv_rewritten}, tokens, context=context, steps=steps)
+        keep = speed["rewritten"]["keep_ratio"]
         row = dict(point, label=label(point), dppl=quality["dppl"], ppl=quality["ppl_rewritten"],
                    ppl_dense=quality["ppl_dense"], top1_agreement=quality["top1_agreement"],
                    decode_tokens_per_s=speed["rewritten"]["tokens_per_s"],
                    dense_tokens_per_s=speed["dense"]["tokens_per_s"],
                    speedup=speed["rewritten"]["tokens_per_s"] / speed["dense"]["tokens_per_s"],
-                   mean_keep_ratio=float(np.mean(list(ratios.values()))) if ratios else 1.0)
+                   decode_top1_agreement=speed["rewritten"]["top1_agreement"],
+                   mean_keep_ratio=keep if keep is not None else 1.0)
         results.append(row)
         log(f"sweep {i + 1}/{len(points)} {row['label']}: dppl {row['dppl']:+.2%} agree {row['top1_agreement']:.3f} "
             f"speedup x{row['speedup']:.2f}")
@@ -90,7 +90,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlim(left=min(-0.5, 1.2 * min(100 * r["dppl"] for r in results)))
     ax.set_xlabel("perplexity increase dppl (%) — symlog")
-    ax.set_ylabel("decode speedup vs dense ORT (tokens/s ratio, KV cache, 1 thread)")
+    ax.set_ylabel("decode speedup vs dense ORT (tokens/s ratio, real decode loop, 1 thread)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
@@ -120,8 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", help="token ids (.npy) for perplexity (default: the cached britannica corpus)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-len", type=int, default=512)
-    parser.add_argument("--context", type=int, default=128, help="decode context length for speed")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--context", type=int, default=128, help="prompt length before the timed decode steps")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps of the real loop (default 32)")
     parser.add_argument("-o", "--output", default="reports/sweep_kwta", help="report stem (.json .md .png)")
 
 
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = load_corpus_tokens(args.tokens)
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
-                        context=args.context, repeats=args.repeats)
+                        context=args.context, steps=args.steps)
     command = "ortsparse sweep " + " ".join(sys.argv[2:])
     png = args.output + ".png"
     title = f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, decode ctx {args.context}"

@@ -1,0 +1,223 @@
+"""onnxruntime-genai models of SmolLM2: the graphs CPU users deploy.
+
+Called by ``ortsparse models genai`` (ortsparse.harness.models). Steps:
+
+1. an HF folder (config.json, model.safetensors, tokenizer files) from the GGUF: the GGUF-loaded
+   model is marked quantized and refuses ``save_pretrained``, so its dequantized fp32 state dict
+   is copied into a plain model of the same config, which is saved;
+2. ``python -m onnxruntime_genai.models.builder -m HF -o OUT -p PRECISION -e cpu -c CACHE`` for
+   fp32, int8 and int4, the quantized ones with ``--extra_options accuracy_level=4`` (int8 compute
+   of MatMulNBits, as Microsoft ships its fast CPU variants; block 32, symmetric and RTN are the
+   builder's defaults; the tied embedding is shared with the int4 lm_head, the builder's default
+   for a model with tied embeddings);
+3. a check per folder: greedy 20 tokens of the standard prompt through
+   ``onnxruntime_genai.Generator`` against torch's (fp32 must be identical; int8/int4 record how
+   many leading tokens agree).
+
+Every folder is written under a temporary name beside its target and renamed into place (an
+older folder is moved aside first and removed after), so a killed build leaves no half folder.
+Needs the ``models`` extra (torch, transformers, gguf, accelerate, onnxruntime-genai).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from .cache import ModelBuildError
+from .export_smollm2 import GREEDY_TOKENS, PROMPT, load
+
+Log = Callable[[str], None]
+
+PRECISIONS = ("fp32", "int8", "int4")
+EXECUTION_PROVIDER = "cpu"
+# Extra builder options of the quantized models (the builder's CPU default, stated explicitly so the
+# models do not change when that default does).
+QUANTIZED_OPTIONS = ("accuracy_level=4",)
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+GENAI_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json")
+
+
+def builder_command(hf: Path, out: Path, precision: str, cache_dir: Path) -> list[str]:
+    """The onnxruntime-genai model builder call for one precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose from {', '.join(PRECISIONS)}")
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
+               "-p", precision, "-e", EXECUTION_PROVIDER, "-c", str(cache_dir)]
+    if precision != "fp32":
+        command += ["--extra_options", *QUANTIZED_OPTIONS]
+    return command
+
+
+def builder_options(precision: str) -> str:
+    """The builder options of a precision as the docs and manifests state them."""
+    extra = f" --extra_options {' '.join(QUANTIZED_OPTIONS)}" if precision != "fp32" else ""
+    return f"-p {precision} -e {EXECUTION_PROVIDER}{extra}"
+
+
+# --------------------------------------------------------------------------------------------
+# Folders written atomically
+
+_TEMPORARY_DIR = re.compile(r"^\.(?P<name>.+)\.(tmp|old)(?P<pid>\d+)$")
+
+
+def remove_stale_folders(parent: Path) -> list[Path]:
+    """Remove the temporary folders (``.NAME.tmpPID`` / ``.NAME.oldPID``) a killed build left."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        match = _TEMPORARY_DIR.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        pid = int(match["pid"])
+        alive = pid != os.getpid()
+        if alive:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                pass
+        if not alive:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def write_folder(target: Path, writer: Callable[[Path], object]) -> object:
+    """``writer(tmp)`` fills a temporary folder beside ``target``, which then replaces ``target``
+    (the old folder, if any, is moved aside and removed after the rename). On any error the
+    temporary folder is removed and ``target`` is left as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    old = target.with_name(f".{target.name}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        result = writer(tmp)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not target.exists():
+            os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+
+
+def save_hf_folder(model, tokenizer, dest: Path) -> None:
+    """The GGUF-loaded fp32 model as a plain HF folder (safetensors) with its tokenizer."""
+    import torch  # the models extra
+    from transformers import AutoModelForCausalLM  # the models extra
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF loader marks the model quantized; the weights are fp32
+    config.use_cache = True
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    missing = [name for name in missing if name != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise ModelBuildError(f"HF folder: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    plain.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+
+
+def run_builder(hf: Path, out: Path, precision: str, cache_dir: Path, log: Log) -> float:
+    """Runs the builder into ``out`` (a fresh folder); returns seconds. A failure is a
+    ModelBuildError with the builder's last line."""
+    command = builder_command(hf, out, precision, cache_dir)
+    log(f"  $ python -m onnxruntime_genai.models.builder -m {hf.name} -o {out.name.split('.tmp')[0].lstrip('.')} "
+        f"{builder_options(precision)}")
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise ModelBuildError(f"onnxruntime-genai builder ({precision}) failed: {lines[-1] if lines else done.returncode}")
+    missing = [name for name in ("genai_config.json", "model.onnx") if not (out / name).is_file()]
+    if missing:
+        raise ModelBuildError(f"onnxruntime-genai builder ({precision}) wrote no {', '.join(missing)}")
+    return time.perf_counter() - started
+
+
+def generator_greedy(folder: Path, prompt: str = PROMPT, tokens: int = GREEDY_TOKENS) -> dict:
+    """Greedy continuation through ``onnxruntime_genai.Generator`` (the app path)."""
+    import onnxruntime_genai as og  # the models extra
+
+    model = og.Model(str(folder))
+    tokenizer = og.Tokenizer(model)
+    prompt_ids = tokenizer.encode(prompt)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt_ids)
+    out: list[int] = []
+    while len(out) < tokens and not generator.is_done():
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return {"prompt": prompt, "prompt_ids": [int(i) for i in prompt_ids], "tokens": out, "text": tokenizer.decode(out)}
+
+
+def matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return same
+
+
+def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_dir: Path, log: Log, *,
+          reference: list[int] | None) -> dict:
+    """The ``genai`` entry of ``ortsparse models``: the HF folder, then one builder folder per
+    precision in ``genai_dirs``, each checked by a greedy continuation against ``reference``
+    (torch's greedy tokens; fp32 must equal them). Returns what goes into the manifest."""
+    import onnxruntime_genai as og  # the models extra
+
+    started = time.perf_counter()
+    seconds: dict[str, float] = {}
+    checks: dict[str, dict] = {}
+    for parent in {hf_dir.parent, *(d.parent for d in genai_dirs.values())}:
+        for stale in remove_stale_folders(parent):
+            log(f"  removed a temporary folder left by an interrupted run: {stale.name}")
+    log(f"  loading {gguf_path.name} (dequantizing Q4_1 to fp32) ...")
+    model, tokenizer = load(gguf_path)
+    seconds["load"] = round(time.perf_counter() - started, 1)
+    t0 = time.perf_counter()
+    write_folder(hf_dir, lambda tmp: save_hf_folder(model, tokenizer, tmp))
+    seconds["hf folder"] = round(time.perf_counter() - t0, 1)
+    del model
+    log(f"  wrote {hf_dir} ({seconds['hf folder']} s)")
+    for precision, target in genai_dirs.items():
+        seconds[f"builder {precision}"] = round(
+            write_folder(target, lambda tmp, p=precision: run_builder(hf_dir, tmp, p, cache_dir, log)), 1)
+        t0 = time.perf_counter()
+        greedy = generator_greedy(target)
+        seconds[f"check {precision}"] = round(time.perf_counter() - t0, 1)
+        check = {"builder_options": builder_options(precision), "greedy": greedy}
+        if reference is not None:
+            check["greedy"]["prefix_matching_torch"] = matching_prefix(greedy["tokens"], reference)
+            check["greedy"]["matches_torch"] = greedy["tokens"] == list(reference)
+        checks[f"genai-{precision}"] = check
+        log(f"    genai-{precision}: {greedy['text']!r} "
+            f"({check['greedy'].get('prefix_matching_torch', '?')}/{len(greedy['tokens'])} tokens as fp32 torch)")
+        if precision == "fp32" and reference is not None and not check["greedy"]["matches_torch"]:
+            raise ModelBuildError(f"genai-fp32: the Generator's greedy continuation {greedy['text']!r} differs from "
+                                  "torch's")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    seconds["total"] = round(time.perf_counter() - started, 1)
+    return {"checks": checks, "seconds": seconds, "onnxruntime_genai": og.__version__,
+            "builder_options": {p: builder_options(p) for p in genai_dirs}}
