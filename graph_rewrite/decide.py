@@ -65,8 +65,8 @@ def _weight_form_conflict(layer: LinearLayer, chosen: dict[str, tuple[Any, str]]
         return None, []
     notes = []
     for name in [name for name in chosen if TECHNIQUES[name].quantizes]:
-        del chosen[name]
-        notes.append(f"{TECHNIQUES[name].switch.name}: the weight is already {form}")
+        settings, _ = chosen.pop(name)
+        notes.append(f"{TECHNIQUES[name].switch.spelled(True, settings)}: the weight is already {form}, kept as is")
     for name in chosen:
         technique = TECHNIQUES[name]
         if form not in technique.weight_forms:
