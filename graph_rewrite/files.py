@@ -8,6 +8,7 @@ external data, report) appear together or not at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import stat
@@ -147,6 +148,7 @@ def _duplicate_names(graph: onnx.GraphProto) -> list[str]:
     return found
 
 
+@functools.cache
 def _ort_default_domain_ops() -> frozenset[str]:
     """Ops onnxruntime registers in the default ONNX domain without the ONNX standard knowing them
     (``SimplifiedLayerNormalization`` of onnxruntime-genai graphs)."""
@@ -175,8 +177,8 @@ def _plain_check(model: str | os.PathLike | onnx.ModelProto) -> Exception | None
     else:
         return None
     ort_only = _ort_default_domain_ops()
-    proto = onnx.ModelProto()
     if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
         proto.CopyFrom(model)
     else:
         proto = onnx.load(os.fspath(model), load_external_data=False)

@@ -131,3 +131,23 @@ def test_smollm2_genai_gated_at_keep_all_matches_onnxruntime(kind, tmp_path):
     expected = reference.run(["logits"], feeds)[0]
     got = ours.run(["logits"], feeds)[0]
     assert np.linalg.norm(got - expected) <= 1e-5 * np.linalg.norm(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_flag_on_genai_fp32_makes_genais_own_quantized_tensors(bits, tmp_path):
+    """--weights on the fp32 genai model: every layer's B and scales equal, bit for bit, those of the
+    int8 / int4 model onnxruntime-genai's builder wrote; KWTA gates the MLP layers, the rest are
+    MatMulNBits."""
+    source, reference = genai_model("fp32"), genai_model(f"int{bits}")
+    target = tmp_path / "model.onnx"
+    assert rewrite_onnx_main([str(source), "-o", str(target), "--weights", f"int{bits}", "-q"]) == 0
+    ours = {i.name: i for i in onnx.load(target).graph.initializer}
+    theirs = {i.name: i for i in onnx.load(reference).graph.initializer}
+    quantized = [name for name in theirs if name.endswith((f"_Q{bits}", "_scales"))]
+    assert len(quantized) == 2 * 151
+    for name in quantized:
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(ours[name]), onnx.numpy_helper.to_array(theirs[name]),
+                                      err_msg=name)
+    ops = Counter(n.op_type for n in onnx.load(target, load_external_data=False).graph.node)
+    assert ops["KwtaBlockMatMul"] == 90 and ops["MatMulNBits"] == 61 and ops["MatMul"] == 0
