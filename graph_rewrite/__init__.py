@@ -16,7 +16,7 @@ from .techniques import QuantSettings, TechniqueChoice
 
 __all__ = [
     "PROTOBUF_LIMIT", "AttentionRecord", "ConfigError", "KwtaSettings", "LayerOverride", "LayerRecord",
-    "ModelFileError", "QuantSettings", "RewriteConfig", "RewriteError", "RewriteReport", "TechniqueChoice", "check_output",
-    "config_from_flags", "describe_rules", "list_file_layers", "list_layers", "load_model", "load_overrides",
-    "parse_overrides", "rewrite_file", "rewrite_model",
+    "ModelFileError", "QuantSettings", "RewriteConfig", "RewriteError", "RewriteReport", "TechniqueChoice",
+    "check_output", "config_from_flags", "describe_rules", "list_file_layers", "list_layers", "load_model",
+    "load_overrides", "parse_overrides", "rewrite_file", "rewrite_model",
 ]

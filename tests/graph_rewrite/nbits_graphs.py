@@ -142,17 +142,30 @@ def genai_like(n_layers: int = 2, bits: int | None = 8, block: int = 32, zero_po
     total = bld.op("Cast", [bld.op("Gather", [bld.op("Shape", [mask]), index], axis=0)], to=TensorProto.INT32)
     inv = 1.0 / (10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
     angles = np.arange(MAX_POS)[:, None] * inv[None, :]
-    cos, sin = bld.const("cos_cache", np.cos(angles).astype(np.float32)), bld.const("sin_cache", np.sin(angles).astype(np.float32))
+    cos = bld.const("cos_cache", np.cos(angles).astype(np.float32))
+    sin = bld.const("sin_cache", np.sin(angles).astype(np.float32))
+
+    def skip_norm(residual, x, weight_name, name, last=False):
+        """SkipSimplifiedLayerNormalization: (normed, residual + x); the sum is not kept after the
+        last block."""
+        normed, _, _, summed = bld.op("SkipSimplifiedLayerNormalization", [residual, x, weight(weight_name, D_MODEL)],
+                                      name=name, outputs=4, domain=MS, epsilon=1e-5)
+        node = bld.nodes[-1]
+        node.output[1] = node.output[2] = ""
+        if last:
+            node.output[3] = ""
+        return normed, summed
 
     if shared_embedding:
         assert bits == 4 and not zero_points
         head_w = bld.rng.standard_normal((D_MODEL, VOCAB)).astype(np.float32) * 0.15
         b, scales, _ = quantize(head_w, 4, block, False)
-        head_b, head_scales = bld.const("lm_head.MatMul.weight_Q4", b), bld.const("lm_head.MatMul.weight_scales", scales)
+        head_b = bld.const("lm_head.MatMul.weight_Q4", b)
+        head_scales = bld.const("lm_head.MatMul.weight_scales", scales)
         table = bld.op("Reshape", [head_b, bld.const("embed_shape", np.array([VOCAB, D_MODEL // 2], np.int64))],
                        name="/model/embed_tokens/Reshape")
-        h = bld.op("GatherBlockQuantized", [table, "input_ids", head_scales], name="/model/embed_tokens/Gather", domain=MS,
-                   bits=4, block_size=block, gather_axis=0, quantize_axis=1)
+        h = bld.op("GatherBlockQuantized", [table, "input_ids", head_scales], name="/model/embed_tokens/Gather",
+                   domain=MS, bits=4, block_size=block, gather_axis=0, quantize_axis=1)
     else:
         embed = bld.const("model.embed_tokens.weight", bld.rng.standard_normal((VOCAB, D_MODEL)).astype(np.float32))
         h = bld.op("Gather", [embed, "input_ids"], name="/model/embed_tokens/Gather", axis=0)
@@ -168,17 +181,15 @@ def genai_like(n_layers: int = 2, bits: int | None = 8, block: int = 32, zero_po
         inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", KV_HEADS, "past", HEAD_DIM])
                    for name in past]
         qkv = linear(normed, D_MODEL, QKV, f"{p}.attn.qkv_proj")
-        attn, present_k, present_v = bld.op(
+        attn, _, _ = bld.op(
             "GroupQueryAttention", [qkv, "", "", *past, seqlens, total, cos, sin], name=f"/model/layers.{i}/attn/GQA",
             outputs=3, domain=MS, num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=1, scale=HEAD_DIM ** -0.5)
         bld.nodes[-1].output[1], bld.nodes[-1].output[2] = f"present.{i}.key", f"present.{i}.value"
         outputs += [helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT,
                                                   ["batch", KV_HEADS, "total", HEAD_DIM]) for kind in ("key", "value")]
         o = linear(attn, D_MODEL, D_MODEL, f"{p}.attn.o_proj")
-        normed, _, _, residual = bld.op("SkipSimplifiedLayerNormalization", [residual, o, weight(f"{p}.post_attention_layernorm.weight", D_MODEL)],
-                                        name=f"/model/layers.{i}/post_attention_layernorm/SkipLayerNorm", outputs=4, domain=MS,
-                                        epsilon=1e-5)
-        bld.nodes[-1].output[1] = bld.nodes[-1].output[2] = ""
+        normed, residual = skip_norm(residual, o, f"{p}.post_attention_layernorm.weight",
+                                     f"/model/layers.{i}/post_attention_layernorm/SkipLayerNorm")
         gate = linear(normed, D_MODEL, D_FF, f"{p}.mlp.gate_proj")
         up = linear(normed, D_MODEL, D_FF, f"{p}.mlp.up_proj")
         act = bld.op("Mul", [gate, bld.op("Sigmoid", [gate], name=f"/model/layers.{i}/mlp/act_fn/Sigmoid")],
@@ -186,13 +197,9 @@ def genai_like(n_layers: int = 2, bits: int | None = 8, block: int = 32, zero_po
         down = linear(bld.op("Mul", [act, up], name=f"/model/layers.{i}/mlp/Mul"), D_FF, D_MODEL, f"{p}.mlp.down_proj",
                       scale=0.1)
         last = i == n_layers - 1
-        norm_name = "model.layers.final_norm_layernorm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
-        normed, _, _, residual = bld.op("SkipSimplifiedLayerNormalization", [residual, down, weight(norm_name, D_MODEL)],
-                                        name=f"/model/layers.{i + 1}/input_layernorm/SkipLayerNorm", outputs=4, domain=MS,
-                                        epsilon=1e-5)
-        bld.nodes[-1].output[1] = bld.nodes[-1].output[2] = ""
-        if last:
-            bld.nodes[-1].output[3] = ""
+        norm = "model.layers.final_norm_layernorm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
+        normed, residual = skip_norm(residual, down, norm, f"/model/layers.{i + 1}/input_layernorm/SkipLayerNorm",
+                                     last=last)
     if shared_embedding:
         logits = bld.op("MatMulNBits", [normed, "lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"],
                         name="/lm_head/MatMul_Q4", domain=MS, K=D_MODEL, N=VOCAB, bits=4, block_size=block,
