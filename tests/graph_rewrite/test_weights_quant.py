@@ -276,3 +276,17 @@ def test_cli_writes_a_checked_quantized_model(tmp_path, capsys):
     assert target.stat().st_size < 0.7 * source.stat().st_size  # int8: ~1/4 of every layer's weight
     assert rewrite_onnx_main([str(source), "--list-layers", "--weights", "int4"]) == 0
     assert "KwtaBlockMatMul dtype=int4 block_size=32 + kwta(block=1)" in capsys.readouterr().out
+
+
+def test_bitmap_gate_on_quantized_down_projections():
+    model = tg.llama_like()
+    config = parse(["--weights", "int8", "--state-pack", "binary", "--state-pack-eps", "0"])
+    assert not config.choice("kwta").enabled  # the bitmap gate turns KWTA's auto off; --weights does not
+    out, report = rewrite_model(model, config)
+    gated = kwta_nodes(out)
+    assert len(gated) == 2 and all("down" in n.name for n in gated)
+    assert all(attrs(n)["pack_mode"] == b"binary" and attrs(n)["bits"] == 8 for n in gated)
+    assert [n.op_type for n in out.graph.node].count("MatMulNBits") == len(report.layers) - 2
+    data = report.to_dict()
+    assert data["config"]["techniques"]["quant"]["settings"]["dtype"] == "int8"
+    assert next(r for r in data["layers"] if "down" in r["name"])["partners"]["pack"]["pack_mode"] == "binary"
