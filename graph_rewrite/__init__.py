@@ -12,11 +12,11 @@ from .files import PROTOBUF_LIMIT, check_output, list_file_layers, load_model, r
 from .report import AttentionRecord, LayerRecord, RewriteReport
 from .rewrite import list_layers, rewrite_model
 from .rules import describe_rules
-from .techniques import TechniqueChoice
+from .techniques import QuantSettings, TechniqueChoice
 
 __all__ = [
     "PROTOBUF_LIMIT", "AttentionRecord", "ConfigError", "KwtaSettings", "LayerOverride", "LayerRecord",
-    "ModelFileError", "RewriteConfig", "RewriteError", "RewriteReport", "TechniqueChoice", "check_output",
-    "config_from_flags", "describe_rules", "list_file_layers", "list_layers", "load_model", "load_overrides",
-    "parse_overrides", "rewrite_file", "rewrite_model",
+    "ModelFileError", "QuantSettings", "RewriteConfig", "RewriteError", "RewriteReport", "TechniqueChoice",
+    "check_output", "config_from_flags", "describe_rules", "list_file_layers", "list_layers", "load_model",
+    "load_overrides", "parse_overrides", "rewrite_file", "rewrite_model",
 ]

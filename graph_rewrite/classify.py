@@ -1,7 +1,8 @@
 """Classify linear layers from graph structure (never from names).
 
 - ``attn``: q/k/v projections (output reaches an attention core's q/k/v input through layout,
-  rotary and scaling ops), and the output projection (input comes from an attention core's output
+  rotary and scaling ops; ``qkv`` when one projection feeds several, or feeds a fused core's packed
+  query input), and the output projection (input comes from an attention core's output
   through Transpose/Reshape).
 - ``head``: the output reaches a graph output only through shape/cast ops (no norm, no residual).
 - ``mlp``: ``down`` when the input comes from an activation (Gelu, Relu, Erf-gelu, Silu, the
@@ -55,13 +56,25 @@ class LayerClass:
     why: str
 
 
+def _slot(cores: AttentionCores, node: ir.Node, index: int) -> str | None:
+    """The core input ``node.inputs[index]`` is (q, k or v); ``qkv`` for the query input of a fused
+    core whose key and value inputs are absent: it takes q, k and v packed in one tensor
+    (GroupQueryAttention and MultiHeadAttention fed by one fused projection, as in
+    onnxruntime-genai graphs)."""
+    slot = cores.slot(node, index)
+    if slot == "q" and cores.slot(node, 1) == "k" and cores.slot(node, 2) == "v":
+        if all(i >= len(node.inputs) or node.inputs[i] is None for i in (1, 2)):
+            return "qkv"
+    return slot
+
+
 def _attention_slots(linear: ir.Node, linears: set[int], cores: AttentionCores) -> set[str]:
     slots: set[str] = set()
 
     def step(value: ir.Value):
         nexts = []
         for node, index in data_uses(value):
-            slot = cores.slot(node, index)
+            slot = _slot(cores, node, index)
             if slot is not None:
                 slots.add(slot)
             elif id(node) not in linears and is_op(node, _QKV_PLUMBING):

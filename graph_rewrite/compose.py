@@ -1,7 +1,7 @@
 """Which techniques may share one layer, and which of them emits the op.
 
-Rules (seeds + design/ops.md): a layer has at most one weight technique (TT xor proc-sparse: the
-weight backend is exclusive); a weight technique leads and the gates chosen with it become its
+Rules (seeds + docs/ops.md): a layer has at most one weight technique (TT, proc-sparse or weight
+quantization: the weight backend is exclusive); a weight technique leads and the gates chosen with it become its
 op's gate; without one, the gate techniques lead in ``GATE_LEAD_ORDER`` (event-driven takes KWTA
 as its candidate prior, one ordering in one op, never two ops). ``PARTNERS`` lists what each lead
 can absorb; anything else is a clear error naming the layer and the techniques, never a silent
@@ -24,6 +24,7 @@ PARTNERS: dict[str, frozenset[str]] = {
     "proc": frozenset({"kwta"}),
     "pack": frozenset({"kwta"}),  # bitmap then KWTA on the survivors, one KwtaBlockMatMul
     "tt": frozenset(),  # TTMatMul runs the dense gate only (a core mixes every row: gating saves nothing)
+    "quant": frozenset({"kwta", "pack"}),  # quantized weights, gated by KwtaBlockMatMul's quantized form
 }
 
 

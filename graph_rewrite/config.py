@@ -2,9 +2,10 @@
 
 Each technique (graph_rewrite/techniques/) has its own settings dataclass, its own key in
 override entries (``"kwta": {...}``, ``"tt": {...}``, ...) and its global choice in
-``RewriteConfig.techniques[name]``; KWTA is one of them. ``TechniqueChoice.enabled`` may be
-``"auto"`` (KWTA's default): on unless another technique or attention is on, resolved here for
-the CLI and library callers alike. See docs/rewriter.md for the override file format.
+``RewriteConfig.techniques[name]``; KWTA is one of them, and so is weight quantization
+(``"quant"``: ``--weights``). ``TechniqueChoice.enabled`` may be ``"auto"`` (KWTA's default): on
+unless another technique (weight quantization excepted) or attention is on, resolved here for the
+CLI and library callers alike. See docs/rewriter.md for the override file format.
 """
 from __future__ import annotations
 
@@ -166,9 +167,10 @@ class RewriteConfig:
         return self.techniques.get(name) or TECHNIQUES[name].default_choice()
 
     def _switched_on(self, but: str) -> list[str]:
-        """What is explicitly on besides technique ``but``, as the CLI spells it."""
+        """What is explicitly on besides technique ``but`` and turns ``auto`` off, as the CLI spells
+        it (weight quantization does not: ``--weights int8`` quantizes and KWTA still gates)."""
         on = [TECHNIQUES[name].flag_summary(self._given(name)) for name in TECHNIQUES
-              if name != but and self._given(name).enabled is True]
+              if name != but and self._given(name).enabled is True and TECHNIQUES[name].turns_off_auto]
         if self.attention is not None:
             on.append(f"{ATTENTION_FLAGS.flags[0].name}={self.attention.select}")
         return on

@@ -10,6 +10,7 @@ from typing import Any
 from .compose import compose
 from .config import RewriteConfig
 from .layers import LinearLayer
+from .rules import FLOAT32
 from .targets import target_includes
 from .techniques import TECHNIQUES
 
@@ -21,6 +22,7 @@ class LayerDecision:
     why: str
     lead: str | None = None
     partners: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # for the report, beside the op (e.g. why a quantized layer is not gated)
 
 
 def _choice(name: str, layer: LinearLayer, config: RewriteConfig) -> tuple[Any | None, str, bool]:
@@ -54,21 +56,45 @@ def _choice(name: str, layer: LinearLayer, config: RewriteConfig) -> tuple[Any |
     return (settings if selected else None), why, mentioned
 
 
+def _weight_form_conflict(layer: LinearLayer, chosen: dict[str, tuple[Any, str]]) -> tuple[str | None, list[str]]:
+    """For a layer whose weight is already quantized: drop the techniques that quantize (nothing to
+    do; noted) and return why the layer stays as it is when another chosen technique's op needs a
+    form it does not have (a float-only op is never fed a silently dequantized weight)."""
+    form = layer.operands.weight.form if layer.operands is not None else FLOAT32
+    if form == FLOAT32:
+        return None, []
+    notes = []
+    for name in [name for name in chosen if TECHNIQUES[name].quantizes]:
+        settings, _ = chosen.pop(name)
+        notes.append(f"{TECHNIQUES[name].switch.spelled(True, settings)}: the weight is already {form}, kept as is")
+    for name in chosen:
+        technique = TECHNIQUES[name]
+        if form not in technique.weight_forms:
+            return (f"{name}: {technique.op_type} takes {' or '.join(sorted(technique.weight_forms))} weights, this "
+                    f"layer's are {form} (MatMulNBits); left as it is rather than dequantized"), notes
+    return None, notes
+
+
 def decide_layer(layer: LinearLayer, config: RewriteConfig) -> LayerDecision:
-    chosen: dict[str, Any] = {}
-    reasons: list[str] = []
+    chosen: dict[str, tuple[Any, str]] = {}
     skip_reasons: list[str] = []
     defaults_off: list[str] = []  # why the techniques that are on by default are off
     for name in TECHNIQUES:
         settings, why, mentioned = _choice(name, layer, config)
         if settings is not None:
-            chosen[name] = settings
-            reasons.append(why)
+            chosen[name] = (settings, why)
         elif mentioned:
             skip_reasons.append(why)
         elif TECHNIQUES[name].default_choice().enabled:
             defaults_off.append(why)
+    conflict, notes = _weight_form_conflict(layer, chosen)
+    if conflict is not None:
+        return LayerDecision(None, None, "; ".join([conflict, *notes]))
     if not chosen:
-        return LayerDecision(None, None, "; ".join(skip_reasons or defaults_off) or "no technique is on")
-    lead, partners = compose(layer.name, chosen)
-    return LayerDecision(TECHNIQUES[lead].op_type, chosen[lead], "; ".join(reasons), lead=lead, partners=partners)
+        return LayerDecision(None, None, "; ".join((skip_reasons or defaults_off) + notes) or "no technique is on")
+    lead, partners = compose(layer.name, {name: settings for name, (settings, _) in chosen.items()})
+    if TECHNIQUES[lead].quantizes and not partners and skip_reasons:
+        notes.append("not gated: " + "; ".join(skip_reasons))
+    why = "; ".join(why for _, why in chosen.values())
+    return LayerDecision(TECHNIQUES[lead].op_type_with(partners), chosen[lead][0], why, lead=lead, partners=partners,
+                         notes=tuple(notes))

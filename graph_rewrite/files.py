@@ -8,6 +8,7 @@ external data, report) appear together or not at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import stat
@@ -147,16 +148,64 @@ def _duplicate_names(graph: onnx.GraphProto) -> list[str]:
     return found
 
 
+@functools.cache
+def _ort_default_domain_ops() -> frozenset[str]:
+    """Ops onnxruntime registers in the default ONNX domain without the ONNX standard knowing them
+    (``SimplifiedLayerNormalization`` of onnxruntime-genai graphs)."""
+    try:
+        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+    except ImportError:
+        return frozenset()
+    known = {schema.name for schema in onnx.defs.get_all_schemas_with_history() if schema.domain in ("", "ai.onnx")}
+    return frozenset(schema.name for schema in get_all_operator_schema()
+                     if schema.domain in ("", "ai.onnx") and schema.name not in known)
+
+
+def _plain_check(model: str | os.PathLike | onnx.ModelProto) -> Exception | None:
+    """``onnx.checker.check_model(full_check=False)``'s refusal, or None. Nodes of the default
+    domain that only onnxruntime defines (its contrib ops there, as onnxruntime-genai writes them)
+    are judged like contrib ops in their own domain: the checker skips their schema (by a second
+    check of a copy of the proto where they carry a domain of their own; its external tensors are
+    placeholders, as in :func:`_checker_error_without_external_files`: their files are checked by
+    :func:`pin_external_data` on reading, and written by us on writing)."""
+    try:
+        onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else os.fspath(model), full_check=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        if "No Op registered for" not in str(error):
+            return error
+        refused = error
+    else:
+        return None
+    ort_only = _ort_default_domain_ops()
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = onnx.load(os.fspath(model), load_external_data=False)
+    moved = [node for node in proto.graph.node if node.domain in ("", "ai.onnx") and node.op_type in ort_only]
+    if not moved:
+        return refused
+    for node in moved:
+        node.domain = _ORT_DEFAULT_DOMAIN_STAND_IN
+    proto.opset_import.append(onnx.helper.make_opsetid(_ORT_DEFAULT_DOMAIN_STAND_IN, 1))
+    _external_placeholders(proto)
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        return error
+    return None
+
+
+_ORT_DEFAULT_DOMAIN_STAND_IN = "ortsparse.check.onnxruntime-default-domain"
+
+
 def _checker_error(path: Path) -> Exception | None:
     """What ``onnx.checker.check_model`` says about the file, without its full check: strict shape
     inference cannot type contrib ops (onnxruntime-genai's com.microsoft nodes) and such models run
     fine. It checks graph structure, SSA form, unique initializer names, opset imports and
-    external data references. By path: the checker loads (and frees) its own copy before ours."""
-    try:
-        onnx.checker.check_model(os.fspath(path), full_check=False)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        return error
-    return None
+    external data references (:func:`_plain_check`). By path: the checker loads (and frees) its own
+    copy before ours."""
+    return _plain_check(path)
 
 
 def _checker_error_without_external_files(proto: onnx.ModelProto) -> Exception | None:
@@ -166,17 +215,18 @@ def _checker_error_without_external_files(proto: onnx.ModelProto) -> Exception |
     placeholders of the same name and type (the proto of a model with external data is small)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
-    for tensor in copy.graph.initializer:
+    _external_placeholders(copy)
+    return _plain_check(copy)
+
+
+def _external_placeholders(proto: onnx.ModelProto) -> None:
+    """External initializers become empty tensors of the same name and type (in place)."""
+    for tensor in proto.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.dims[:]
             tensor.dims.append(0)
-    try:
-        onnx.checker.check_model(copy, full_check=False)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        return error
-    return None
 
 
 def _unregistered_op(error: Exception) -> bool:
@@ -240,10 +290,9 @@ def check_written(staged: Path, in_path: Path, notes: list[str]) -> None:
     try:
         check_output(in_path)
     except _CHECK_ERRORS as input_error:
-        try:
-            onnx.checker.check_model(os.fspath(staged), full_check=False)
-        except _CHECK_ERRORS as error:
-            output_error = error
+        plain_error = _plain_check(staged)
+        if plain_error is not None:
+            output_error = plain_error
         else:
             notes.append(f"the input fails onnx.checker's full check ({_first_line(input_error)}); the output "
                          "passed the plain check, as the input did")

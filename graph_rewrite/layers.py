@@ -10,8 +10,10 @@ import onnx_ir as ir
 
 from .attention import AttentionCores, recognise_attention
 from .classify import LayerClass, classify_layers
-from .graph_utils import dims_of, is_onnx_op, op_name, single_consumer
+from .graph_utils import MS_DOMAIN, dims_of, is_onnx_op, op_name, single_consumer
 from .rules import RULES, LinearOperands
+
+MATMUL_NBITS = f"{MS_DOMAIN}.MatMulNBits"  # a linear layer with a block-quantized weight
 
 
 @dataclasses.dataclass
@@ -51,8 +53,9 @@ def _weight_input(node: ir.Node) -> ir.Value | None:
 
 def _looks_like_linear(node: ir.Node, cores: AttentionCores) -> bool:
     """MatMul/Gemm whose second operand is a weight (constant, fed from outside, or 2-D), not the
-    activation x activation products of attention or rotary tables."""
-    if is_onnx_op(node, "Gemm"):
+    activation x activation products of attention or rotary tables; every MatMulNBits (its weight
+    is quantized by definition)."""
+    if is_onnx_op(node, "Gemm") or op_name(node) == MATMUL_NBITS:
         return True
     if not is_onnx_op(node, "MatMul") or cores.is_core_node(node):
         return False
@@ -74,6 +77,9 @@ def _weight_shape(node: ir.Node) -> tuple[int | None, int | None, str]:
     weight = node.inputs[1] if len(node.inputs) > 1 else None
     if weight is None:
         return None, None, ""
+    if op_name(node) == MATMUL_NBITS:  # B is [N, blocks, blob]: K and N are attributes
+        k, n = node.attributes.get_int("K", 0), node.attributes.get_int("N", 0)
+        return k or None, n or None, weight.name or ""
     transposed = is_onnx_op(node, "Gemm") and node.attributes.get_int("transB", 0) == 1
     producer = weight.producer()
     if is_onnx_op(producer, "Transpose"):

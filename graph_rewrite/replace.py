@@ -6,7 +6,8 @@ here.
   operands the survey found before any edit stay valid (a layer's input may be another layer's
   output, an attention core's Q a projection's).
 - :class:`WeightPreparer` makes the initializers the ops take ([K, N] copies of transposed weights,
-  [N] biases, a technique's own tensors) and drops the originals nothing uses anymore.
+  [N] biases, quantized weights, a technique's own tensors) and drops the originals nothing uses
+  anymore; a quantized weight of the input (MatMulNBits) is passed through as it is.
 - :func:`emit_linear` / :func:`emit_attention` build the new nodes.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import onnx_ir as ir
 
 from .attention import AttentionCore
 from .graph_utils import ValueNames
-from .rules import DOMAIN, DOMAIN_VERSION, FloatWeight, LinearOperands
+from .rules import DOMAIN, DOMAIN_VERSION, FloatWeight, LayerWeight, LinearOperands, NBitsWeight
 from .techniques import BIAS, WEIGHT, OpBuild
 from .techniques.popcount import OP_TYPE, AttentionSettings
 
@@ -120,6 +121,7 @@ class WeightPreparer:
         self._graph = graph
         self._names = ValueNames(graph)
         self._made: dict[int, ir.Value] = {}
+        self._quantized: dict[tuple, NBitsWeight] = {}
         self._sources: list[ir.Value] = []
         self.added: list[str] = []
         self.removed: list[str] = []
@@ -151,15 +153,35 @@ class WeightPreparer:
         if operands.bias is not None:
             self._sources.append(operands.bias)
 
-    def weight(self, weight: FloatWeight) -> list[ir.Value]:
+    def weight(self, weight: LayerWeight) -> list[ir.Value | None]:
         """The op inputs ``WEIGHT`` stands for. A float32 weight: itself, or one shared [K, N]
-        copy of a transposed one. (A quantized form passes its ``sources`` through here.)"""
+        copy of a transposed one. A quantized weight: B, scales, zero points (None when absent:
+        an omitted input), the initializers it was read from, untouched."""
+        if isinstance(weight, NBitsWeight):
+            return [weight.b, weight.scales, weight.zero_points]
         source = weight.value
         if not weight.transposed:
             return [source]
         if id(source) not in self._made:
             self._register(source, source.const_value.numpy().T, "_T")
         return [self._made[id(source)]]
+
+    def quantized(self, weight: FloatWeight, settings) -> NBitsWeight:
+        """The quantized form of a float weight (``settings``: techniques.quant.QuantSettings),
+        made once per original initializer and quantization, named as onnxruntime's quantizer
+        names them (``<W>_Q8``, ``<W>_scales``, ``<W>_zero_points``); the original is dropped when
+        nothing else reads it."""
+        key = (id(weight.value), weight.transposed, settings.bits, settings.block_size, settings.symmetric)
+        if key not in self._quantized:
+            matrix = weight.matrix()
+            k, n = matrix.shape
+            b, scales, zero_points = settings.quantize(matrix)
+            stem = weight.value.name + ("_T" if weight.transposed else "")
+            made = [self.new_initializer(f"{stem}_{suffix}", array) if array is not None else None
+                    for suffix, array in ((f"Q{settings.bits}", b), ("scales", scales), ("zero_points", zero_points))]
+            self._quantized[key] = NBitsWeight(*made, k=k, n=n, bits=settings.bits, block_size=settings.block_size)
+            self._sources.append(weight.value)
+        return self._quantized[key]
 
     def bias(self, operands: LinearOperands) -> ir.Value | None:
         source = operands.bias
@@ -185,11 +207,15 @@ class WeightPreparer:
 
 def emit_linear(editor: GraphEditor, preparer: WeightPreparer, name: str, rule: str, operands: LinearOperands,
                 built: OpBuild) -> None:
-    """Replace one layer's matched nodes by ``built``'s node: ``op_type(X, *inputs)``."""
+    """Replace one layer's matched nodes by ``built``'s node: ``op_type(X, *inputs)`` (the weight
+    quantized first when the build asks for it)."""
+    weight = operands.weight
+    if built.quantize is not None:
+        weight = preparer.quantized(weight, built.quantize)
     inputs: list[ir.Value | None] = [editor.current(operands.x)]
     for position, entry in enumerate(built.inputs):
         if isinstance(entry, str) and entry == WEIGHT:
-            inputs.extend(preparer.weight(operands.weight))
+            inputs.extend(preparer.weight(weight))
         elif isinstance(entry, str) and entry == BIAS:
             inputs.append(preparer.bias(operands))
         elif entry is None:
@@ -201,8 +227,10 @@ def emit_linear(editor: GraphEditor, preparer: WeightPreparer, name: str, rule: 
     while inputs and inputs[-1] is None:  # trailing optional inputs are simply left out
         inputs.pop()
     op = NodeBuilder()
-    output = op.op(built.op_type, *inputs, _domain=DOMAIN, _version=DOMAIN_VERSION, _name=name or None,
+    version = DOMAIN_VERSION if built.domain == DOMAIN else 1
+    output = op.op(built.op_type, *inputs, _domain=built.domain, _version=version, _name=name or None,
                    **built.attributes)
+    editor.model.opset_imports.setdefault(built.domain, version)
     editor.replace(operands.nodes, op.nodes, operands.y, output, rule)
     op.nodes[-1].metadata_props.update(built.metadata)
 

@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .layers import LinearLayer, Survey, survey
 from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
-from .rules import DOMAIN, DOMAIN_VERSION
+from .rules import DOMAIN, DOMAIN_VERSION, FLOAT32
 from .techniques import TECHNIQUES, LayerWeights
 from .techniques.popcount import OP_TYPE, AttentionSettings
 
@@ -86,7 +86,8 @@ def _layer_weights(layer: LinearLayer, calibration: Mapping[str, np.ndarray] | N
     operands = layer.operands
     samples = calibration.get(layer.name) if calibration else None
     return LayerWeights(name=layer.name, k=operands.k, n=operands.n, weight=operands.weight.matrix,
-                        bias=operands.bias_vector, calibration=samples, weight_form=operands.weight.form)
+                        bias=operands.bias_vector, calibration=samples, weight_form=operands.weight.form,
+                        weight_attributes=operands.weight.attributes())
 
 
 def _linear_layers(found: Survey, config: RewriteConfig, editor: GraphEditor | None, preparer: WeightPreparer | None,
@@ -102,10 +103,12 @@ def _linear_layers(found: Survey, config: RewriteConfig, editor: GraphEditor | N
             records.append(_record(layer, SKIPPED, layer.blocker))
             continue
         chosen = (decision.settings, *decision.partners.values())
-        exact = all(s.for_layer(layer.k).is_exact(layer.k or 0) for s in chosen)
+        # A quantized weight is never "exact" (>= 4 dense rows run on int8 activations).
+        exact = all(s.for_layer(layer.k).is_exact(layer.k or 0) for s in chosen) \
+            and layer.operands.weight.form == FLOAT32
         record = _record(layer, REWRITTEN, decision.why, new_op=decision.op_type,
                          settings=decision.settings.for_layer(layer.k), partners=dict(decision.partners),
-                         is_exact=exact)
+                         is_exact=exact, notes=list(decision.notes))
         records.append(record)
         if editor is None:
             continue

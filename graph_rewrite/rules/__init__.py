@@ -1,7 +1,7 @@
 """The linear-layer rules, most specific first (a layer takes the first rule that matches it).
 
-Adding a form (e.g. ``com.microsoft.MatMulNBits``: a quantized weight) = one module here whose
-``operands`` yield that weight form (see ``_base.FloatWeight``) + one line in ``RULES``."""
+Adding a form = one module here whose ``operands`` yield one of the weight forms of ``_base``
+(``FloatWeight``, ``NBitsWeight``; a new form is a sibling dataclass there) + one line in ``RULES``."""
 from __future__ import annotations
 
 import sys
@@ -10,15 +10,21 @@ import warnings
 from ._base import (
     DOMAIN,
     DOMAIN_VERSION,
+    FLOAT32,
+    NBITS_FORMS,
     FloatWeight,
     LayerWeight,
     LinearOperands,
     LinearRule,
+    NBitsWeight,
     RuleMatch,
+    dequantize_nbits,
 )
 from .gemm import GemmRule
 from .matmul import MatMulRule
 from .matmul_add import MatMulAddRule
+from .matmul_nbits import MatMulNBitsRule
+from .matmul_nbits_add import MatMulNBitsAddRule
 from .matmul_transposed_weight import MatMulTransposedWeightRule
 
 RULES: tuple[LinearRule, ...] = (
@@ -26,6 +32,8 @@ RULES: tuple[LinearRule, ...] = (
     MatMulAddRule(),
     MatMulTransposedWeightRule(),
     MatMulRule(),
+    MatMulNBitsAddRule(),
+    MatMulNBitsRule(),
 )
 
 
@@ -48,6 +56,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DOMAIN", "DOMAIN_VERSION", "RULES", "FloatWeight", "GemmRule", "LayerWeight", "LinearOperands", "LinearRule",
-    "MatMulAddRule", "MatMulRule", "MatMulTransposedWeightRule", "RuleMatch", "describe_rules",
+    "DOMAIN", "DOMAIN_VERSION", "FLOAT32", "NBITS_FORMS", "RULES", "FloatWeight", "GemmRule", "LayerWeight",
+    "LinearOperands", "LinearRule", "MatMulAddRule", "MatMulNBitsAddRule", "MatMulNBitsRule", "MatMulRule",
+    "MatMulTransposedWeightRule", "NBitsWeight", "RuleMatch", "dequantize_nbits", "describe_rules",
 ]

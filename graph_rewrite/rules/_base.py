@@ -24,19 +24,21 @@ DOMAIN = "ai.ortsparse"
 DOMAIN_VERSION = 1
 
 
+FLOAT32 = "float32"  # the form of a float weight initializer
+NBITS_FORMS = ("int4", "int8")  # MatMulNBits' block-quantized forms, by bits
+
+
 @dataclasses.dataclass(frozen=True)
 class FloatWeight:
     """A float32 weight initializer: [K, N], or [N, K] when ``transposed`` (Gemm transB=1, a
     ``Transpose(E)``; the op then takes one [K, N] copy).
 
-    The weight *forms* a rule can yield; a quantized form (MatMulNBits: packed B, scales, zero
-    points, attributes K, N, bits, block_size) is a sibling dataclass with the same ``form``,
-    ``name``, ``sources`` and ``matrix()`` (dequantized), whose ``sources`` the replacement passes
-    through to a technique that gates the stored form (``WEIGHT`` in ``OpBuild.inputs``)."""
+    The weight *forms* a rule can yield: this one and :class:`NBitsWeight`, with the same
+    ``form``, ``name``, ``sources``, ``attributes()`` and ``matrix()``."""
 
     value: ir.Value
     transposed: bool = False
-    form: ClassVar[str] = "float32"
+    form: ClassVar[str] = FLOAT32
 
     @property
     def name(self) -> str:
@@ -47,13 +49,76 @@ class FloatWeight:
         """The initializers this weight is read from (dropped when nothing uses them afterwards)."""
         return (self.value,)
 
+    def attributes(self) -> dict[str, int]:
+        """Attributes an op needs to read this form (none: the tensor's shape says it all)."""
+        return {}
+
     def matrix(self) -> np.ndarray:
         """W as a contiguous [K, N] float32 array."""
         array = self.value.const_value.numpy()
         return np.ascontiguousarray(array.T if self.transposed else array, dtype=np.float32)
 
 
-LayerWeight = FloatWeight  # the union of weight forms (one today)
+@dataclasses.dataclass(frozen=True)
+class NBitsWeight:
+    """``com.microsoft.MatMulNBits``' block-quantized weight: ``b`` uint8 [N, ceil(K/block_size),
+    block_size·bits/8] (4 bits: low nibble first), ``scales`` float32 [N, blocks] or flat,
+    ``zero_points`` uint8 packed like MatMulNBits packs them, or None (8 at 4 bits, 128 at 8 bits).
+
+    An op that gates this form takes ``sources`` (B, scales, zero points) through untouched, with
+    ``attributes()`` (K, N, bits, block_size); ``matrix()`` dequantizes, for techniques that need
+    numbers (never to replace the stored form)."""
+
+    b: ir.Value
+    scales: ir.Value
+    zero_points: ir.Value | None
+    k: int
+    n: int
+    bits: int
+    block_size: int
+
+    @property
+    def form(self) -> str:
+        return f"int{self.bits}"
+
+    @property
+    def name(self) -> str:
+        return self.b.name or ""
+
+    @property
+    def sources(self) -> tuple[ir.Value, ...]:
+        return (self.b, self.scales) + ((self.zero_points,) if self.zero_points is not None else ())
+
+    def attributes(self) -> dict[str, int]:
+        return {"K": self.k, "N": self.n, "bits": self.bits, "block_size": self.block_size}
+
+    def matrix(self) -> np.ndarray:
+        """W [K, N] float32 as MatMulNBits defines it: (q - zero_point) · scale per (column, K-block)."""
+        zero_points = None if self.zero_points is None else self.zero_points.const_value.numpy()
+        return dequantize_nbits(self.b.const_value.numpy(), self.scales.const_value.numpy(), zero_points,
+                                self.k, self.n, self.bits, self.block_size)
+
+
+def dequantize_nbits(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int, bits: int,
+                     block_size: int) -> np.ndarray:
+    """W [K, N] float32 from MatMulNBits' tensors (the padding of a last partial block dropped)."""
+    blocks = -(-k // block_size)
+    packed = b.reshape(n, blocks, block_size * bits // 8)
+    if bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, block_size)
+    else:
+        q = packed
+    if zero_points is None:
+        z = np.full((n, blocks), 1 << (bits - 1), dtype=np.float32)
+    elif bits == 4:
+        z = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
+    else:
+        z = zero_points.reshape(n, blocks).astype(np.float32)
+    w = (q.astype(np.float32) - z[:, :, None]) * scales.reshape(n, blocks).astype(np.float32)[:, :, None]
+    return np.ascontiguousarray(w.reshape(n, blocks * block_size)[:, :k].T)
+
+
+LayerWeight = FloatWeight | NBitsWeight  # the union of weight forms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,10 @@ from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 from .pack import PACK, PACK_MODES, PackSettings
 from .popcount import ATTENTION_FLAGS
 from .proc import PROC, ProcSettings
+from .quant import QUANT, QUANT_DTYPES, QuantSettings
 from .tt import TT_TECHNIQUE, TTSettings
 
-TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK, PROC, TT_TECHNIQUE)}
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK, PROC, TT_TECHNIQUE, QUANT)}
 
 
 def technique(name: str) -> Technique:
@@ -41,7 +42,8 @@ def flag_groups() -> list[FlagGroup]:
 
 __all__ = [
     "ATTENTION_FLAGS", "AUTO", "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "Flag", "FlagGroup", "GATE", "KWTA",
-    "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES", "PROC", "Switch", "TARGET", "TECHNIQUES", "WEIGHT",
-    "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings", "ProcSettings", "Technique",
-    "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "flag_groups", "technique",
+    "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES", "PROC", "QUANT", "QUANT_DTYPES", "Switch", "TARGET",
+    "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings", "ProcSettings",
+    "QuantSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "flag_groups",
+    "technique",
 ]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ConfigError
+from ..rules import DOMAIN, FLOAT32, NBITS_FORMS
 
 GATE = "gate"  # decides which inputs take part (kwta, event, state-pack bitmap)
 WEIGHTS = "weights"  # replaces the weight representation (proc-sparse, TT); exclusive per layer
@@ -157,10 +158,11 @@ class LayerWeights:
     """What a build sees of one layer: the weight as a [K, N] float32 matrix and the bias as [N]
     (or None), plus calibration inputs X [S, K] of this layer when the caller supplied them.
 
-    ``weight_form`` names the stored form (``"float32"``: a float initializer). A quantized form
-    (e.g. MatMulNBits' packed B, scales and zero points) gets its own name here; ``weight()`` then
-    dequantizes, and a technique that can gate the stored form as is emits ``WEIGHT`` and the
-    replacement passes those initializers through."""
+    ``weight_form`` names the stored form (``"float32"``: a float initializer; ``"int8"`` /
+    ``"int4"``: MatMulNBits' packed B, scales and zero points). For a quantized form ``weight()``
+    dequantizes, and ``weight_attributes`` are what an op needs to read the stored form (K, N,
+    bits, block_size): a technique that gates it emits ``WEIGHT`` plus those attributes, and the
+    replacement passes the initializers through."""
 
     name: str
     k: int
@@ -168,7 +170,8 @@ class LayerWeights:
     weight: Callable[[], np.ndarray]
     bias: Callable[[], np.ndarray | None]
     calibration: np.ndarray | None = None
-    weight_form: str = "float32"
+    weight_form: str = FLOAT32
+    weight_attributes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -180,7 +183,10 @@ class OpBuild:
     its own initializers, unchanged), ``BIAS`` (its [N] bias, or an omitted input when it has
     none), ``None`` (an omitted optional input) or a new array stored as an initializer named after
     the layer. ``metadata`` goes to the node's metadata_props; ``notes`` to the report. ``op_type``
-    None: the technique keeps the layer dense after all (``notes`` say why)."""
+    None: the technique keeps the layer dense after all (``notes`` say why). ``domain``: the op's
+    (ortsparse's unless said otherwise). ``quantize``: the settings that turn a float weight into
+    the quantized form ``WEIGHT`` then stands for (one quantized copy per original initializer,
+    made by the replacement; see techniques/quant.py)."""
 
     op_type: str | None
     inputs: list[Any]
@@ -188,17 +194,27 @@ class OpBuild:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     exact: bool = False
+    domain: str = DOMAIN
+    quantize: Any = None
 
 
 WEIGHT = "<weight>"
 BIAS = "<bias>"
+ANY_WEIGHT_FORM = frozenset({FLOAT32, *NBITS_FORMS})  # KwtaBlockMatMul reads float and MatMulNBits weights
 
 
 class Technique(abc.ABC):
     """One technique; subclasses are singletons registered in ``techniques/__init__.py``.
 
     ``switch`` and ``flags`` are its command-line flags as data (``flags`` holds the target flag,
-    ``field=TARGET``, and one flag per settings field it exposes)."""
+    ``field=TARGET``, and one flag per settings field it exposes).
+
+    ``weight_forms``: the weight forms its op takes. A layer whose weight has another form (a
+    MatMulNBits layer for a float-only op) stays as it is, with the reason in the report: it is
+    never dequantized behind the user's back. ``quantizes``: the technique makes a quantized form
+    out of float weights (it has nothing to do on an already quantized layer, which keeps the
+    other techniques chosen for it). ``turns_off_auto``: switching it on turns ``auto`` techniques
+    (KWTA) off."""
 
     name: ClassVar[str]  # override-file key, e.g. "kwta"
     kind: ClassVar[str]  # GATE or WEIGHTS
@@ -207,6 +223,9 @@ class Technique(abc.ABC):
     title: ClassVar[str]  # CLI help group title
     switch: ClassVar[Switch]
     flags: ClassVar[tuple[Flag, ...]]
+    weight_forms: ClassVar[frozenset[str]] = frozenset({FLOAT32})
+    quantizes: ClassVar[bool] = False
+    turns_off_auto: ClassVar[bool] = True
 
     def flag_group(self) -> FlagGroup:
         return FlagGroup(self.title, (self.switch, *self.flags))
@@ -238,6 +257,10 @@ class Technique(abc.ABC):
 
     def target_flag(self) -> str:
         return self._target().name
+
+    def op_type_with(self, partners: Mapping[str, Any]) -> str:
+        """The op it emits when it leads a layer with these partners."""
+        return self.op_type
 
     @abc.abstractmethod
     def build(self, layer: LayerWeights, settings: Any, partners: Mapping[str, Any]) -> OpBuild:

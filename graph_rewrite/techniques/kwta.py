@@ -1,5 +1,8 @@
 """KWTA (seed 000): per token, keep the top-K input blocks by score -> ``KwtaBlockMatMul``.
 
+Float32 weights and MatMulNBits' quantized ones alike (the op's quantized form takes B, scales and
+zero points as stored, with K, N, bits and block_size).
+
 As a partner of another technique on the same layer, KWTA is that op's gate (``kwta_*``
 attributes of ProcSparseMatMul; the candidate prior ``kwta_k`` of EventDrivenMatMul).
 """
@@ -12,7 +15,9 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from ..targets import TARGETS
+from ..rules import FLOAT32
 from .base import (
+    ANY_WEIGHT_FORM,
     AUTO,
     BIAS,
     GATE,
@@ -108,6 +113,7 @@ class Kwta(Technique):
     kind = GATE
     op_type = "KwtaBlockMatMul"
     settings_type = KwtaSettings
+    weight_forms = ANY_WEIGHT_FORM
     title = "KWTA (KwtaBlockMatMul) global settings; --config entries override per layer"
     # The tool's default technique: "auto" = on for MLP layers unless another technique or
     # attention is on (RewriteConfig resolves it, for the CLI and library callers alike).
@@ -139,8 +145,9 @@ class Kwta(Technique):
     def build(self, layer: LayerWeights, settings: KwtaSettings, partners: Mapping[str, Any]) -> OpBuild:
         emitted = settings.for_layer(layer.k)
         notes = [f"block {settings.block} > K={layer.k}: block set to K"] if emitted.block != settings.block else []
-        return OpBuild(self.op_type, [WEIGHT, BIAS], emitted.attributes(), notes=notes,
-                       exact=emitted.is_exact(layer.k))
+        # A quantized weight is never "exact": >= 4 dense rows run on int8 activations.
+        return OpBuild(self.op_type, [WEIGHT, BIAS], {**layer.weight_attributes, **emitted.attributes()}, notes=notes,
+                       exact=emitted.is_exact(layer.k) and layer.weight_form == FLOAT32)
 
 
 KWTA = Kwta()

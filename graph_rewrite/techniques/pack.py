@@ -13,8 +13,21 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from ..rules import FLOAT32
 from ..targets import TARGETS
-from .base import BIAS, GATE, TARGET, WEIGHT, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
+from .base import (
+    ANY_WEIGHT_FORM,
+    BIAS,
+    GATE,
+    TARGET,
+    WEIGHT,
+    Flag,
+    LayerWeights,
+    OpBuild,
+    Switch,
+    Technique,
+    TechniqueSettings,
+)
 
 PACK_MODES = ("binary", "ternary")
 
@@ -64,6 +77,7 @@ class Pack(Technique):
     kind = GATE
     op_type = "KwtaBlockMatMul"
     settings_type = PackSettings
+    weight_forms = ANY_WEIGHT_FORM
     title = "State-pack bitmap gate (KwtaBlockMatMul pack_*); --config entries ('pack') override per layer"
     switch = Switch("--state-pack", field="mode", choices=("none",) + PACK_MODES, default="none", off="none",
                     help="skip input blocks whose activations are all |x| <= eps (binary and ternary skip the same "
@@ -103,7 +117,8 @@ class Pack(Technique):
             attributes = {"k_frac": 1.0, "block": int(block), "max_gated_rows": int(settings.max_gated_rows)}
             exact = settings.is_exact(layer.k)
         attributes.update(settings.attributes())
-        return OpBuild(self.op_type, [WEIGHT, BIAS], attributes, notes=notes, exact=exact)
+        return OpBuild(self.op_type, [WEIGHT, BIAS], {**layer.weight_attributes, **attributes}, notes=notes,
+                       exact=exact and layer.weight_form == FLOAT32)
 
 
 PACK = Pack()

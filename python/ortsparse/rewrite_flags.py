@@ -1,5 +1,6 @@
 """The rewrite flags every command that rewrites a model takes (``--config``, ``--kwta-*``,
-``--tt-*``, ``--proc-*``, ``--event-*``, ``--state-pack-*``, ``--attn*``) and the RewriteConfig they make.
+``--tt-*``, ``--proc-*``, ``--event-*``, ``--state-pack-*``, ``--weights*``, ``--attn*``) and the
+RewriteConfig they make.
 
 ``rewrite-onnx`` / ``ortsparse rewrite`` (ortsparse.cli) and the harness commands (quality, bench,
 validate) share them from here, below both, so neither imports the other. The flags themselves are

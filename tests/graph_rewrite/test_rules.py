@@ -27,7 +27,8 @@ def initializer_names(model: onnx.ModelProto) -> list[str]:
 
 def test_rules_have_before_after_docstrings():
     rules = describe_rules()
-    assert [name for name, _, _ in rules] == ["gemm", "matmul_add", "matmul_transposed_weight", "matmul"]
+    assert [name for name, _, _ in rules] == ["gemm", "matmul_add", "matmul_transposed_weight", "matmul",
+                                              "matmul_nbits_add", "matmul_nbits"]
     for _, before_after, doc in rules:
         assert "->" in before_after
         assert "Before -> After" in doc

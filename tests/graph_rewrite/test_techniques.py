@@ -220,6 +220,7 @@ HISTORICAL_FLAGS = """
 --state-pack --state-pack-block --state-pack-density-max --state-pack-eps --state-pack-max-gated-rows
 --state-pack-popcnt --state-pack-target --tt --tt-d --tt-gap --tt-keep-dense --tt-layout --tt-maxvol-k --tt-method
 --tt-min-flop-ratio --tt-rank --tt-target
+--weights --weights-block-size --weights-target
 """.split()
 
 
