@@ -229,13 +229,6 @@ def _external_placeholders(proto: onnx.ModelProto) -> None:
             tensor.dims.append(0)
 
 
-def _unregistered_op(error: Exception) -> bool:
-    """The checker stopped at an op it has no schema for ("No Op registered for X"): ONNX Runtime's
-    contrib ops, which onnxruntime-genai graphs use even in the default domain (e.g.
-    SimplifiedLayerNormalization). Whether ORT knows the op is decided when a session opens."""
-    return str(error).startswith("No Op registered for ")
-
-
 def load_model(path: str | os.PathLike, *, check: bool = True) -> ir.Model:
     """Load an ONNX file (weights in external data stay on disk until needed). Refused with a
     ModelFileError: external data outside the model's folder (:func:`pin_external_data`),
@@ -261,8 +254,6 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> ir.Model:
                              "(onnx.checker refuses it: initializer names must be unique)")
     if checker_error is not None and _external_tensors(model):
         checker_error = _checker_error_without_external_files(proto)
-    if checker_error is not None and _unregistered_op(checker_error):
-        checker_error = None  # ONNX Runtime's own ops (genai graphs put some in the default domain)
     if checker_error is not None:
         raise ModelFileError(f"the input model {path} fails onnx.checker.check_model: {_first_line(checker_error)}")
     return model
