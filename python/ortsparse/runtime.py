@@ -261,7 +261,7 @@ def decode_feeds(source: Any, *, new_tokens: int, past: int, vocab: int = 1000, 
     return feeds
 
 
-def vocab_size(source: Any, default: int = 1000) -> int:
+def vocab_size(source: Any, default: int | None = 1000) -> int | None:
     """The last dim of the ``logits`` output when the graph states it, else ``default``."""
     for output in load_proto(source).graph.output:
         if output.name == "logits":

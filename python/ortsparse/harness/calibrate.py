@@ -27,14 +27,16 @@ import onnx
 from .. import tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
-from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, with_outputs
+from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from .corpus import encoder_batches, lm_windows, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
 from .speed import decode_speed
+from .text import text_tokens
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -183,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers to calibrate (all-decoder = mlp + attn; the head stays dense)")
     parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus); the first half "
                         "gives evaluation windows, the second half calibration windows")
+    parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
+                        "else the tokenizer.json beside MODEL); split as --tokens is")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
     parser.add_argument("--margin", type=float, default=0.75,
                         help="calibration windows must stay within margin x budget, so the held-out result "
                              "has room to differ (default 0.75)")
@@ -208,7 +213,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_file = str(model_path("smollm2", "full.torchscript"))
     model_file = str(model_input(model_file))  # a genai folder: its decoder graph
     model = onnx.load(model_file)
-    tokens = load_corpus_tokens(args.tokens)
+    if args.text and args.tokens:
+        raise ModelFileError("give --text or --tokens, not both")
+    tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
+                          vocab_size(model, default=None))
+              if args.text else load_corpus_tokens(args.tokens))
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
     calib = lm_windows(calib_tokens, args.calib_windows, args.window_len)
     layers = target_layers(model, target)
@@ -251,7 +260,7 @@ def _report_path(args) -> str:
 
 def _inputs(args) -> list:
     """What calibrate reads (never overwritten by its outputs)."""
-    return [args.model, args.tokens]
+    return [args.model, args.tokens, args.text]
 
 
 def _write(args, path: str, what: str, text: str) -> None:

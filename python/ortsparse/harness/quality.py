@@ -29,11 +29,12 @@ from ..benchmarking import json_default, versions
 from ..graph_rewrite import ModelFileError, rewrite_model
 from ..graph_rewrite.genai import model_input
 from ..rewrite_flags import add_technique_arguments, config_from_args
-from ..runtime import load_proto
+from ..runtime import load_proto, vocab_size
 from .corpus import default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .output_error import compare_outputs
 from .perplexity import compare_lm
+from .text import text_tokens
 
 EXIT_OK, EXIT_OVER_BUDGET, EXIT_USAGE = 0, 1, 2
 KINDS = ("auto", "lm", "embedding", "generic")
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm = parser.add_argument_group("lm")
     lm.add_argument("--corpus", metavar="TOKENS.npy",
                     help="1-D token ids (default: the cache's smollm2/corpus_britannica.npy)")
+    lm.add_argument("--text", metavar="FILE", help="a UTF-8 text to score instead of --corpus (tokenized with "
+                    "--tokenizer, else the tokenizer.json beside MODEL)")
+    lm.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
     lm.add_argument("--windows", type=int, default=8, help="number of windows (default 8)")
     lm.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     lm.add_argument("--offset", type=int, default=0, help="first token of the first window (default 0)")
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..graph_rewrite.output_paths import check_outputs, write_text_files
 
     say = (lambda text: None) if args.quiet else print
-    inputs = [args.model, args.rewritten, args.corpus, args.sentences, args.config]  # never overwritten
+    inputs = [args.model, args.rewritten, args.corpus, args.text, args.sentences, args.config]  # never overwritten
     check_outputs([(args.json, "JSON report")], inputs)  # before the long run
     if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")
@@ -147,11 +151,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         say(report.summary())
     progress = not args.quiet and sys.stderr.isatty()
     code = EXIT_OK
-    if kind == "lm":
+    if kind == "lm" and args.text:
+        if args.corpus:
+            parser.error("give --text or --corpus, not both")
+        corpus = Path(args.text)
+        tokens = text_tokens(args.text, args.model if args.tokenizer is None else None, args.tokenizer,
+                             vocab_size(args.model, default=None))
+    elif kind == "lm":
         corpus = Path(args.corpus) if args.corpus else default_corpus()
         if not corpus.is_file():
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
         tokens = load_corpus_tokens(corpus)
+    if kind == "lm":
         result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
                             session_options=options, progress=progress)
         result["corpus"] = str(corpus)
