@@ -118,7 +118,8 @@ def _written_by_us(folder: Path) -> bool:
     return (folder / RECORD_FILE).is_file() and (folder / GENAI_CONFIG).is_file()
 
 
-def _validate_output(source: Path, output: Path) -> None:
+def check_folder_output(source: Path, output: Path) -> None:
+    """Refuses an output folder that is, holds or lies in the source, or exists and is not ours."""
     resolved_source, resolved_output = source.resolve(), output.resolve()
     if resolved_output == resolved_source:
         raise ModelFileError(f"output {output} is the source folder; write the rewritten folder elsewhere "
@@ -219,7 +220,7 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
     checker cannot judge these graphs (they use ORT's contrib ops in the default domain)."""
     info = read_genai_folder(source)
     folder, output = info.folder, Path(output)
-    _validate_output(folder, output)
+    check_folder_output(folder, output)
     model = load_model(info.model_file)
     input_data = _external_files(model, info.model_file.resolve().parent)
     _, report = rewrite_model(model, config)

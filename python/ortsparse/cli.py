@@ -250,9 +250,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                add_genai_config_arguments, run_genai_config),
 }
 for _name, _module, _help in [
+    ("tune", "tune", "tune MODEL on your text: calibrated gating (+ attention at long contexts) within a "
+                     "held-out quality budget, verified, with its decode speed"),
     ("models", "models", "fetch and export the real models into the cache (idempotent)"),
     ("quality", "quality", "perplexity / embedding cosine / output error, dense vs rewritten"),
-    ("bench", "speed", "end-to-end prefill and decode tokens/s, dense vs rewritten vs int4/int8"),
+    ("bench", "speed", "decode tokens/s in a real loop (text, growing KV cache): models side by side"),
     ("validate", "zoo", "rewrite, check, load and compare every model of a zoo"),
     ("sweep", "sweep", "grid of op settings on a model: JSON + speedup-vs-quality PNG"),
     ("calibrate", "calibrate", "per-layer KWTA settings that meet a quality budget"),

@@ -174,6 +174,38 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
     return best, history
 
 
+def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
+                  target: str = "both", greedy: bool = False, greedy_rounds: int = 8,
+                  log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
+    the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
+    override entries and the search: ``history`` (each tried point: sparsity, loss = dppl,
+    skipped_fraction of the targeted layers' weight bytes), the chosen ``sparsity`` per layer,
+    ``skipped_fraction`` and ``calibration_dppl`` of the choice."""
+    calib = lm_windows(calib_tokens, windows, window_len)
+    layers = target_layers(model, target)
+    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}")
+    capture_quantiles(model, layers, calib, log=log)
+    dense = perplexity(model, calib_tokens, windows, window_len)["ppl"]
+    total = sum(layer.weight_bytes for layer in layers) or 1
+
+    def evaluate(sparsity: dict[str, float]) -> float:
+        rewritten = rewritten_with(model, overrides_for(layers, sparsity))
+        return perplexity(rewritten, calib_tokens, windows, window_len)["ppl"] / dense - 1.0
+
+    best, history = search(layers, evaluate, budget, greedy, log=log, max_rounds=greedy_rounds)
+    for step in history:
+        if "sparsity" in step and step.get("stage") == "uniform":
+            step["skipped_fraction"] = float(step["sparsity"])  # uniform: every layer the same fraction
+    accepted = [h["loss"] for h in history if "loss" in h and h["loss"] <= budget]
+    return overrides_for(layers, best), {
+        "history": history, "sparsity": best, "budget": budget,
+        "skipped_fraction": skipped_bytes(layers, best) / total,
+        "calibration_dppl": max(accepted) if accepted else 0.0,
+        "layers": len(layers), "target": target,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="LM export (default: cached SmolLM2 full.torchscript; a KV-cache "
                         "decoder or an onnxruntime-genai folder is scored with an empty past) or an encoder")
@@ -219,29 +251,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
-    calib = lm_windows(calib_tokens, args.calib_windows, args.window_len)
-    layers = target_layers(model, target)
-    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {args.window_len}")
-    capture_quantiles(model, layers, calib, log=log)
-
-    dense_calib = perplexity(model, calib_tokens, args.calib_windows, args.window_len)["ppl"]
-
-    def evaluate(sparsity: dict[str, float]) -> float:
-        rewritten = rewritten_with(model, overrides_for(layers, sparsity))
-        return perplexity(rewritten, calib_tokens, args.calib_windows, args.window_len)["ppl"] / dense_calib - 1.0
-
-    best, history = search(layers, evaluate, args.margin * args.max_dppl, args.greedy, log=log,
-                           max_rounds=args.greedy_rounds)
-    entries = overrides_for(layers, best)
+    entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
+                                   window_len=args.window_len, target=target, greedy=args.greedy,
+                                   greedy_rounds=args.greedy_rounds, log=log)
+    best, history = found["sparsity"], found["history"]
     _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len)
-    total_bytes = sum(layer.weight_bytes for layer in layers)
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
         "model": model_file, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "sparsity": best, "history": history,
-        "skipped_weight_fraction_of_targeted": skipped_bytes(layers, best) / total_bytes if total_bytes else 0.0,
+        "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
     }
     if args.bench:

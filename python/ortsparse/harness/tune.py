@@ -1,0 +1,300 @@
+"""``ortsparse tune MODEL --text FILE [--max-dppl 0.02] [--context N] -o OUT``: from "my model + my
+text" to a tuned, verified model.
+
+MODEL is an ONNX decoder (a full-sequence or KV-cache export) or an onnxruntime-genai folder; the
+text is tokenized with the model's own tokenizer (``tokenizer.json`` beside it, or ``--tokenizer``).
+The token ids are split in two: calibration windows from the second half, held-out windows from the
+first (never seen while calibrating). Then:
+
+1. **Gating** (KwtaBlockMatMul, per-layer calibrated thresholds): every decoder linear layer's
+   input quantiles are captured on the calibration windows and the sparsities are searched against
+   ``margin x budget`` on those windows (:func:`ortsparse.harness.calibrate.gating_search`).
+2. **Attention selection** when ``--context`` is long enough to matter (>= 2048 keys) and the text
+   holds a held-out window that long: the recommended PopcountAttention setting (``--attn=popcount``).
+3. **Held-out check**: dppl and top-1 agreement of the tuned model vs MODEL on the held-out windows.
+   Over the budget: nothing is written, and the message says what would be needed.
+4. **Speed**: the real decode loop (text continuation, KV cache growing), MODEL and the tuned model
+   round-robin in one process, at ``--context`` (default 128).
+5. OUT (a model file, or a genai folder for a genai MODEL) and the report ``<OUT>.tune.{json,md,png}``,
+   written together.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..benchmarking import machine_info, versions
+from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.errors import ModelFileError
+from ..graph_rewrite.files import rewrite_file
+from ..graph_rewrite.genai import check_folder_output, model_input, rewrite_genai_folder
+from ..graph_rewrite.output_paths import OutputFiles, check_output_path
+from ..graph_rewrite.techniques.popcount import AttentionSettings
+from ..runtime import genai_decoder, genai_folder, vocab_size
+from .calibrate import gating_search
+from .perplexity import compare_lm
+from .speed import decode_speed
+from .text import find_tokenizer, text_tokens
+
+LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
+MIN_WINDOW = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSplit:
+    """Calibration and held-out windows of one text."""
+
+    calibration: np.ndarray  # token ids (second half)
+    held_out: np.ndarray  # token ids (first half)
+    windows: int
+    window_len: int
+
+
+def split_text(tokens: np.ndarray, windows: int = 4, window_len: int = 512) -> TextSplit:
+    """Halves of the text, each holding ``windows`` windows; windows shrink (to 128 tokens) and then
+    become fewer (down to 1) when the text is short; too short even for that is a ModelFileError."""
+    half = tokens.size // 2
+    while window_len > MIN_WINDOW and windows * window_len > half:
+        window_len //= 2
+    windows = min(windows, half // window_len) if window_len else 0
+    if windows < 1 or window_len < MIN_WINDOW:
+        raise ModelFileError(f"the text has {tokens.size} tokens; tuning needs at least {2 * MIN_WINDOW} "
+                             f"(a {MIN_WINDOW}-token calibration window and a held-out one)")
+    return TextSplit(tokens[half:], tokens[:half], windows, window_len)
+
+
+def _gating_config(entries: list[dict[str, Any]], attention=None) -> RewriteConfig:
+    return RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+                         overrides=parse_overrides({"layers": entries}), attention=attention)
+
+
+def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02, margin: float = 0.75,
+         context: int | None = None, threads: int = 1, speed_steps: int = 32, report_stem: str | Path | None = None,
+         protected: dict | None = None, log=print, progress: bool = False) -> dict[str, Any]:
+    """Tune ``model`` on ``tokens`` within ``max_dppl`` (held-out); write ``output`` and the report.
+    Returns the report; ``report["written"]`` is False when the budget was missed (nothing written).
+    ``progress``: a bar over the steps (and the held-out windows) on stderr."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    bar = tqdm(total=5, desc="tune", unit="step", disable=not progress, leave=False)
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+        bar.update(1)
+
+    source = Path(model)
+    folder = genai_folder(source) if source.is_dir() else None
+    decoder = model_input(source)
+    out = Path(output)
+    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
+    reads = {decoder: "the input model", **(protected or {})}
+    if folder is None:
+        check_output_path(out, what="output", protected=reads)
+    else:
+        check_folder_output(folder, out)  # before the long part
+    for suffix, what in ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot")):
+        check_output_path(f"{stem}{suffix}", what=what, protected=reads)
+    graph = onnx.load(str(decoder))
+    max_positions = genai_decoder(folder).context_length if folder is not None else None
+    split = split_text(tokens, window_len=min(512, max_positions or 512))
+    if context is not None and max_positions is not None and context > max_positions:
+        raise ModelFileError(f"--context {context} is longer than the model's {max_positions} positions")
+    log(f"tune: {tokens.size} tokens -> {split.windows} calibration and {split.windows} held-out windows of "
+        f"{split.window_len}")
+
+    # 1. Gating thresholds, searched on the calibration windows.
+    entries, search = gating_search(graph, split.calibration, max_dppl * margin, windows=split.windows,
+                                    window_len=split.window_len, log=log)
+
+    step("calibrated")
+    # 2. Attention selection, when the context is long and the text can check it.
+    attention, attention_note = None, "--context not given: attention left exact"
+    if context is not None and context >= LONG_CONTEXT:
+        if split.held_out.size >= context:
+            attention = AttentionSettings(select="popcount")  # each attention form's recommended setting
+            attention_note = f"PopcountAttention, recommended setting, for contexts of {context}"
+        else:
+            attention_note = (f"--context {context}: the text's held-out half has {split.held_out.size} tokens, "
+                              f"fewer than one {context}-token window; attention left exact")
+    elif context is not None:
+        attention_note = f"--context {context} < {LONG_CONTEXT}: attention selection does not pay there; left exact"
+    config = _gating_config(entries, attention)
+
+    # 3. Held-out check (and the attention at the full context, when chosen).
+    from ..graph_rewrite import rewrite_model
+
+    tuned_graph, rewrite_report = rewrite_model(graph, config)
+    held_out = compare_lm(graph, tuned_graph, split.held_out, windows=split.windows, window_len=split.window_len,
+                          progress=progress)
+    long_check = None
+    if attention is not None:
+        long_check = compare_lm(graph, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress)
+    worst = max(held_out["dppl"], long_check["dppl"] if long_check else -1.0)
+    report: dict[str, Any] = {
+        "command": "ortsparse tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None,
+        "model": str(source), "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context,
+        "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len,
+        "gating": search, "attention": attention.attributes() if attention else None,
+        "attention_note": attention_note, "rewrite": rewrite_report.to_dict()["counts"],
+        "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
+        "held_out_long": ({k: v for k, v in long_check.items() if not isinstance(v, np.ndarray)}
+                          if long_check else None),
+        "machine": machine_info(), "versions": versions(),
+    }
+    del tuned_graph
+    step("held-out checked")
+    if worst > max_dppl:
+        report["written"] = False
+        report["advice"] = (f"held-out dppl {100 * worst:+.2f}% is over the budget {100 * max_dppl:.2f}%: nothing "
+                            f"written. The calibration windows allowed {100 * search['calibration_dppl']:+.2f}% at "
+                            f"margin {margin}; a smaller --margin, a longer text (more calibration windows), or "
+                            f"--max-dppl {max(worst * 1.1, max_dppl * 1.5):.3f} would be needed")
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        bar.close()
+        log(f"tune: {report['advice']}")
+        return report
+
+    # 4. Speed in the real loop, 5. the outputs (written together).
+    with tempfile.TemporaryDirectory(prefix="ortsparse-tune-") as workdir, OutputFiles(reads) as outputs:
+        if folder is not None:
+            staged = rewrite_genai_folder(folder, Path(workdir) / "tuned", config).folder
+            candidates = {"input": folder, "tuned": staged}
+        else:
+            staged = Path(workdir) / "tuned.onnx"
+            rewrite_file(decoder, staged, config, progress=False, check=False)
+            candidates = {"input": decoder, "tuned": staged}
+        speed_context = min(context or 128, (max_positions or 1 << 30) - speed_steps - 8)
+        report["speed_context"] = speed_context
+        try:
+            report["speed"] = decode_speed(candidates, split.held_out if split.held_out.size > speed_context + speed_steps
+                                           else None, context=speed_context, steps=speed_steps, threads=threads, log=log)
+        except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
+            report["speed"] = {"error": f"decode loop not run: {str(error).splitlines()[0]}"}
+        step("speed measured")
+        targets = {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in
+                   ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))}
+        report["written"] = True
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        outputs.write_text(targets[".json"], json.dumps(report, indent=1, default=float) + "\n")
+        outputs.write_text(targets[".md"], markdown(report))
+        outputs.write(targets[".png"], lambda path: plot(report, path))
+        if folder is not None:
+            rewrite_genai_folder(folder, out, config)
+        else:
+            rewrite_file(decoder, out, config, progress=False, inputs=protected or {})
+        outputs.commit()
+    step("written")
+    bar.close()
+    log(summary(report))
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    held = report["held_out"]
+    gated = sum(c.get("rewritten", 0) for c in report["rewrite"].values() if isinstance(c, dict))
+    lines = [f"tune: wrote {report['output']}",
+             f"  layers gated: {gated}; gated weight bytes skipped (calibration): "
+             f"{100 * report['gating']['skipped_fraction']:.1f}%",
+             f"  held-out: dppl {100 * held['dppl']:+.2f}% (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
+             f"{held['top1_agreement']:.3f} on {report['windows']} x {report['window_len']} tokens",
+             f"  attention: {report['attention_note']}"]
+    speed = report.get("speed") or {}
+    if "input" in speed and "tuned" in speed:
+        a, b = speed["input"]["tokens_per_s"], speed["tuned"]["tokens_per_s"]
+        lines.append(f"  decode (real loop, context {report['speed_context']}): {a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x)")
+    elif "error" in speed:
+        lines.append(f"  decode: {speed['error']}")
+    lines.append(f"  {report['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    held = report["held_out"]
+    lines = [f"# ortsparse tune: {Path(report['model']).name}", ""]
+    if report.get("command"):
+        lines += [f"Command: `{report['command']}`  "]
+    lines += [f"Text: {report['tokens']} tokens; {report['windows']} calibration + {report['windows']} held-out "
+              f"windows of {report['window_len']}; budget {100 * report['max_dppl']:.1f}% dppl (held-out)", "",
+              "| | dppl (held-out) | top-1 agreement | gated bytes skipped | decode tok/s |", "|---|---|---|---|---|"]
+    speed = report.get("speed") or {}
+    base = speed.get("input", {}).get("tokens_per_s")
+    tuned = speed.get("tuned", {}).get("tokens_per_s")
+    lines.append(f"| input | 0 | 1 | 0 | {base:.1f} |" if base else "| input | 0 | 1 | 0 | — |")
+    lines.append(f"| tuned | {100 * held['dppl']:+.2f}% | {held['top1_agreement']:.3f} | "
+                 f"{100 * report['gating']['skipped_fraction']:.1f}% | "
+                 + (f"{tuned:.1f} ({tuned / base:.2f}x) |" if base and tuned else "— |"))
+    lines += ["", f"Attention: {report['attention_note']}."]
+    if report.get("held_out_long"):
+        lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
+    lines += ["", "Calibration search (calibration windows):", "", "| sparsity | dppl |", "|---|---|"]
+    lines += [f"| {step['sparsity']:.3f} | {100 * step['loss']:+.2f}% |" for step in report["gating"]["history"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib  # the plot extra: only when a PNG is drawn
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    history = report["gating"]["history"]
+    ax.plot([100 * h["skipped_fraction"] for h in history], [100 * h["loss"] for h in history], "o-",
+            label="calibration windows")
+    held = report["held_out"]
+    ax.scatter([100 * report["gating"]["skipped_fraction"]], [100 * held["dppl"]], marker="*", s=180, c="black",
+               zorder=5, label="chosen, held-out")
+    ax.axhline(100 * report["max_dppl"], color="grey", ls="--", lw=0.8, label="budget")
+    ax.set_xlabel("gated weight bytes skipped (%)")
+    ax.set_ylabel("dppl (%)")
+    speed = report.get("speed") or {}
+    if "tuned" in speed and "input" in speed:
+        ax.set_title(f"decode {speed['tuned']['tokens_per_s'] / speed['input']['tokens_per_s']:.2f}x at context "
+                     f"{report['speed_context']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="an ONNX decoder (.onnx) or an onnxruntime-genai folder")
+    parser.add_argument("--text", metavar="FILE", required=True, help="a UTF-8 text like the model's real inputs")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder); default: beside MODEL")
+    parser.add_argument("-o", "--output", metavar="OUT", required=True,
+                        help="the tuned model (.onnx), or a new folder for a genai MODEL")
+    parser.add_argument("--max-dppl", type=float, default=0.02, help="held-out perplexity budget (default 0.02)")
+    parser.add_argument("--margin", type=float, default=0.75,
+                        help="the search on calibration windows stays within margin x budget (default 0.75)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="the context the model will run at; >= 2048 also tunes attention selection")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the speed check (default 1)")
+    parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not (0 < args.max_dppl < 10):
+        parser.error(f"--max-dppl {args.max_dppl}: give a fraction such as 0.02")
+    if not (0 < args.margin <= 1):
+        parser.error(f"--margin {args.margin} must be in (0, 1]")
+    if not Path(args.model).exists():
+        parser.error(f"model {args.model} does not exist")
+    decoder = model_input(args.model)
+    tokenizer = find_tokenizer(args.model, args.tokenizer)
+    tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
+    report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
+                  threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
+                  protected={Path(args.text): "the text", tokenizer: "the tokenizer"})
+    return 0 if report["written"] else 1

@@ -1,0 +1,73 @@
+"""`ortsparse tune`: from a model and a text to a tuned model + report, on the tiny models (random
+weights: the numbers mean nothing, the flow and the refusals are what is tested)."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from ortsparse.cli import EXIT_USAGE, main
+from ortsparse.harness import tune as tune_module
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+GENAI = TINY / "llama_tiny_genai"
+
+
+@pytest.fixture
+def text(tmp_path):
+    rng = random.Random(0)
+    words = "the of and a to in is was for on that by with as at from his her it an were are which".split()
+    path = tmp_path / "text.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(2500)), encoding="utf-8")
+    return path
+
+
+def test_tune_a_genai_folder(tmp_path, text, capsys):
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0"]) == 0
+    assert (out / "genai_config.json").is_file() and (out / "libortsparse_ops.so").is_file()
+    report = json.loads((tmp_path / "tuned.tune.json").read_text())
+    assert report["written"] and report["held_out"]["dppl"] <= 1.0
+    assert report["speed"]["input"]["tokens_per_s"] > 0 and report["speed"]["tuned"]["tokens_per_s"] > 0
+    assert (tmp_path / "tuned.tune.md").is_file() and (tmp_path / "tuned.tune.png").stat().st_size > 0
+    assert "held-out: dppl" in capsys.readouterr().out
+
+
+def test_tune_an_onnx_file(tmp_path, text):
+    out = tmp_path / "tuned.onnx"
+    assert main(["tune", str(TINY / "llama_tiny_kv.torchscript.onnx"), "--tokenizer", str(GENAI), "--text", str(text),
+                 "-o", str(out), "--max-dppl", "1.0"]) == 0
+    assert out.is_file() and (tmp_path / "tuned.onnx.tune.json").is_file()
+
+
+def test_over_budget_writes_nothing_and_says_what_it_would_take(tmp_path, text, monkeypatch, capsys):
+    real = tune_module.compare_lm
+
+    def worse(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result["dppl"] = 0.5
+        return result
+
+    monkeypatch.setattr(tune_module, "compare_lm", worse)
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out)]) == 1
+    assert not out.exists() and not list(tmp_path.glob("tuned.tune.*"))
+    said = capsys.readouterr().out
+    assert "over the budget" in said and "--max-dppl" in said
+
+
+def test_short_text_and_missing_tokenizer_are_one_line_errors(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("the capital of France is Paris", encoding="utf-8")
+    assert main(["tune", str(GENAI), "--text", str(short), "-o", str(tmp_path / "o")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokens; tuning needs at least" in err[0]
+    assert main(["tune", str(TINY / "llama_tiny_kv.torchscript.onnx"), "--text", str(short), "-o",
+                 str(tmp_path / "o.onnx")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer" in err[0]
+
+
+def test_output_onto_the_input_is_refused(tmp_path, text, capsys):
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(GENAI)]) == EXIT_USAGE
+    assert "source folder" in capsys.readouterr().err
