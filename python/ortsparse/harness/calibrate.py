@@ -175,18 +175,20 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 
 
 def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
-                  target: str = "both", greedy: bool = False, greedy_rounds: int = 8,
+                  target: str = "both", greedy: bool = False, greedy_rounds: int = 8, reference: Any = None,
                   log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
     the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
     override entries and the search: ``history`` (each tried point: sparsity, loss = dppl,
     skipped_fraction of the targeted layers' weight bytes), the chosen ``sparsity`` per layer,
-    ``skipped_fraction`` and ``calibration_dppl`` of the choice."""
+    ``skipped_fraction`` and ``calibration_dppl`` of the choice. ``reference``: the model the dppl is
+    measured against (e.g. the fp32 model when ``model`` is its quantized version: the budget is then
+    the total loss of quantization and gating); default ``model`` itself."""
     calib = lm_windows(calib_tokens, windows, window_len)
     layers = target_layers(model, target)
     log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}")
     capture_quantiles(model, layers, calib, log=log)
-    dense = perplexity(model, calib_tokens, windows, window_len)["ppl"]
+    dense = perplexity(model if reference is None else reference, calib_tokens, windows, window_len)["ppl"]
     total = sum(layer.weight_bytes for layer in layers) or 1
 
     def evaluate(sparsity: dict[str, float]) -> float:
@@ -228,6 +230,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--greedy", action="store_true", help="per-role greedy refinement after the uniform search")
     parser.add_argument("--greedy-rounds", type=int, default=8, help="at most this many greedy steps (default 8)")
+    parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model (e.g. the fp32 model "
+                        "of a quantized MODEL: the budget then covers quantization and gating together)")
     parser.add_argument("--bench", action="store_true", help="also measure decode tokens/s (KV export)")
     parser.add_argument("--report", default=None, help="JSON report path (default: next to the output)")
 
@@ -251,16 +255,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
     eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
+    reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
-                                   greedy_rounds=args.greedy_rounds, log=log)
+                                   greedy_rounds=args.greedy_rounds, reference=reference, log=log)
     best, history = found["sparsity"], found["history"]
     _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
-    held_out = compare_lm(model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
+    held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len)
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
-        "model": model_file, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
+        "model": model_file, "reference": reference, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "sparsity": best, "history": history,
         "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
@@ -281,7 +286,7 @@ def _report_path(args) -> str:
 
 def _inputs(args) -> list:
     """What calibrate reads (never overwritten by its outputs)."""
-    return [args.model, args.tokens, args.text]
+    return [args.model, args.tokens, args.text, args.reference]
 
 
 def _write(args, path: str, what: str, text: str) -> None:

@@ -80,10 +80,13 @@ def _gating_config(entries: list[dict[str, Any]], attention=None) -> RewriteConf
 
 def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02, margin: float = 0.75,
          context: int | None = None, threads: int = 1, speed_steps: int = 32, report_stem: str | Path | None = None,
-         protected: dict | None = None, log=print, progress: bool = False) -> dict[str, Any]:
+         protected: dict | None = None, reference: str | Path | None = None, log=print,
+         progress: bool = False) -> dict[str, Any]:
     """Tune ``model`` on ``tokens`` within ``max_dppl`` (held-out); write ``output`` and the report.
     Returns the report; ``report["written"]`` is False when the budget was missed (nothing written).
-    ``progress``: a bar over the steps (and the held-out windows) on stderr."""
+    ``progress``: a bar over the steps (and the held-out windows) on stderr. ``reference``: measure
+    dppl against this model (the fp32 model of a quantized ``model``: the budget is then the total
+    loss), default ``model``."""
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -106,6 +109,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     for suffix, what in ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot")):
         check_output_path(f"{stem}{suffix}", what=what, protected=reads)
     graph = onnx.load(str(decoder))
+    baseline = graph if reference is None else str(model_input(reference))
     max_positions = genai_decoder(folder).context_length if folder is not None else None
     split = split_text(tokens, window_len=min(512, max_positions or 512))
     if context is not None and max_positions is not None and context > max_positions:
@@ -115,7 +119,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
 
     # 1. Gating thresholds, searched on the calibration windows.
     entries, search = gating_search(graph, split.calibration, max_dppl * margin, windows=split.windows,
-                                    window_len=split.window_len, log=log)
+                                    window_len=split.window_len, reference=None if reference is None else baseline,
+                                    log=log)
 
     step("calibrated")
     # 2. Attention selection, when the context is long and the text can check it.
@@ -135,15 +140,15 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     from ..graph_rewrite import rewrite_model
 
     tuned_graph, rewrite_report = rewrite_model(graph, config)
-    held_out = compare_lm(graph, tuned_graph, split.held_out, windows=split.windows, window_len=split.window_len,
+    held_out = compare_lm(baseline, tuned_graph, split.held_out, windows=split.windows, window_len=split.window_len,
                           progress=progress)
     long_check = None
     if attention is not None:
-        long_check = compare_lm(graph, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress)
+        long_check = compare_lm(baseline, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress)
     worst = max(held_out["dppl"], long_check["dppl"] if long_check else -1.0)
     report: dict[str, Any] = {
         "command": "ortsparse tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None,
-        "model": str(source), "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context,
+        "model": str(source), "reference": None if reference is None else str(reference), "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context,
         "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len,
         "gating": search, "attention": attention.attributes() if attention else None,
         "attention_note": attention_note, "rewrite": rewrite_report.to_dict()["counts"],
@@ -280,6 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the search on calibration windows stays within margin x budget (default 0.75)")
     parser.add_argument("--context", type=int, default=None,
                         help="the context the model will run at; >= 2048 also tunes attention selection")
+    parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
+                        "a quantized MODEL (the budget then covers quantization and gating together)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the speed check (default 1)")
     parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
 
@@ -296,5 +303,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
-                  protected={Path(args.text): "the text", tokenizer: "the tokenizer"})
+                  reference=args.reference,
+                  protected={Path(args.text): "the text", tokenizer: "the tokenizer",
+                             **({model_input(args.reference): "the reference model"} if args.reference else {})})
     return 0 if report["written"] else 1
