@@ -48,7 +48,15 @@ def probed_units(model, layers, calib_tokens, score: str, log=print):
             return pickle.load(handle)
     windows = lm_windows(calib_tokens, 8, 512)
     units = allocation.units_of(layers)
-    inputs = allocation.capture_inputs(model, units, list(windows))
+    inputs_path = CACHE / "smollm2_inputs.pkl"  # scripts/frontier_rotation.py reads them too
+    if inputs_path.exists():
+        with open(inputs_path, "rb") as handle:
+            inputs = pickle.load(handle)
+    else:
+        inputs = allocation.capture_inputs(model, units, list(windows))
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with open(inputs_path, "wb") as handle:
+            pickle.dump(inputs, handle)
     allocation.measure_curves(units, inputs, score)
     session = allocation.ProbeSession(model, layers, score)
     probe = allocation.LmLoss(session, lm_windows(calib_tokens, 1, 512, offset=8 * 512), keep_logprobs=True)
