@@ -31,6 +31,7 @@ from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
 from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
+from . import allocation
 from .corpus import encoder_batches, lm_windows, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .models import model_path
@@ -215,8 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-dppl", type=float, default=0.02, help="LM budget: ppl_rewritten/ppl_dense - 1")
     parser.add_argument("--min-cosine", type=float, default=None,
                         help="encoder budget: mean embedding cosine floor (switches to the encoder mode)")
-    parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder"],
-                        help="layers to calibrate (all-decoder = mlp + attn; the head stays dense)")
+    parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder", "all"],
+                        help="layers to calibrate (all-decoder = mlp + attn; the head stays dense; all = with the head)")
+    parser.add_argument("--method", choices=["uniform", "allocated"], default="uniform",
+                        help="uniform: one sparsity for every layer (+ --greedy); allocated: per-layer sparsity from "
+                             "measured sensitivities (ortsparse.harness.allocation)")
+    parser.add_argument("--score", choices=allocation.SCORES, default="l2",
+                        help="gate score of --method allocated (l2 = |x|; l2_weighted = |x_k|*||W_k||)")
     parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus); the first half "
                         "gives evaluation windows, the second half calibration windows")
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
@@ -240,6 +246,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target = "both" if args.target == "all-decoder" else args.target
     log = print
     check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
+    if args.method == "allocated":
+        return allocation.run(args, target, lambda path, what, text: _write(args, path, what, text), _report_path(args), log)
     if args.min_cosine is not None:
         if not args.model:
             args.model = str(model_path("minilm", "torchscript"))
