@@ -40,11 +40,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
-from ..runtime import lm_feeds, load_proto, open_session, with_outputs
+from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
 from .corpus import default_sentences, lm_windows, load_corpus_tokens, load_sentences, sentence_batches
 from .embeddings import compare_embeddings, mean_pool
 from .models import model_path
-from .perplexity import compare_lm
+from .perplexity import compare_lm, perplexity
 
 THRESHOLD_PREFIX = "ortsparse_probe_threshold/"
 SCORES = ("l2", "l2_weighted")
@@ -223,6 +223,16 @@ def probe_model(model: onnx.ModelProto, layers: Sequence[GatedLayer], score: str
 # --------------------------------------------------------------------------- capture and curves
 
 
+def _with_empty_past(feeds: Callable[[Any, Any], Mapping[str, np.ndarray]], session: Any,
+                     model: onnx.ModelProto) -> Callable[[Any, Any], Mapping[str, np.ndarray]]:
+    """``lm_feeds`` of a KV-cache decoder (an onnxruntime-genai graph) with an empty past: every
+    window is one prefill of the graph that decodes. Other feeds and full-sequence graphs as given."""
+    if feeds is not lm_feeds:
+        return feeds
+    kv = kv_layout(session, model)
+    return feeds if kv is None else (lambda inputs, batch: lm_feeds(inputs, batch, kv))
+
+
 def capture_inputs(model: onnx.ModelProto, units: Sequence[Unit], batches: Iterable[Any], max_rows: int = 2048,
                    seed: int = 0, feeds: Callable[[Any, Any], Mapping[str, np.ndarray]] = lm_feeds,
                    progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
@@ -230,6 +240,7 @@ def capture_inputs(model: onnx.ModelProto, units: Sequence[Unit], batches: Itera
     Rows of encoder batches under a zero attention mask (padding) are left out."""
     wanted = [unit.input_name for unit in units]
     session = open_session(with_outputs(model, wanted), {"intra_op_num_threads": 1})
+    feeds = _with_empty_past(feeds, session, model)
     rng = np.random.default_rng(seed)
     batches = list(batches)
     per_batch = max(1, -(-max_rows // max(1, len(batches))))
@@ -300,8 +311,9 @@ class ProbeSession:
         self.layers = list(layers)
         self.session = open_session(probe_model(model, layers, score, rotations), {"intra_op_num_threads": threads})
         self.model_inputs = [i for i in self.session.get_inputs() if not i.name.startswith(THRESHOLD_PREFIX)]
-        self.output = self.session.get_outputs()[0].name
-        self.feeds = feeds
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.output = "logits" if "logits" in outputs else outputs[0]
+        self.feeds = _with_empty_past(feeds, self.session, model)
         self.runs = 0
 
     def run(self, thresholds: Mapping[int, float], batch: Any) -> np.ndarray:
@@ -318,7 +330,8 @@ class LmLoss:
 
     kind = "lm"
 
-    def __init__(self, probe: ProbeSession, windows: np.ndarray, keep_logprobs: bool) -> None:
+    def __init__(self, probe: ProbeSession, windows: np.ndarray, keep_logprobs: bool,
+                 baseline_nll: float | None = None) -> None:
         self.probe = probe
         self.windows = np.asarray(windows)
         self.dense_logprobs: list[np.ndarray] = []
@@ -329,7 +342,9 @@ class LmLoss:
             if keep_logprobs:
                 self.dense_logprobs.append(logp.astype(np.float32))
         self.scored = self.windows.shape[0] * (self.windows.shape[1] - 1)
-        self.dense_nll = nll / self.scored
+        # dppl is against the dense model itself, or against a reference (e.g. the fp32 model of a
+        # quantized one: the budget then covers quantization and gating together).
+        self.dense_nll = nll / self.scored if baseline_nll is None else baseline_nll
 
     def nll(self, thresholds: Mapping[int, float]) -> float:
         total = 0.0
@@ -557,20 +572,24 @@ def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capt
 
 def allocate_lm(model: Any, calibration_tokens: Any, max_dppl: float = 0.02, *, target: str = "both",
                 score: str = "l2", margin: float = 0.75, windows: int = 8, window_len: int = 512,
-                level: float = 0.02, steps: int = 8, max_rows: int = 2048,
+                level: float = 0.02, steps: int = 8, max_rows: int = 2048, reference: Any = None,
                 log: Callable[[str], None] = print) -> Allocation:
     """Per-layer thresholds for a full-sequence LM export whose dppl on the calibration windows
     (``windows`` x ``window_len`` tokens from the start of ``calibration_tokens``) stays within
-    ``margin * max_dppl``. Probes use the window after them (the first one when there is none)."""
+    ``margin * max_dppl``. Probes use the window after them (the first one when there is none).
+    ``reference``: measure the dppl against this model (same windows) instead of ``model``."""
     model = load_proto(model, load_weights=True)
     tokens = np.asarray(calibration_tokens).reshape(-1)
     verify = lm_windows(tokens, windows, window_len)
     spare = tokens.size >= (windows + 1) * window_len
     probe = lm_windows(tokens, 1, window_len, offset=windows * window_len if spare else 0)
     layers = gated_layers(model, target)
+    baseline = None
+    if reference is not None:
+        baseline = math.log(perplexity(reference, tokens, windows, window_len)["ppl"])
     return _allocate(model, layers, score, list(verify),
                      lambda session: LmLoss(session, probe, keep_logprobs=True).kl,
-                     lambda session: LmLoss(session, verify, keep_logprobs=False).dppl,
+                     lambda session: LmLoss(session, verify, keep_logprobs=False, baseline_nll=baseline).dppl,
                      margin * max_dppl, level=level, steps=steps, max_rows=max_rows, log=log)
 
 

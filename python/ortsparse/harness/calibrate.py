@@ -177,6 +177,7 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 
 def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
                   target: str = "both", greedy: bool = False, greedy_rounds: int = 8, reference: Any = None,
+                  method: str = "uniform", score: str = "l2",
                   log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
     the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
@@ -184,7 +185,23 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
     skipped_fraction of the targeted layers' weight bytes), the chosen ``sparsity`` per layer,
     ``skipped_fraction`` and ``calibration_dppl`` of the choice. ``reference``: the model the dppl is
     measured against (e.g. the fp32 model when ``model`` is its quantized version: the budget is then
-    the total loss of quantization and gating); default ``model`` itself."""
+    the total loss of quantization and gating); default ``model`` itself. ``method``: ``uniform`` (one
+    sparsity for every layer, then optional ``greedy`` per-role steps) or ``allocated`` (per-layer
+    sparsities from measured sensitivities, :mod:`ortsparse.harness.allocation`; ``score`` l2 or
+    l2_weighted)."""
+    if method == "allocated":
+        result = allocation.allocate_lm(model, calib_tokens, budget, margin=1.0, target=target, score=score,
+                                        windows=windows, window_len=window_len, reference=reference, log=log)
+        history = [{"stage": "allocated", "mu": h["mu"], "loss": h["loss"], "skipped_fraction": h["skipped"]}
+                   for h in result.history]
+        return result.entries(), {
+            "method": "allocated", "score": score, "history": history, "sparsity": result.sparsity(),
+            "budget": budget, "skipped_fraction": result.skipped_fraction(),
+            "calibration_dppl": result.calibration_loss, "layers": len(result.layers), "target": target,
+            "allocation": result.report(),
+        }
+    if method != "uniform":
+        raise ValueError(f"unknown calibration method {method!r} (uniform, allocated)")
     calib = lm_windows(calib_tokens, windows, window_len)
     layers = target_layers(model, target)
     log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}")
@@ -202,7 +219,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
             step["skipped_fraction"] = float(step["sparsity"])  # uniform: every layer the same fraction
     accepted = [h["loss"] for h in history if "loss" in h and h["loss"] <= budget]
     return overrides_for(layers, best), {
-        "history": history, "sparsity": best, "budget": budget,
+        "method": "uniform", "history": history, "sparsity": best, "budget": budget,
         "skipped_fraction": skipped_bytes(layers, best) / total,
         "calibration_dppl": max(accepted) if accepted else 0.0,
         "layers": len(layers), "target": target,
@@ -246,7 +263,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target = "both" if args.target == "all-decoder" else args.target
     log = print
     check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
-    if args.method == "allocated":
+    if args.min_cosine is not None and args.method == "allocated":
         return allocation.run(args, target, lambda path, what, text: _write(args, path, what, text), _report_path(args), log)
     if args.min_cosine is not None:
         if not args.model:
@@ -266,7 +283,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
-                                   greedy_rounds=args.greedy_rounds, reference=reference, log=log)
+                                   greedy_rounds=args.greedy_rounds, reference=reference, method=args.method,
+                                   score=args.score, log=log)
     best, history = found["sparsity"], found["history"]
     _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
@@ -274,9 +292,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
         "model": model_file, "reference": reference, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
-        "sparsity": best, "history": history,
+        "method": args.method, "sparsity": best, "history": history,
         "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
+        **({"allocation": found["allocation"]} if "allocation" in found else {}),
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
+        # Measured by the op on the held-out run (the planned fraction above is the calibration grid's).
+        "bytes": allocation.bytes_summary(model, held_out.get("metrics", {})),
     }
     if args.bench:
         report["bench"] = _bench_with(model_file, entries, log)

@@ -6,9 +6,9 @@ text is tokenized with the model's own tokenizer (``tokenizer.json`` beside it, 
 The token ids are split in two: calibration windows from the second half, held-out windows from the
 first (never seen while calibrating). Then:
 
-1. **Gating** (KwtaBlockMatMul, per-layer calibrated thresholds): every decoder linear layer's
-   input quantiles are captured on the calibration windows and the sparsities are searched against
-   ``margin x budget`` on those windows (:func:`ortsparse.harness.calibrate.gating_search`).
+1. **Gating** (KwtaBlockMatMul, per-layer calibrated thresholds): each decoder linear layer's
+   sensitivity is measured on the calibration windows and per-layer sparsities are allocated within
+   ``margin x budget`` there (:func:`ortsparse.harness.calibrate.gating_search`, ``--method``).
 2. **Attention selection** when ``--context`` is long enough to matter (>= 2048 keys) and the text
    holds a held-out window that long: the recommended PopcountAttention setting (``--attn=popcount``).
 3. **Held-out check**: dppl and top-1 agreement of the tuned model vs MODEL on the held-out windows.
@@ -80,7 +80,7 @@ def _gating_config(entries: list[dict[str, Any]], attention=None) -> RewriteConf
 
 def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02, margin: float = 0.75,
          context: int | None = None, threads: int = 1, speed_steps: int = 32, report_stem: str | Path | None = None,
-         protected: dict | None = None, reference: str | Path | None = None, log=print,
+         protected: dict | None = None, reference: str | Path | None = None, method: str = "allocated", log=print,
          progress: bool = False) -> dict[str, Any]:
     """Tune ``model`` on ``tokens`` within ``max_dppl`` (held-out); write ``output`` and the report.
     Returns the report; ``report["written"]`` is False when the budget was missed (nothing written).
@@ -120,7 +120,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     # 1. Gating thresholds, searched on the calibration windows.
     entries, search = gating_search(graph, split.calibration, max_dppl * margin, windows=split.windows,
                                     window_len=split.window_len, reference=None if reference is None else baseline,
-                                    log=log)
+                                    method=method, log=log)
 
     step("calibrated")
     # 2. Attention selection, when the context is long and the text can check it.
@@ -242,8 +242,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
-    lines += ["", "Calibration search (calibration windows):", "", "| sparsity | dppl |", "|---|---|"]
-    lines += [f"| {step['sparsity']:.3f} | {100 * step['loss']:+.2f}% |" for step in report["gating"]["history"]]
+    lines += ["", f"Calibration search ({report['gating']['method']}, calibration windows):", "",
+              "| gated bytes skipped | dppl |", "|---|---|"]
+    lines += [f"| {100 * step['skipped_fraction']:.1f}% | {100 * step['loss']:+.2f}% |"
+              for step in report["gating"]["history"] if "skipped_fraction" in step]
     return "\n".join(lines) + "\n"
 
 
@@ -255,8 +257,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     history = report["gating"]["history"]
-    ax.plot([100 * h["skipped_fraction"] for h in history], [100 * h["loss"] for h in history], "o-",
-            label="calibration windows")
+    tried = [h for h in history if "skipped_fraction" in h]
+    ax.scatter([100 * h["skipped_fraction"] for h in tried], [100 * h["loss"] for h in tried],
+               label="tried on calibration windows")
     held = report["held_out"]
     ax.scatter([100 * report["gating"]["skipped_fraction"]], [100 * held["dppl"]], marker="*", s=180, c="black",
                zorder=5, label="chosen, held-out")
@@ -287,6 +290,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the context the model will run at; >= 2048 also tunes attention selection")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
                         "a quantized MODEL (the budget then covers quantization and gating together)")
+    parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",
+                        help="per-layer sparsities from measured sensitivities (default), or one for every layer")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the speed check (default 1)")
     parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
 
@@ -303,7 +308,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
-                  reference=args.reference,
+                  reference=args.reference, method=args.method,
                   protected={Path(args.text): "the text", tokenizer: "the tokenizer",
                              **({model_input(args.reference): "the reference model"} if args.reference else {})})
     return 0 if report["written"] else 1
