@@ -26,7 +26,8 @@ Selector parse_selector(const std::string& name) {
   if (name == "none") return Selector::kNone;
   if (name == "popcount") return Selector::kPopcount;
   if (name == "energy") return Selector::kEnergy;
-  fail("attribute select='", name, "' is not one of popcount, energy, none");
+  if (name == "pages") return Selector::kPages;
+  fail("attribute select='", name, "' is not one of popcount, energy, pages, none");
 }
 
 const char* pack_mode_name(PackMode mode) {
@@ -41,6 +42,7 @@ const char* selector_name(Selector select) {
   switch (select) {
     case Selector::kPopcount: return "popcount";
     case Selector::kEnergy: return "energy";
+    case Selector::kPages: return "pages";
     default: return "none";
   }
 }
@@ -56,6 +58,7 @@ KeySummary key_summary(const PopcountAttentionConfig& c) {
   s.eps = c.eps;
   s.center = c.center;
   s.proj_bits = c.proj_bits;
+  s.page_size = c.page_size;
   return s;
 }
 
@@ -66,7 +69,23 @@ struct Scratch {
   std::vector<uint32_t> select;
   std::vector<uint64_t> qbits;
   std::vector<float> qproj;
-  uint64_t keys_total = 0, keys_exact = 0;
+  // pages
+  std::vector<float> qsplit, bounds, heap_scores;
+  std::vector<int32_t> page_order, heap_rows;
+  uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0;
+
+  void reserve_pages(size_t keys, size_t d, size_t page) {
+    const size_t n_pages = keys / page + 2;
+    if (qsplit.size() < 2 * d) qsplit.resize(2 * d);
+    if (bounds.size() < n_pages) {
+      bounds.resize(n_pages);
+      page_order.resize(n_pages);
+    }
+    if (heap_scores.size() < keys + page) {
+      heap_scores.resize(keys + page);
+      heap_rows.resize(keys + page);
+    }
+  }
 
   void reserve(size_t keys, size_t packed_dim) {
     const size_t pad = ((keys + kLanes - 1) / kLanes + 1) * kLanes + kernels::kIndexSlack;
@@ -150,6 +169,122 @@ void selector_scores(const CallPlan& p, const float* q, size_t hk, const KeyRang
   for (size_t j = 0; j < n; ++j) sel[j] = static_cast<float>(cnt[j]) * gq * gk[j] * p.score.scale;
 }
 
+// Rounding slack of a page bound: both the bound (a dot of length 2D) and an exact q·k (length D)
+// are float sums whose error is at most (length)·2^-24·sum|terms|, and every term is at most
+// |q_d|·max|k| of the page; (4D + 16)·2^-24·|q|_1·max|k| covers both with room.
+float bound_slack(size_t d, float q_abs_sum) {
+  return static_cast<float>((4.0 * static_cast<double>(d) + 16.0) * 0x1.0p-24) * q_abs_sum;
+}
+
+// The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
+// are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
+// (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
+// monotone), orders the pages; pages are scored exactly best bound first, keeping the topk best
+// scores (ties: lower key index), until the next bound is below the k-th best score: no key of an
+// unvisited page could enter the top-k. Returns false (caller computes exact attention) when a
+// page or q holds a non-finite value, or an exact score is NaN.
+bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
+                      const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float* y, Scratch& s) {
+  const AttentionDims& dd = p.call->dims;
+  const PopcountAttentionConfig& cfg = *p.config;
+  const kernels::KernelSet& ks = *p.kernels;
+  const KeyCache& kc = *p.keys;
+  const size_t d = dd.d, page = kc.page, n = r.hi - r.lo, topk = static_cast<size_t>(cfg.topk);
+  const size_t first = std::min(n, static_cast<size_t>(cfg.keep_first));
+  const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
+  const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
+  s.reserve_pages(r.hi, d, page);
+  float q_abs = 0.0f;
+  for (size_t i = 0; i < d; ++i) {
+    s.qsplit[i] = std::max(q[i], 0.0f);
+    s.qsplit[d + i] = std::min(q[i], 0.0f);
+    q_abs += std::fabs(q[i]);
+  }
+  if (!std::isfinite(q_abs)) return false;
+  const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
+  float* bound = s.bounds.data();
+  ks.attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg0 * 2 * d, 2 * d, 2 * d, nullptr, npg, bound);
+  const float slack = bound_slack(d, q_abs);
+  const float* absmax = kc.head_page_absmax(hk) + pg0;
+  const ScoreParams& sp = p.score;
+  for (size_t t = 0; t < npg; ++t) {
+    if (std::isnan(absmax[t])) return false;
+    float b = (bound[t] + slack * absmax[t]) * sp.scale;
+    if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
+    if (m.any()) {
+      const size_t a = std::max(mid_lo, (pg0 + t) * page), e = std::min(mid_hi, (pg0 + t + 1) * page);
+      float top = kNegInf;
+      for (size_t j = a; j < e; ++j) top = std::max(top, m.value(j));
+      b = top == kNegInf ? kNegInf : b + top;
+    }
+    bound[t] = b;
+  }
+  int32_t* order = s.page_order.data();
+  for (size_t t = 0; t < npg; ++t) order[t] = static_cast<int32_t>(t);
+  const auto lower_bound_first = [bound](int32_t a, int32_t b) { return bound[a] < bound[b] || (bound[a] == bound[b] && a > b); };
+  std::make_heap(order, order + npg, lower_bound_first);
+
+  // Top-k as a heap whose top is the worst kept key: lower score, or equal score and higher index.
+  float* hs = s.heap_scores.data();
+  int32_t* hr = s.heap_rows.data();
+  size_t kept = 0, left = npg;
+  const auto better = [hs, hr](size_t a, size_t b) { return hs[a] > hs[b] || (hs[a] == hs[b] && hr[a] < hr[b]); };
+  std::vector<uint32_t>& slot = s.select;  // heap of slots into hs / hr
+  if (slot.size() < topk + 1) slot.resize(topk + 1);
+  uint32_t* heap = slot.data();
+  const auto slot_better = [&better](uint32_t a, uint32_t b) { return better(a, b); };
+  float* page_scores = s.scores.data();
+  size_t visited_keys = 0, visited_pages = 0;
+  while (left > 0) {
+    const int32_t t = order[0];
+    const float b = bound[t];
+    if (b == kNegInf || (kept == topk && b < hs[heap[0]])) break;
+    std::pop_heap(order, order + left, lower_bound_first);
+    --left;
+    const size_t a = std::max(mid_lo, (pg0 + t) * page), e = std::min(mid_hi, (pg0 + t + 1) * page);
+    exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, page_scores);
+    visited_keys += e - a;
+    ++visited_pages;
+    for (size_t j = 0; j < e - a; ++j) {
+      const float v = page_scores[j];
+      if (std::isnan(v)) return false;
+      if (v == kNegInf || v < kMaskedOut) continue;
+      const int32_t row = static_cast<int32_t>(a + j);
+      if (kept < topk) {
+        hs[kept] = v;
+        hr[kept] = row;
+        heap[kept] = static_cast<uint32_t>(kept);
+        ++kept;
+        std::push_heap(heap, heap + kept, slot_better);
+      } else {
+        const uint32_t worst = heap[0];
+        if (v > hs[worst] || (v == hs[worst] && row < hr[worst])) {
+          std::pop_heap(heap, heap + kept, slot_better);
+          hs[worst] = v;
+          hr[worst] = row;
+          std::push_heap(heap, heap + kept, slot_better);
+        }
+      }
+    }
+  }
+  s.pages_total += npg;
+  s.pages_visited += visited_pages;
+  // The kept keys: the top-k (slots 0..kept of hs / hr), then the protected ranges.
+  size_t count = kept;
+  int32_t* rows = hr;
+  float* scores = hs;
+  auto protect = [&](size_t a, size_t e) {
+    if (e <= a) return;
+    exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, scores + count);
+    for (size_t j = a; j < e; ++j) rows[count++] = static_cast<int32_t>(j);
+  };
+  protect(r.lo, mid_lo);
+  protect(mid_hi, r.hi);
+  s.keys_exact += visited_keys + (count - kept);
+  softmax_pv(ks, scores, vhead, ldv, dd.dv, 0, rows, count, y);
+  return true;
+}
+
 // One query row: exact attention, or selection + exact refine of the kept keys.
 void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const AttentionCall& c = *p.call;
@@ -173,6 +308,11 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     s.keys_exact += n;
   };
   if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk)) return exact_all();
+  if (cfg.select == Selector::kPages) {
+    const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
+    if (n - protected_keys <= topk || !attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, y, s)) exact_all();
+    return;
+  }
 
   float* sel = s.sel.data();
   selector_scores(p, q, hk, r, s);
@@ -235,7 +375,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
 }  // namespace
 
 PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, const kernels::KernelSet& kernels)
-    : config_(config), kernels_(&kernels), keys_(key_summary(config), config.cache_keys) {
+    : config_(config), kernels_(&kernels), keys_(key_summary(config), config.cache_keys, config.verify_keys) {
   if (!std::isfinite(config.scale) || config.scale < 0.0f)
     fail("attribute scale=", config.scale, " must be >= 0 (0: 1/sqrt(D))");
   if (config.topk < 0) fail("attribute topk=", config.topk, " must be >= 0 (0: approximate scores only)");
@@ -251,15 +391,19 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
     fail("attribute candidates=", config.candidates, " must be in [1, 1024]");
   if (!(config.softcap >= 0.0f) || !std::isfinite(config.softcap))
     fail("attribute softcap=", config.softcap, " must be a finite number >= 0 (0: none)");
-  if (config.topk == 0 && config.select == Selector::kEnergy)
-    fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='energy' has no "
-         "approximate score");
+  if (config.topk == 0 && (config.select == Selector::kEnergy || config.select == Selector::kPages))
+    fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='",
+         selector_name(config.select), "' has no approximate score");
+  if (config.page_size < 1 || config.page_size > 4096)
+    fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
+  if (config.local_window == 0) fail("local window of 0 keys: every query would attend nothing");
   if (!popcnt_path_supported(kernels.popcnt_path))
     fail("popcount path ", kernels::popcnt_path_name(kernels.popcnt_path), " is not supported by this CPU");
   if (!isa_supported(kernels.isa)) fail("ISA ", isa_name(kernels.isa), " is not supported by this CPU");
 }
 
-AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunner& runner) const {
+AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunner& runner,
+                                      const KeyProvenance* provenance, float scale) const {
   AttentionStats stats;
   const AttentionDims& dims = call.dims;
   const size_t rows_total = dims.b * dims.h * dims.sq;
@@ -269,13 +413,15 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   size_t max_keys = 0;
   for (size_t b = 0; b < dims.b; ++b) max_keys = std::max(max_keys, call.keys(b));
   CallPlan plan{&call, &config_, kernels_, ScoreParams{}, nullptr};
-  plan.score.scale = config_.scale > 0.0f ? config_.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.d)));
+  plan.score.scale = config_.scale > 0.0f ? config_.scale
+                     : scale > 0.0f          ? scale
+                                             : static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.d)));
   plan.score.softcap = config_.softcap;
   const bool select = config_.select != Selector::kNone && max_keys >= static_cast<size_t>(config_.min_keys) &&
                       max_keys > 0 && (config_.topk == 0 || max_keys > static_cast<size_t>(config_.topk));
   std::shared_ptr<const KeyCache> keys;
   if (select) {
-    keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed);
+    keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed, provenance);
     plan.keys = keys.get();
     if (config_.select == Selector::kPopcount) {
       for (size_t hk = 0; hk < keys->heads; ++hk) {
@@ -304,7 +450,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   if (scratch.size() < n_tasks) scratch.resize(n_tasks);
   const size_t packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : dims.d;
   for (size_t t = 0; t < n_tasks; ++t) {
-    scratch[t].keys_total = scratch[t].keys_exact = 0;
+    scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
     scratch[t].reserve(max_keys, packed_dim);
   }
   Scratch* scratch_p = scratch.data();
@@ -318,6 +464,8 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   for (size_t t = 0; t < n_tasks; ++t) {
     stats.keys_total += scratch[t].keys_total;
     stats.keys_exact += scratch[t].keys_exact;
+    stats.pages_total += scratch[t].pages_total;
+    stats.pages_visited += scratch[t].pages_visited;
   }
   {
     std::lock_guard<std::mutex> lock(scratch_mutex_);

@@ -21,6 +21,9 @@ struct AttentionKernels {
   // two words): out[0], out[1]. key holds row_hash_key_words(d) words. For any two different rows
   // and a uniformly random key the outputs collide with probability <= 2^-64.
   void (*row_hash)(const float* x, size_t d, const uint32_t* key, uint64_t* out);
+  // Rotary embedding of the first 2·half entries of x into out (out != x): pairs (x[i], x[i + half])
+  // or, interleaved, (x[2i], x[2i + 1]), rotated by cos[i], sin[i] (kernels/rotary_generic.h).
+  void (*rotate)(const float* x, const float* cos, const float* sin, size_t half, int interleaved, float* out);
 };
 
 inline size_t row_hash_key_words(size_t d) { return (d + 1) / 2 * 2 + 2; }

@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
 
@@ -129,7 +130,7 @@ void row_hash_avx2(const float* x, size_t d, const uint32_t* key, uint64_t* out)
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx2() {
-  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2};
+  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2, generic::rotate};
   return table;
 }
 

@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
 
@@ -100,7 +101,7 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx512() {
-  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512};
+  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512, generic::rotate};
   return table;
 }
 
