@@ -13,13 +13,13 @@ Before -> After::
     output, present_key, present_value = ai.ortsparse.PopcountGroupQueryAttention(
         <the same inputs>, <the same attributes>, <settings>)
 
-Packed QKV (key and value empty) and separate Q/K/V, rotary or not, local windows and soft-capping
-are all taken; the shared past/present buffer of onnxruntime-genai needs nothing from the graph
-(the op sees it at run time). Declined (near-misses), because the op does not implement them:
-``position_ids``, ``attention_bias``, ``head_sink`` and the later optional inputs (quantized KV
-scales, Q/K norm weights, query_seqlens); ``smooth_softmax=1``; ``qk_output`` (or an output_qk in
-use); ``sliding_window_cache=1``; a quantized KV cache (k/v_quant_type, kv_cache_bit_width); a
-float16 (or any non-float32) query; ``do_rotary=1`` without cos/sin caches.
+Packed QKV (key and value empty) and separate Q/K/V, rotary or not, local windows, soft-capping,
+smooth softmax, ``position_ids``, ``attention_bias`` and ``head_sink`` are all taken; the shared
+past/present buffer of onnxruntime-genai needs nothing from the graph (the op sees it at run time).
+Declined (near-misses), because the op does not implement them: the later optional inputs
+(quantized-KV scales, Q/K norm weights, query_seqlens); ``qk_output`` (or an output_qk in use);
+``sliding_window_cache=1``; a quantized KV cache (k/v_quant_type, kv_cache_bit_width); a float16 (or
+any non-float32) query; ``do_rotary=1`` without cos/sin caches.
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ MS = "com.microsoft"
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
           "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
           "k_norm_weight", "query_seqlens")
-SUPPORTED_INPUTS = 9  # query .. sin_cache
+SUPPORTED_INPUTS = 12  # query .. head_sink
 # GroupQueryAttention attributes the op reads (passed through as given); others are dropped.
 PASSED_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-                     "rotary_interleaved", "causal")
+                     "rotary_interleaved", "causal", "smooth_softmax")
 
 
 def _refusal(anchor: ir.Node) -> str | None:
@@ -51,8 +51,6 @@ def _refusal(anchor: ir.Node) -> str | None:
     attributes = anchor.attributes
     if attributes.get_int("num_heads", 0) <= 0 or attributes.get_int("kv_num_heads", 0) <= 0:
         return "has no num_heads / kv_num_heads > 0"
-    if attributes.get_int("smooth_softmax", 0):
-        return "has smooth_softmax=1 (not implemented)"
     if attributes.get_int("qk_output", 0):
         return f"has qk_output={attributes.get_int('qk_output', 0)} (not implemented)"
     if attributes.get_int("sliding_window_cache", 0):

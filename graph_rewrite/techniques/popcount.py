@@ -78,8 +78,9 @@ class AttentionSettings(TechniqueSettings):
             problems.append(f"eps={self.eps!r} must be a finite number >= 0")
         if not (isinstance(self.density_max, (int, float)) and 0.0 < self.density_max <= 1.0):
             problems.append(f"density_max={self.density_max!r} must be in (0, 1]")
-        if not (isinstance(self.candidates, (int, float)) and self.candidates >= 1.0 and math.isfinite(self.candidates)):
-            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1")
+        if not (isinstance(self.candidates, (int, float)) and math.isfinite(self.candidates)
+                and (self.candidates >= 1.0 or (self.candidates == 0 and self.select == "pages"))):
+            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1 (pages: or 0, no budget)")
         for name in ("keep_first", "keep_recent"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -162,7 +163,8 @@ ATTENTION_FLAGS = FlagGroup(
              help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact (default "
                   f"{_D.density_max:g}; 1 = never)"),
         Flag("--attn-candidates", field="candidates", type=float, default=_D.candidates, metavar="C",
-             help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)"),
+             help="popcount: the selector keeps ceil(C*topk) keys, rescored exactly, best topk attended; pages: at "
+                  "most ceil(C*topk) keys scored exactly, 0 = no budget (certified top-k) (default 1)"),
         Flag("--attn-keep-first", field="keep_first", type=int, default=_D.keep_first, metavar="N",
              help="first N keys (attention sinks) always kept (default 0)"),
         Flag("--attn-keep-recent", field="keep_recent", type=int, default=_D.keep_recent, metavar="N",

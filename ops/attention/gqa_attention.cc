@@ -27,7 +27,8 @@ PopcountAttentionConfig engine_config(const GqaConfig& c) {
   e.scale = c.scale;  // 0 is resolved per call from D, the way onnxruntime rounds it
   e.causal = c.causal;
   e.softcap = c.softcap;
-  e.local_window = c.local_window_size > 0 ? c.local_window_size + 1 : -1;
+  e.local_window = c.local_window_size;  // >= 0: the last W keys of the causal prefix (onnxruntime 1.32)
+  e.smooth_softmax = c.smooth_softmax;
   return e;
 }
 
@@ -41,7 +42,7 @@ GroupQueryAttention::GroupQueryAttention(const GqaConfig& config, const kernels:
     fail("attribute num_heads=", config.num_heads, " must be a multiple of kv_num_heads=", config.kv_num_heads);
   if (config.local_window_size < -1)
     fail("attribute local_window_size=", config.local_window_size, " must be -1 (none) or >= 0");
-  if (!config.causal && config.local_window_size > 0)
+  if (!config.causal && config.local_window_size >= 0)
     fail("attribute local_window_size=", config.local_window_size, " needs causal=1");
 }
 
@@ -121,8 +122,16 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   if (!p.first_prompt && p.s > 1 && p.b != 1)
     fail("sequence length ", p.s, " != total_sequence_length=", total, " (a prompt after a past) needs batch 1, got ",
          p.b);
+  const bool custom_positions = in.position_ids.present();
+  if (custom_positions) {
+    const std::vector<int64_t> want{static_cast<int64_t>(p.b), static_cast<int64_t>(p.s)};
+    if (in.position_ids.shape != want)
+      fail("input position_ids ", shape_text(in.position_ids.shape), " must be int64 [batch, sequence] = ",
+           shape_text(want));
+  }
   p.past.resize(p.b);
   p.keys.resize(p.b);
+  p.rotary_position.resize(p.b * p.s);
   for (size_t b = 0; b < p.b; ++b) {
     const int64_t sk = in.seqlens_k.data[b];
     if (sk < 0 || sk >= static_cast<int64_t>(p.present_rows))
@@ -141,13 +150,28 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     }
     p.past[b] = past;
     p.keys[b] = keys;
-    if (config_.do_rotary) {
-      const size_t last = past + p.s;  // positions past .. past + S - 1 are rotated
-      if (last > cos_rows)
-        fail("cos_cache/sin_cache have ", cos_rows, " positions but batch entry ", b, " rotates positions up to ",
-             last - 1);
+    for (size_t s = 0; s < p.s; ++s) {
+      // onnxruntime: the first prompt rotates row s by position_ids[0] + s, later calls by
+      // position_ids[b, s]; without position_ids, by its position in the sequence.
+      int64_t pos = static_cast<int64_t>(past + s);
+      if (custom_positions)
+        pos = p.first_prompt ? in.position_ids.data[0] + static_cast<int64_t>(s) : in.position_ids.data[b * p.s + s];
+      if (config_.do_rotary && (pos < 0 || pos >= static_cast<int64_t>(cos_rows)))
+        fail("cos_cache/sin_cache have ", cos_rows, " positions but batch entry ", b, " rotates row ", s,
+             " by position ", pos, custom_positions ? " (from position_ids)" : "");
+      p.rotary_position[b * p.s + s] = static_cast<size_t>(std::max<int64_t>(pos, 0));
     }
   }
+  if (in.attention_bias.present()) {
+    check_dims("attention_bias", in.attention_bias.shape, 4, "[batch | 1, num_heads | 1, sequence, total_sequence_length]");
+    const std::vector<int64_t>& a = in.attention_bias.shape;
+    if ((a[0] != 1 && a[0] != static_cast<int64_t>(p.b)) || (a[1] != 1 && a[1] != static_cast<int64_t>(h)) ||
+        a[2] != static_cast<int64_t>(p.s) || a[3] != total)
+      fail("attention_bias ", shape_text(a), " must be [batch=", p.b, " or 1, num_heads=", h, " or 1, sequence=", p.s,
+           ", total_sequence_length=", total, "]");
+  }
+  if (in.head_sink.present() && (in.head_sink.shape.size() != 1 || in.head_sink.shape[0] != static_cast<int64_t>(h)))
+    fail("input head_sink ", shape_text(in.head_sink.shape), " must be [num_heads] = [", h, "]");
   p.output_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(p.s), static_cast<int64_t>(h * p.d)};
   p.present_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(hkv), static_cast<int64_t>(p.present_rows),
                      static_cast<int64_t>(p.d)};
@@ -204,7 +228,7 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
       std::fill(vd + (past + S) * D, vd + R * D, 0.0f);
     }
     for (size_t s = 0; s < S; ++s) {
-      place(k_src + kv_in.at(b, j, s), past + s, kd + (past + s) * D);
+      place(k_src + kv_in.at(b, j, s), p.rotary_position[b * S + s], kd + (past + s) * D);
       std::memcpy(vd + (past + s) * D, v_src + kv_in.at(b, j, s), D * sizeof(float));
     }
   });
@@ -219,7 +243,7 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
     float* qr = q_rotated.data();
     runner.run(B * S, [&, qr](size_t task) {
       const size_t b = task / S, s = task % S;
-      for (size_t hh = 0; hh < H; ++hh) place(q + q_in.at(b, hh, s), p.past[b] + s, qr + q_rows.at(b, hh, s));
+      for (size_t hh = 0; hh < H; ++hh) place(q + q_in.at(b, hh, s), p.rotary_position[b * S + s], qr + q_rows.at(b, hh, s));
     });
     q = q_rotated.data();
   }
@@ -236,6 +260,16 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
   call.y_rows = RowStrides{S * H * D, D, H * D};
   call.kv_len = p.keys;
   call.q_pos0.assign(p.past.begin(), p.past.end());
+  if (in.attention_bias.present()) {
+    const std::vector<int64_t>& a = in.attention_bias.shape;
+    const size_t T = static_cast<size_t>(a[3]);
+    call.mask.add = in.attention_bias.data;
+    call.mask.stride[0] = a[0] == 1 ? 0 : static_cast<size_t>(a[1]) * S * T;
+    call.mask.stride[1] = a[1] == 1 ? 0 : S * T;
+    call.mask.stride[2] = T;
+    call.mask.stride[3] = 1;
+  }
+  call.head_sink = in.head_sink.present() ? in.head_sink.data : nullptr;
 
   KeyProvenance provenance;
   provenance.previous = shared_k ? static_cast<const void*>(out.present_key) : in.past_key.data;

@@ -23,9 +23,10 @@ struct GqaConfig {
   int64_t num_heads = 0, kv_num_heads = 0;
   float scale = 0.0f;              // 0: 1/sqrt(D) (computed in float, as onnxruntime does)
   float softcap = 0.0f;            // > 0: scores = softcap · tanh(scores / softcap)
-  int64_t local_window_size = -1;  // > 0: query at position p attends keys [p - window, p] (window + 1 keys)
+  int64_t local_window_size = -1;  // >= 0: query at position p attends keys (p - W, p] (W keys; 0: none)
   bool do_rotary = false, rotary_interleaved = false;
   bool causal = true;
+  bool smooth_softmax = false;     // an extra logit 0 (or head_sink[h]) in every softmax
   PopcountAttentionConfig selection;  // select, topk, ...; its scale / causal / softcap / window are set from the above
 };
 
@@ -43,6 +44,9 @@ struct GqaInputs {
   TensorView<float> query, key, value, past_key, past_value;
   TensorView<int32_t> seqlens_k, total_sequence_length;
   TensorView<float> cos_cache, sin_cache;
+  TensorView<int64_t> position_ids;  // [B, S]: rotary positions (first prompt: position_ids[0] + s)
+  TensorView<float> attention_bias;  // [B | 1, H | 1, S, total_sequence_length], added to the scores
+  TensorView<float> head_sink;       // [H]: the sink logit of each head's softmax
 };
 
 // What a call does, worked out (and bounds-checked) from its inputs.
@@ -55,6 +59,7 @@ struct GqaPlan {
   bool first_prompt = false; // S == total_sequence_length: every batch entry starts at position 0
   std::vector<size_t> past;  // per batch entry: keys before this call's rows (their first position)
   std::vector<size_t> keys;  // per batch entry: keys attended, seqlens_k + 1
+  std::vector<size_t> rotary_position;  // per (b, s): the position row s of entry b is rotated by
   std::vector<int64_t> output_shape, present_shape;
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -72,7 +73,7 @@ struct Scratch {
   // pages
   std::vector<float> qsplit, bounds, heap_scores;
   std::vector<int32_t> page_order, heap_rows;
-  uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0;
+  uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0, rows_paged = 0, rows_certified = 0;
 
   void reserve_pages(size_t keys, size_t d, size_t page) {
     const size_t n_pages = keys / page + 2;
@@ -180,11 +181,13 @@ float bound_slack(size_t d, float q_abs_sum) {
 // are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
 // (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
 // monotone), orders the pages; pages are scored exactly best bound first, keeping the topk best
-// scores (ties: lower key index), until the next bound is below the k-th best score: no key of an
-// unvisited page could enter the top-k. Returns false (caller computes exact attention) when a
-// page or q holds a non-finite value, or an exact score is NaN.
+// scores (ties: lower key index), until the next bound is below the k-th best score — no key of an
+// unvisited page could enter the top-k: certified — or until the budget of ceil(candidates·topk)
+// scored keys is spent (candidates = 0: no budget, always certified). Returns false (caller
+// computes exact attention) when a page or q holds a non-finite value, or an exact score is NaN.
 bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
-                      const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float* y, Scratch& s) {
+                      const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink, float* y,
+                      Scratch& s) {
   const AttentionDims& dd = p.call->dims;
   const PopcountAttentionConfig& cfg = *p.config;
   const kernels::KernelSet& ks = *p.kernels;
@@ -234,11 +237,18 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   uint32_t* heap = slot.data();
   const auto slot_better = [&better](uint32_t a, uint32_t b) { return better(a, b); };
   float* page_scores = s.scores.data();
+  const size_t budget = cfg.candidates > 0.0f ? static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk))
+                                              : std::numeric_limits<size_t>::max();
   size_t visited_keys = 0, visited_pages = 0;
+  bool certified = true;
   while (left > 0) {
     const int32_t t = order[0];
     const float b = bound[t];
     if (b == kNegInf || (kept == topk && b < hs[heap[0]])) break;
+    if (visited_keys >= budget) {
+      certified = false;
+      break;
+    }
     std::pop_heap(order, order + left, lower_bound_first);
     --left;
     const size_t a = std::max(mid_lo, (pg0 + t) * page), e = std::min(mid_hi, (pg0 + t + 1) * page);
@@ -269,6 +279,8 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   }
   s.pages_total += npg;
   s.pages_visited += visited_pages;
+  ++s.rows_paged;
+  s.rows_certified += certified ? 1 : 0;
   // The kept keys: the top-k (slots 0..kept of hs / hr), then the protected ranges.
   size_t count = kept;
   int32_t* rows = hr;
@@ -281,7 +293,7 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   protect(r.lo, mid_lo);
   protect(mid_hi, r.hi);
   s.keys_exact += visited_keys + (count - kept);
-  softmax_pv(ks, scores, vhead, ldv, dd.dv, 0, rows, count, y);
+  softmax_pv(ks, scores, vhead, ldv, dd.dv, 0, rows, count, y, sink);
   return true;
 }
 
@@ -300,17 +312,20 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const KeyRange r = key_range(p, b, i);
   const size_t n = r.hi - r.lo;
   const MaskRow m = mask_row(c.mask, b, h, i);
+  const float sink = c.head_sink ? c.head_sink[h] : cfg.smooth_softmax ? 0.0f : kNegInf;
   s.keys_total += n;
   const size_t topk = static_cast<size_t>(cfg.topk);
   auto exact_all = [&]() {
     exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, nullptr, n, s.scores.data());
-    softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, nullptr, n, y);
+    softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
     s.keys_exact += n;
   };
-  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk)) return exact_all();
+  // Rows with few keys are exact: per row, so a prompt's rows select exactly as decode steps would.
+  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk) || n < static_cast<size_t>(cfg.min_keys))
+    return exact_all();
   if (cfg.select == Selector::kPages) {
     const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
-    if (n - protected_keys <= topk || !attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, y, s)) exact_all();
+    if (n - protected_keys <= topk || !attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s)) exact_all();
     return;
   }
 
@@ -322,7 +337,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   }
   add_mask(m, r.lo, sel, n);
   if (topk == 0) {  // pure approximate path: softmax of the approximate scores
-    softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y);
+    softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
     return;
   }
   // Exported models mask with a huge finite value (finfo.min): such keys are out of the selection
@@ -354,7 +369,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const size_t count = kernels::select_top_k(*ks.select, sel, n, want, kept, s.select);
   exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, kept, count, s.scores.data());
   s.keys_exact += count;
-  if (count <= topk + forced) return softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, kept, count, y);
+  if (count <= topk + forced) return softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, kept, count, y, sink);
 
   // Oversampled candidates: keep the topk best exact scores among them (plus the protected).
   float* rank = s.sel.data();  // the selector scores are no longer needed
@@ -369,7 +384,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     fs[t] = s.scores[static_cast<size_t>(fin[t])];
     fin[t] = kept[static_cast<size_t>(fin[t])];
   }
-  softmax_pv(ks, fs, vhead, ldv, dd.dv, r.lo, fin, nf, y);
+  softmax_pv(ks, fs, vhead, ldv, dd.dv, r.lo, fin, nf, y, sink);
 }
 
 }  // namespace
@@ -387,8 +402,10 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
   if (!(config.eps >= 0.0f)) fail("attribute eps=", config.eps, " must be >= 0");
   if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
     fail("attribute density_max=", config.density_max, " must be in (0, 1] (1: never auto-disable)");
-  if (!(config.candidates >= 1.0f && config.candidates <= 1024.0f))
-    fail("attribute candidates=", config.candidates, " must be in [1, 1024]");
+  if (!(config.candidates >= 1.0f && config.candidates <= 1024.0f) &&
+      !(config.select == Selector::kPages && config.candidates == 0.0f))
+    fail("attribute candidates=", config.candidates, " must be in [1, 1024]",
+         config.select == Selector::kPages ? " (or 0: no budget, certified top-k)" : "");
   if (!(config.softcap >= 0.0f) || !std::isfinite(config.softcap))
     fail("attribute softcap=", config.softcap, " must be a finite number >= 0 (0: none)");
   if (config.topk == 0 && (config.select == Selector::kEnergy || config.select == Selector::kPages))
@@ -396,7 +413,6 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
          selector_name(config.select), "' has no approximate score");
   if (config.page_size < 1 || config.page_size > 4096)
     fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
-  if (config.local_window == 0) fail("local window of 0 keys: every query would attend nothing");
   if (!popcnt_path_supported(kernels.popcnt_path))
     fail("popcount path ", kernels::popcnt_path_name(kernels.popcnt_path), " is not supported by this CPU");
   if (!isa_supported(kernels.isa)) fail("ISA ", isa_name(kernels.isa), " is not supported by this CPU");
@@ -451,6 +467,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   const size_t packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : dims.d;
   for (size_t t = 0; t < n_tasks; ++t) {
     scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
+    scratch[t].rows_paged = scratch[t].rows_certified = 0;
     scratch[t].reserve(max_keys, packed_dim);
   }
   Scratch* scratch_p = scratch.data();
@@ -466,6 +483,8 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     stats.keys_exact += scratch[t].keys_exact;
     stats.pages_total += scratch[t].pages_total;
     stats.pages_visited += scratch[t].pages_visited;
+    stats.rows_paged += scratch[t].rows_paged;
+    stats.rows_certified += scratch[t].rows_certified;
   }
   {
     std::lock_guard<std::mutex> lock(scratch_mutex_);

@@ -35,7 +35,8 @@ struct PopcountAttentionConfig {
   int64_t min_keys = 1024;   // Skv below this: exact attention
   float eps = 1e-4f;         // binary / ternary threshold
   float density_max = 0.15f; // binary / ternary: key bitmap density above this -> exact for the call
-  float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk
+  float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk;
+                             // pages: budget of ceil(candidates * topk) exactly scored keys (0: none)
   bool cache_keys = true;    // reuse the previous call's key summaries for unchanged K rows
   int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
   int64_t keep_recent = 0;   // ... and the last ones of each query's causal range (local window)
@@ -44,6 +45,7 @@ struct PopcountAttentionConfig {
   float softcap = 0.0f;      // > 0: scores = softcap * tanh(scores / softcap) (GroupQueryAttention)
   int64_t local_window = -1; // >= 0 with causal: query at position p attends keys (p - window, p]
   int64_t page_size = 16;    // pages: keys per page (bounds of K per page and dim)
+  bool smooth_softmax = false;  // every softmax has one more logit, 0 (or the call's head_sink), with V = 0
   bool verify_keys = true;   // with a KeyProvenance: still decide key-summary reuse by row hashes
 };
 
@@ -56,6 +58,8 @@ struct AttentionStats {
   uint64_t keys_packed = 0;  // key rows summarised by this call; the rest reused
   uint64_t pages_total = 0;  // pages: pages a query could visit, summed over queries
   uint64_t pages_visited = 0;
+  uint64_t rows_paged = 0;      // pages: query rows that ran the page selector
+  uint64_t rows_certified = 0;  // ... and stopped because no unvisited key could enter the top-k
 };
 
 class PopcountAttention {

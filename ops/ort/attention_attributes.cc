@@ -43,6 +43,7 @@ std::vector<std::pair<std::string, double>> describe_attention(const uint64_t* c
       {"pack.keys_exact_ratio", c[kKeysTotal] ? static_cast<double>(c[kKeysExact]) / c[kKeysTotal] : 1.0},
       {"select", constants[kSelect]},
       {"pages.visited_ratio", c[kPagesTotal] ? static_cast<double>(c[kPagesVisited]) / c[kPagesTotal] : 0.0},
+      {"pages.certified_ratio", c[kRowsPaged] ? static_cast<double>(c[kRowsCertified]) / c[kRowsPaged] : 0.0},
       {"calls", static_cast<double>(c[kCalls])},
       {"keys_total", static_cast<double>(c[kKeysTotal])},
       {"keys_exact", static_cast<double>(c[kKeysExact])},
@@ -60,6 +61,8 @@ void count_attention(MetricsSlot& slot, const attention::AttentionStats& stats) 
   slot.add(kKeysPacked, stats.keys_packed);
   slot.add(kPagesTotal, stats.pages_total);
   slot.add(kPagesVisited, stats.pages_visited);
+  slot.add(kRowsPaged, stats.rows_paged);
+  slot.add(kRowsCertified, stats.rows_certified);
 }
 
 }  // namespace ortsparse::ort

@@ -20,7 +20,7 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
 
 // Metric counters and constants of the family (one slot layout for both forms).
 enum AttentionCounter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact, kKeysPacked, kPagesTotal,
-                        kPagesVisited };
+                        kPagesVisited, kRowsPaged, kRowsCertified };
 enum AttentionConstant { kEnabled, kMode, kPopcnt, kSelect };
 
 std::vector<std::pair<std::string, double>> describe_attention(const uint64_t* counts, const double* constants);

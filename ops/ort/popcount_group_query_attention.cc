@@ -1,6 +1,7 @@
 // PopcountGroupQueryAttention: com.microsoft.GroupQueryAttention's inputs, attributes and outputs
 // plus PopcountAttention's selection attributes. Reads the attributes (refusing the GQA options the
-// engine does not implement), binds the tensors and runs ops/attention/gqa_attention.h.
+// engine does not implement: quantized KV caches, Q/K norm weights, query_seqlens, output_qk, the
+// windowed KV cache), binds the tensors and runs ops/attention/gqa_attention.h.
 #include <memory>
 #include <string>
 
@@ -53,8 +54,7 @@ attention::GqaConfig read_config(const Attributes& attrs) {
   c.do_rotary = read_flag(attrs, "do_rotary", false);
   c.rotary_interleaved = read_flag(attrs, "rotary_interleaved", false);
   c.causal = read_flag(attrs, "causal", true);
-  if (attrs.get_int("smooth_softmax", 0) != 0)
-    fail("attribute smooth_softmax=1 is not supported (the softmax has no extra sink logit here)");
+  c.smooth_softmax = read_flag(attrs, "smooth_softmax", false);
   if (const int64_t qk = attrs.get_int("qk_output", 0); qk != 0)
     fail("attribute qk_output=", qk, " is not supported (no output_qk)");
   if (attrs.get_int("sliding_window_cache", 0) != 0)
@@ -100,7 +100,7 @@ class PopcountGroupQueryAttentionKernel : public KernelBase<PopcountGroupQueryAt
   PopcountGroupQueryAttentionKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     // Inputs this op does not implement: refused when the node wires them, at session creation.
     Ort::ConstKernelInfo kernel_info(info);
-    for (size_t i = kPositionIds; i < kernel_info.GetInputCount() && i < kInputCount; ++i)
+    for (size_t i = kKScale; i < kernel_info.GetInputCount() && i < kInputCount; ++i)
       if (!kernel_info.GetInputName(i).empty())
         fail("input ", i, " (", kInputNames[i], ") is not supported: leave it empty");
     const attention::GqaConfig config = read_config(Attributes(info));
@@ -126,7 +126,10 @@ class PopcountGroupQueryAttentionKernel : public KernelBase<PopcountGroupQueryAt
     in.total_sequence_length = view<int32_t>(context, kTotalSequenceLength, kInt32);
     in.cos_cache = view<float>(context, kCosCache, kFloat);
     in.sin_cache = view<float>(context, kSinCache, kFloat);
-    for (size_t i = kPositionIds; i < context.GetInputCount() && i < kInputCount; ++i)
+    in.position_ids = view<int64_t>(context, kPositionIds, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    in.attention_bias = view<float>(context, kAttentionBias, kFloat);
+    in.head_sink = view<float>(context, kHeadSink, kFloat);
+    for (size_t i = kKScale; i < context.GetInputCount() && i < kInputCount; ++i)
       if (context.GetInput(i)) fail("input ", i, " (", kInputNames[i], ") is not supported: leave it empty");
     const attention::GqaPlan plan = attention_->plan(in);
     attention::GqaOutputs out;

@@ -31,6 +31,7 @@ class Gqa:
     softcap: float = 0.0
     scale: float | None = None
     past: bool = True  # past_key / past_value inputs wired
+    extra: tuple[str, ...] = ()  # later optional inputs wired: position_ids, attention_bias, head_sink
 
     @property
     def hidden(self) -> int:
@@ -50,6 +51,7 @@ def model(cfg: Gqa, *, ours: bool, node_name: str = "gqa", **attrs) -> bytes:
     inputs = ["query", "" if cfg.packed else "key", "" if cfg.packed else "value",
               "past_key" if cfg.past else "", "past_value" if cfg.past else "", "seqlens_k", "total_sequence_length",
               "cos_cache" if cfg.rotary else "", "sin_cache" if cfg.rotary else ""]
+    inputs += [name if name in cfg.extra else "" for name in ("position_ids", "attention_bias", "head_sink")]
     while inputs[-1] == "":
         inputs.pop()
     node_attrs = dict(num_heads=cfg.num_heads, kv_num_heads=cfg.kv_num_heads, local_window_size=cfg.local_window,
@@ -71,6 +73,12 @@ def model(cfg: Gqa, *, ours: bool, node_name: str = "gqa", **attrs) -> bytes:
                      helper.make_tensor_value_info("total_sequence_length", i32, [1])]
     if cfg.rotary:
         graph_inputs += [helper.make_tensor_value_info(n, f, ["r", cfg.half]) for n in ("cos_cache", "sin_cache")]
+    if "position_ids" in cfg.extra:
+        graph_inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["b", "s"]))
+    if "attention_bias" in cfg.extra:
+        graph_inputs.append(helper.make_tensor_value_info("attention_bias", f, ["bb", "hb", "s", "t"]))
+    if "head_sink" in cfg.extra:
+        graph_inputs.append(helper.make_tensor_value_info("head_sink", f, [cfg.num_heads]))
     outputs = [helper.make_tensor_value_info("output", f, ["b", "s", cfg.hidden]),
                helper.make_tensor_value_info("present_key", f, ["b", cfg.kv_num_heads, "t", cfg.head_size]),
                helper.make_tensor_value_info("present_value", f, ["b", cfg.kv_num_heads, "t", cfg.head_size])]
@@ -104,9 +112,10 @@ class Stepper:
         self.k = np.zeros(shape, np.float32) if past_k is None else np.ascontiguousarray(past_k, dtype=np.float32)
         self.v = np.zeros(shape, np.float32) if past_v is None else np.ascontiguousarray(past_v, dtype=np.float32)
 
-    def step(self, query, key, value, seqlens_k, total) -> np.ndarray:
+    def step(self, query, key, value, seqlens_k, total, **extra) -> np.ndarray:
+        """One call; ``extra``: feeds of the later optional inputs (position_ids, ...)."""
         feeds = {"query": query, "seqlens_k": np.asarray(seqlens_k, np.int32),
-                 "total_sequence_length": np.asarray([total], np.int32)}
+                 "total_sequence_length": np.asarray([total], np.int32), **extra}
         if key is not None:
             feeds["key"], feeds["value"] = key, value
         if self.cfg.rotary:
