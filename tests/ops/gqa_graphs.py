@@ -46,8 +46,9 @@ class Gqa:
         return (self.rotary_dim or self.head_size) // 2
 
 
-def model(cfg: Gqa, *, ours: bool, node_name: str = "gqa", **attrs) -> bytes:
-    """The one-node model; ``attrs``: extra attributes (ours: the selection ones)."""
+def model(cfg: Gqa, *, ours: bool, node_name: str = "gqa", free: bool = False, **attrs) -> bytes:
+    """The one-node model; ``attrs``: extra attributes (ours: the selection ones). ``free``: graph
+    inputs of any shape (bad-input tests feed shapes the node must refuse itself)."""
     inputs = ["query", "" if cfg.packed else "key", "" if cfg.packed else "value",
               "past_key" if cfg.past else "", "past_value" if cfg.past else "", "seqlens_k", "total_sequence_length",
               "cos_cache" if cfg.rotary else "", "sin_cache" if cfg.rotary else ""]
@@ -82,16 +83,21 @@ def model(cfg: Gqa, *, ours: bool, node_name: str = "gqa", **attrs) -> bytes:
     outputs = [helper.make_tensor_value_info("output", f, ["b", "s", cfg.hidden]),
                helper.make_tensor_value_info("present_key", f, ["b", cfg.kv_num_heads, "t", cfg.head_size]),
                helper.make_tensor_value_info("present_value", f, ["b", cfg.kv_num_heads, "t", cfg.head_size])]
+    if free:
+        for value in graph_inputs:
+            value.type.tensor_type.ClearField("shape")
     graph = helper.make_graph([node], "gqa", graph_inputs, outputs)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS, 1), helper.make_opsetid(OURS, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
 
 
-def session(cfg: Gqa, *, ours: bool, threads: int = 1, **attrs) -> ort.InferenceSession:
+def session(cfg: Gqa, *, ours: bool, threads: int = 1, free: bool = False, node_name: str = "gqa",
+            **attrs) -> ort.InferenceSession:
     options = ortsparse.session_options() if ours else ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(model(cfg, ours=ours, **attrs), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model(cfg, ours=ours, free=free, node_name=node_name, **attrs), options,
+                                providers=["CPUExecutionProvider"])
 
 
 def rotary_tables(rng: np.random.Generator, positions: int, half: int) -> tuple[np.ndarray, np.ndarray]:
