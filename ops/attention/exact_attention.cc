@@ -54,10 +54,7 @@ void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead,
   }
   mx = std::max(mx, sink);
   double sum = sink == kNegInf ? 0.0 : std::exp(static_cast<double>(sink - mx));
-  for (size_t i = 0; i < n; ++i) {
-    s[i] = std::exp(s[i] - mx);
-    sum += s[i];
-  }
+  sum += kernels.attention->exp_sub(s, n, mx, s);
   const float inv = static_cast<float>(1.0 / sum);
   for (size_t i = 0; i < n; ++i) s[i] *= inv;
   kernels.matmul->gemv_rows(vhead + lo * ldv, ldv, rows, s, n, y, dv, false);

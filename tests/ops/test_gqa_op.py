@@ -166,3 +166,61 @@ def test_metrics_of_the_gqa_form(rng):
     assert m["keys_packed"] == 2 * 40  # every key row of both kv heads summarised once
     assert 0 < m["pages.visited_ratio"] <= 1 and 0 <= m["pages.certified_ratio"] <= 1
     assert m["keys_exact"] < m["keys_total"]
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+ISAS = __import__("ortsparse._kernels", fromlist=["supported_isas"]).supported_isas()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [1, 7, 8, 15, 16, 33, 64, 128, 130])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_dot_rows_every_isa_against_float64(isa, d, n, gathered, rng):
+    from ortsparse import _kernels as K
+
+    q = rng.standard_normal(d).astype(np.float32)
+    keys = rng.standard_normal((40, d)).astype(np.float32)
+    rows = rng.integers(0, 40, n).astype(np.int32) if gathered else None
+    got = K.dot_rows(isa, q, keys if gathered else keys[:n], rows)
+    picked = keys[rows] if gathered else keys[:n]
+    want = picked.astype(np.float64) @ q.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(picked).sum(1).max())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("half", [1, 3, 8, 16, 17, 32])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotate_every_isa_is_bit_identical_to_the_scalar_twin(isa, half, interleaved, rng):
+    """fma is exactly rounded: every ISA gives the scalar twin's bits (and onnxruntime's on AVX2)."""
+    from ortsparse import _kernels as K
+
+    x = rng.standard_normal(2 * half).astype(np.float32) * 10
+    angle = rng.random(half).astype(np.float32) * 6.28
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    got = K.rotate(isa, x, cos, sin, interleaved)
+    assert np.array_equal(got, K.rotate("scalar", x, cos, sin, interleaved))
+    re, im = (x[0::2], x[1::2]) if interleaved else (x[:half], x[half:])
+    want_re = re.astype(np.float64) * cos - im.astype(np.float64) * sin
+    got_re = got[0::2] if interleaved else got[:half]
+    np.testing.assert_allclose(got_re, want_re, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", [1, 7, 8, 16, 17, 100])
+def test_exp_every_isa_is_bit_identical_and_accurate(isa, n, rng):
+    from ortsparse import _kernels as K
+
+    x = np.concatenate([rng.uniform(-90, 0, n), [-np.inf, np.nan, -87.5, -86.9, 0.0, -1e-30]]).astype(np.float32)
+    got, total = K.exp_sub(isa, x, np.float32(0.0))
+    ref_bits, _ = K.exp_sub("scalar", x, np.float32(0.0))
+    assert np.array_equal(got.view(np.uint32), ref_bits.view(np.uint32))
+    want = np.exp(x.astype(np.float64))
+    want[x < -87] = 0.0
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=3e-7, atol=0)
+    assert np.isnan(got[~finite & ~np.isneginf(x)]).all() and got[np.isneginf(x)].tolist() == [0.0]
+    assert np.isnan(total)
+    shifted, total = K.exp_sub(isa, x[:n], np.float32(-3.0))
+    np.testing.assert_allclose(total, np.exp(x[:n].astype(np.float64) + 3.0)[x[:n] + 3 >= -87].sum(), rtol=1e-6)
