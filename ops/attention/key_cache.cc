@@ -131,17 +131,30 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   // hash equals this call's row hash. With centering, the center is the mean of the head's first
   // min(keys, kCenterRows) rows, so a head is extended only when those rows are all reused and the
   // old cache had at least as many.
-  if (compatible && !by_hash) {
-    const bool same_buffer = provenance->previous != nullptr && old->source == provenance->previous &&
-                             old->source_rows == provenance->previous_rows &&
-                             provenance->unchanged.size() == dims.b;
-    for (size_t hk = 0; hk < heads && same_buffer; ++hk) {
-      size_t same = std::min({provenance->unchanged[hk / dims.hkv], old->rows[hk], plan[hk].keys});
+  // Provenance: rows [0, trusted) of a head are rows this kernel wrote itself into the buffer (since
+  // a call that wrote them all from row 0); a call's rows [unchanged, keys) are written by it now.
+  std::vector<size_t> trusted(heads, 0);
+  const bool same_buffer = compatible && !by_hash && provenance->previous != nullptr &&
+                           old->source == provenance->previous && old->source_rows == provenance->previous_rows &&
+                           provenance->unchanged.size() == dims.b && old->trusted.size() == heads;
+  if (provenance != nullptr && provenance->unchanged.size() == dims.b) {
+    for (size_t hk = 0; hk < heads; ++hk) {
+      const size_t u = provenance->unchanged[hk / dims.hkv], keys = plan[hk].keys;
+      if (u == 0 || (same_buffer && u <= old->trusted[hk])) {
+        trusted[hk] = keys;  // every row up to keys written by this kernel
+      } else if (same_buffer) {
+        trusted[hk] = std::min(old->trusted[hk], keys);  // rows [trusted, u) came from elsewhere
+      }
+    }
+  }
+  if (same_buffer) {
+    for (size_t hk = 0; hk < heads; ++hk) {
+      size_t same = std::min({provenance->unchanged[hk / dims.hkv], old->trusted[hk], old->rows[hk], plan[hk].keys});
       const size_t center_rows = std::min(plan[hk].keys, kCenterRows);
       if (center && (same < center_rows || old->rows[hk] < center_rows)) same = 0;
       plan[hk].reuse = same;
     }
-  } else if (compatible) {
+  } else if (compatible && by_hash) {
     const kernels::AttentionKernels& attn = *kernels.attention;
     const KeyCache* o = old.get();
     HeadPlan* pl = plan.data();
@@ -296,6 +309,7 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   });
   kc.source = provenance ? provenance->current : nullptr;
   kc.source_rows = provenance ? provenance->current_rows : 0;
+  kc.trusted = std::move(trusted);
   keys_packed = 0;
   for (const HeadPlan& p : plan) keys_packed += p.keys - p.reuse;
   if (keep_) {

@@ -9,9 +9,11 @@
 //   prompt, a rewound or edited cache is resummarised from the first row that differs. Exact, but
 //   every call reads all of K.
 // - by provenance (the GroupQueryAttention form, verify_keys = 0): the caller says which buffer K
-//   lives in and which leading rows are unchanged since the previous call (KeyProvenance); the
-//   summaries of the previous call are reused only when that call's K buffer was this call's
-//   previous buffer (same address and row capacity), and only for the unchanged rows.
+//   lives in, which leading rows are unchanged since the previous call and that it wrote the rest
+//   (KeyProvenance). The cache remembers, per head, how many leading rows the kernel itself wrote
+//   into that buffer (`trusted`: all of them since a call that started at row 0); the summaries of
+//   the previous call are reused only when that call's K buffer was this call's previous buffer
+//   (same address and row capacity), and only for rows both unchanged and trusted.
 #pragma once
 
 #include <cstddef>
@@ -44,7 +46,8 @@ struct KeySummary {
 // What the caller knows about a call's K rows (the GroupQueryAttention form): K lives in buffer
 // `current` (`current_rows` rows per head); rows [0, unchanged[b]) of batch entry b hold exactly what
 // the previous call left in buffer `previous` (`previous_rows` rows per head): the same memory when
-// past and present share a buffer, a copy of the past tensor otherwise.
+// past and present share a buffer, a copy of the past tensor otherwise; the caller wrote rows
+// [unchanged[b], keys) itself in this call.
 struct KeyProvenance {
   const void* previous = nullptr;
   size_t previous_rows = 0;
@@ -71,6 +74,7 @@ struct KeyCache {
   std::vector<float> page_absmax;        // per head: cap_pages x max |k| over the page (NaN: a non-finite key)
   const void* source = nullptr;          // provenance: the K buffer these summaries were taken from
   size_t source_rows = 0;
+  std::vector<size_t> trusted;           // provenance, per head: leading rows the kernel wrote itself
   std::shared_ptr<const std::vector<float>> projection;
   std::shared_ptr<const std::vector<uint32_t>> hash_key;
 

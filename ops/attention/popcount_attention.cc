@@ -259,9 +259,10 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
     int32_t* rows = s.kept.data();
     for (size_t c = 0; c < chosen; ++c) {
       const auto [a, e] = page_keys(static_cast<size_t>(order[c]));
-      exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, scores + visited_keys);
       for (size_t j = a; j < e; ++j) rows[visited_keys++] = static_cast<int32_t>(j);
     }
+    // One gathered list: the kernel prefetches along it, across the scattered pages.
+    exact_scores(ks, sp, q, d, khead, ldk, m, 0, rows, visited_keys, scores);
     visited_pages = chosen;
     size_t allowed = 0;
     for (size_t j = 0; j < visited_keys; ++j) {
@@ -331,7 +332,13 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   s.pages_visited += visited_pages;
   ++s.rows_paged;
   s.rows_certified += certified ? 1 : 0;
-  // The kept keys: the top-k (hs / hr [0, kept)), then the protected ranges.
+  // The kept keys: the top-k (hs / hr [0, kept)), then the protected ranges. Their V rows start
+  // their way to cache while the protected keys are scored.
+  const size_t v_bytes = dd.dv * sizeof(float);
+  for (size_t t = 0; t < kept; ++t) {
+    const char* row = reinterpret_cast<const char*>(vhead + static_cast<size_t>(hr[t]) * ldv);
+    for (size_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+  }
   size_t count = kept;
   auto protect = [&](size_t a, size_t e) {
     if (e <= a) return;

@@ -123,6 +123,22 @@ def test_a_row_changed_behind_the_ops_back(rng):
             assert twin.packed() == 2  # only the new row: the edit is not seen
 
 
+def test_rows_the_kernel_did_not_write_are_never_reused(rng):
+    """A past the app filled itself (the kernel never saw a call starting at row 0) is not trusted:
+    every call resummarises all rows, so replacing them (even in the same buffer, at the same
+    length) is seen. Reuse needs the trusted prefix: rows the kernel wrote from row 0 on."""
+    twin = Twin(rng, batch=1, name="prefilled")
+    for _ in range(2):
+        rows = rng.standard_normal((2, 30, CFG.head_size)).astype(np.float32)
+        for buffer in (twin.cached.k, twin.fresh.k):
+            buffer[0, :, :30] = rows
+        ortsparse.reset_metrics()
+        twin.call(1, [31])  # past 30: rows the app wrote
+        assert twin.packed() == 2 * 31
+        twin.call(1, [32])
+        assert twin.packed() == 2 * 31 + 2 * 32
+
+
 def test_concurrent_runs_on_different_buffers(rng):
     twin = Twin(rng, batch=1)
     steppers = [(twin.stepper(twin.cached_session), twin.stepper(twin.fresh_session)) for _ in range(3)]
