@@ -139,8 +139,8 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 _D = AttentionSettings()
 _PLAIN_POPCOUNT = AttentionSettings(select="popcount")
 # The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md).
-GQA_RECOMMENDED = AttentionSettings(select="pages", topk=128, page_size=16, keep_first=4, keep_recent=64,
-                                    min_keys=1024)
+GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, page_size=16, keep_first=4,
+                                    keep_recent=256, min_keys=2048)
 
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
 # config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.

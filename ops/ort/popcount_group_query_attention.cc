@@ -25,15 +25,17 @@ constexpr const char* kInputNames[kInputCount] = {
     "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
     "k_norm_weight", "query_seqlens"};
 
-// The selection defaults of this form: the certified page selector (docs/ops.md).
+// The selection defaults of this form: the page selector with the setting measured on SmolLM2
+// (docs/ops.md; the rewriter's recommended setting, graph_rewrite/techniques/popcount.py).
 attention::PopcountAttentionConfig gqa_selection_defaults() {
   attention::PopcountAttentionConfig c;
   c.select = attention::Selector::kPages;
-  c.topk = 128;
+  c.topk = 256;
+  c.candidates = 3.0f;
   c.page_size = 16;
   c.keep_first = 4;
-  c.keep_recent = 64;
-  c.min_keys = 1024;
+  c.keep_recent = 256;
+  c.min_keys = 2048;
   return c;
 }
 
