@@ -184,6 +184,9 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
   if (B * S * H * D == 0 && B * Hkv * R * D == 0) return AttentionStats{};
   const bool shared_k = in.past_key.present() && out.present_key == in.past_key.data;
   const bool shared_v = in.past_value.present() && out.present_value == in.past_value.data;
+  if ((shared_k || shared_v) && P != R)
+    fail("present_key/present_value share past's memory but have ", R, " rows per head against past's ", P,
+         " (a shared buffer must have one shape)");
   // A present buffer that overlaps past without being it would be read while written.
   auto overlaps = [](const float* a, size_t na, const float* b, size_t nb) { return a < b + nb && b < a + na; };
   const size_t kv_count = B * Hkv * R * D, past_count = B * Hkv * P * D;

@@ -70,6 +70,29 @@ struct HeadPlan {
   size_t reuse = 0;  // leading rows taken from the old cache
 };
 
+// Provenance: rows [0, trusted) of a head are rows this kernel wrote itself into the buffer (since
+// a call that wrote them all from row 0); a call's rows [unchanged, keys) are written by it now.
+// The old cache's buffer is this call's previous buffer (same_buffer) or not.
+std::vector<size_t> trusted_rows(const KeyCache* old, bool same_buffer, const KeyProvenance& provenance, size_t hkv,
+                                 const std::vector<size_t>& keys) {
+  std::vector<size_t> trusted(keys.size(), 0);
+  for (size_t hk = 0; hk < keys.size(); ++hk) {
+    const size_t u = provenance.unchanged[hk / hkv];
+    if (u == 0 || (same_buffer && u <= old->trusted[hk])) {
+      trusted[hk] = keys[hk];  // every row up to keys written by this kernel
+    } else if (same_buffer) {
+      trusted[hk] = std::min(old->trusted[hk], keys[hk]);  // rows [trusted, u) came from elsewhere
+    }
+  }
+  return trusted;
+}
+
+bool same_source(const KeyCache* old, const KeyProvenance& provenance, size_t heads, size_t d) {
+  return old != nullptr && old->heads == heads && old->d == d && old->trusted.size() == heads &&
+         provenance.previous != nullptr && old->source == provenance.previous &&
+         old->source_rows == provenance.previous_rows;
+}
+
 // Page bounds: row x joins page `s` ([max (d), min (d)]); absmax is NaN once a non-finite entry was seen.
 void page_add(float* s, float& absmax, const float* x, size_t d, bool first) {
   float m = 0.0f;
@@ -97,6 +120,29 @@ void page_add(float* s, float& absmax, const float* x, size_t d, bool first) {
 }
 
 }  // namespace
+
+void KeyCacheSlot::track(const AttentionCall& call, const KeyProvenance* provenance) const {
+  const AttentionDims& dims = call.dims;
+  if (!keep_ || verify_ || provenance == nullptr || provenance->unchanged.size() != dims.b) return;
+  const size_t heads = dims.b * dims.hkv, d = dims.d;
+  const bool popcount = summary_.select == Selector::kPopcount;
+  std::vector<size_t> keys(heads);
+  for (size_t hk = 0; hk < heads; ++hk) keys[hk] = call.keys(hk / dims.hkv);
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A cache with the facts only (no summaries: the first call that needs them summarises every row
+  // and finds them trusted).
+  auto next = std::make_shared<KeyCache>();
+  next->trusted = trusted_rows(cache_.get(), same_source(cache_.get(), *provenance, heads, d), *provenance, dims.hkv, keys);
+  next->heads = heads;
+  next->d = d;
+  next->packed_dim = popcount && summary_.proj_bits > 0 ? static_cast<size_t>(summary_.proj_bits) : d;
+  next->page = summary_.select == Selector::kPages ? static_cast<size_t>(summary_.page_size) : 0;
+  next->rows.assign(heads, 0);
+  next->bits_set.assign(heads, 0);
+  next->source = provenance->current;
+  next->source_rows = provenance->current_rows;
+  cache_ = std::move(next);
+}
 
 std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call, const kernels::KernelSet& kernels,
                                                       const TaskRunner& runner, uint64_t& keys_packed,
@@ -131,22 +177,13 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   // hash equals this call's row hash. With centering, the center is the mean of the head's first
   // min(keys, kCenterRows) rows, so a head is extended only when those rows are all reused and the
   // old cache had at least as many.
-  // Provenance: rows [0, trusted) of a head are rows this kernel wrote itself into the buffer (since
-  // a call that wrote them all from row 0); a call's rows [unchanged, keys) are written by it now.
-  std::vector<size_t> trusted(heads, 0);
-  const bool same_buffer = compatible && !by_hash && provenance->previous != nullptr &&
-                           old->source == provenance->previous && old->source_rows == provenance->previous_rows &&
-                           provenance->unchanged.size() == dims.b && old->trusted.size() == heads;
-  if (provenance != nullptr && provenance->unchanged.size() == dims.b) {
-    for (size_t hk = 0; hk < heads; ++hk) {
-      const size_t u = provenance->unchanged[hk / dims.hkv], keys = plan[hk].keys;
-      if (u == 0 || (same_buffer && u <= old->trusted[hk])) {
-        trusted[hk] = keys;  // every row up to keys written by this kernel
-      } else if (same_buffer) {
-        trusted[hk] = std::min(old->trusted[hk], keys);  // rows [trusted, u) came from elsewhere
-      }
-    }
-  }
+  const bool facts = !by_hash && provenance != nullptr && provenance->unchanged.size() == dims.b;
+  const bool same_buffer = compatible && facts && same_source(old.get(), *provenance, heads, d);
+  std::vector<size_t> keys_per_head(heads);
+  for (size_t hk = 0; hk < heads; ++hk) keys_per_head[hk] = plan[hk].keys;
+  std::vector<size_t> trusted =
+      facts ? trusted_rows(old.get(), same_source(old.get(), *provenance, heads, d), *provenance, dims.hkv, keys_per_head)
+            : std::vector<size_t>(heads, 0);
   if (same_buffer) {
     for (size_t hk = 0; hk < heads; ++hk) {
       size_t same = std::min({provenance->unchanged[hk / dims.hkv], old->trusted[hk], old->rows[hk], plan[hk].keys});

@@ -99,6 +99,10 @@ class KeyCacheSlot {
                                           const TaskRunner& runner, uint64_t& keys_packed,
                                           const KeyProvenance* provenance = nullptr) const;
 
+  // A call that needs no summaries (fewer keys than min_keys): the provenance facts still move on,
+  // so the rows it writes are the kernel's own when summaries are first needed.
+  void track(const AttentionCall& call, const KeyProvenance* provenance) const;
+
  private:
   std::shared_ptr<const std::vector<float>> projection_for(size_t d) const;
 

@@ -593,6 +593,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   const bool select = config_.select != Selector::kNone && max_keys >= static_cast<size_t>(config_.min_keys) &&
                       max_keys > 0 && (config_.topk == 0 || max_keys > static_cast<size_t>(config_.topk));
   std::shared_ptr<const KeyCache> keys;
+  if (!select && config_.select != Selector::kNone) keys_.track(call, provenance);
   if (select) {
     keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed, provenance);
     plan.keys = keys.get();

@@ -152,8 +152,18 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
     h0 = _mm512_add_epi64(h0, _mm512_mul_epu32(a0, _mm512_srli_epi64(a0, 32)));
     h1 = _mm512_add_epi64(h1, _mm512_mul_epu32(a1, _mm512_srli_epi64(a1, 32)));
   }
-  out[0] = static_cast<uint64_t>(_mm512_reduce_add_epi64(h0));
-  out[1] = static_cast<uint64_t>(_mm512_reduce_add_epi64(h1));
+  // Lanes summed as unsigned (mod 2^64): GCC's _mm512_reduce_add_epi64 adds signed long longs,
+  // whose wrap-around is undefined behaviour (UBSan reports it).
+  alignas(64) uint64_t lanes0[8], lanes1[8];
+  _mm512_store_si512(reinterpret_cast<__m512i*>(lanes0), h0);
+  _mm512_store_si512(reinterpret_cast<__m512i*>(lanes1), h1);
+  uint64_t s0 = 0, s1 = 0;
+  for (size_t l = 0; l < 8; ++l) {
+    s0 += lanes0[l];
+    s1 += lanes1[l];
+  }
+  out[0] = s0;
+  out[1] = s1;
 }
 
 }  // namespace

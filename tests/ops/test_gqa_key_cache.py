@@ -139,6 +139,22 @@ def test_rows_the_kernel_did_not_write_are_never_reused(rng):
         assert twin.packed() == 2 * 31 + 2 * 32
 
 
+def test_rows_written_below_min_keys_count_as_the_kernels_own(rng):
+    """A prompt shorter than min_keys runs exact and builds no summaries, but the rows it writes are
+    the kernel's: once a step reaches min_keys they are summarised once, then only new rows."""
+    twin = Twin(rng, batch=1, name="crossing", select={**SELECT, "min_keys": 24})
+    ortsparse.reset_metrics()
+    twin.call(20, [20], first_prompt=True)
+    for n in range(21, 24):
+        twin.call(1, [n])
+    assert twin.packed() == 0
+    twin.call(1, [24])
+    assert twin.packed() == 2 * 24
+    for n in range(25, 30):
+        twin.call(1, [n])
+    assert twin.packed() == 2 * 24 + 5 * 2
+
+
 def test_concurrent_runs_on_different_buffers(rng):
     twin = Twin(rng, batch=1)
     steppers = [(twin.stepper(twin.cached_session), twin.stepper(twin.fresh_session)) for _ in range(3)]
