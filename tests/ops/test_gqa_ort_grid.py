@@ -9,7 +9,8 @@ scale, present_key / present_value bit-identical.
 The fast suite runs a fixed sample of the grid onnxruntime's CI runs (its ``pipeline_mode``); ``-m
 slow`` runs that whole grid plus a sample of the full one; the full grid (about 200k runs, hours)
 is a script: ``python -m tests.ops.test_gqa_ort_grid --full [--limit N] [--shard i/n]``.
-No configuration of the grid is refused.
+No configuration of the grid is refused by PopcountGroupQueryAttention; the cases onnxruntime
+1.32 refuses itself (rotary with head_size % 16 != 0) have no reference and are skipped.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import random
 import sys
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from . import gqa_graphs as G
@@ -130,7 +132,11 @@ def run_case(case: Case, seed: int = 0) -> None:
         bias[..., 0] = 0.0  # every row keeps a key
         feeds["attention_bias"] = bias
     seqlens = [x - 1 for x in lengths]
-    theirs = steppers[0].step(q, k, v, seqlens, total, **feeds)
+    try:
+        theirs = steppers[0].step(q, k, v, seqlens, total, **feeds)
+    except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, RuntimeError) as error:
+        # onnxruntime 1.32 refuses some of its own test grid (rotary needs head_size % 16 == 0): nothing to compare
+        raise OrtRefuses(str(error).split("Status Message: ")[-1]) from None
     ours = steppers[1].step(q, k, v, seqlens, total, **feeds)
     scale = max(float(np.abs(theirs).max()), 1e-30)
     err = float(np.nanmax(np.abs(ours - theirs))) if np.isfinite(theirs).all() else 0.0
@@ -140,25 +146,36 @@ def run_case(case: Case, seed: int = 0) -> None:
     assert np.array_equal(steppers[0].v, steppers[1].v), f"{case}: present_value differs"
 
 
+class OrtRefuses(Exception):
+    """onnxruntime's op refused the case (so there is no reference output)."""
+
+
+def check_case(case: Case) -> None:
+    try:
+        run_case(case)
+    except OrtRefuses as why:
+        pytest.skip(f"onnxruntime refuses: {why}")
+
+
 PIPELINE = list(grid(full=False))
 FAST = PIPELINE[::12]  # a fixed sample of onnxruntime's CI grid
 
 
 @pytest.mark.parametrize("case", FAST, ids=str)
 def test_onnxruntime_ci_grid_sample(case):
-    run_case(case)
+    check_case(case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", PIPELINE, ids=str)
 def test_onnxruntime_ci_grid(case):
-    run_case(case)
+    check_case(case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in grid(full=True) if c.kv <= 2048 and c.head_size <= 128][::997], ids=str)
 def test_onnxruntime_full_grid_sample(case):
-    run_case(case)
+    check_case(case)
 
 
 def main(argv=None) -> int:
@@ -171,16 +188,18 @@ def main(argv=None) -> int:
     cases = list(grid(args.full))[index::count]
     if args.limit:
         cases = cases[:args.limit]
-    failed = 0
+    failed = refused = 0
     for number, case in enumerate(cases):
         try:
             run_case(case)
         except AssertionError as error:
             failed += 1
             print(f"FAIL {error}", flush=True)
+        except OrtRefuses:
+            refused += 1
         if number % 100 == 0:
-            print(f"{number}/{len(cases)} cases, {failed} failed", flush=True)
-    print(f"{len(cases)} cases, {failed} failed")
+            print(f"{number}/{len(cases)} cases, {failed} failed, {refused} refused by onnxruntime", flush=True)
+    print(f"{len(cases)} cases, {failed} failed, {refused} refused by onnxruntime (not compared)")
     return 1 if failed else 0
 
 
