@@ -14,7 +14,7 @@ import onnx_ir as ir
 from .attention_rules import RULES, AttentionRule, Core
 from .graph_utils import MS_DOMAIN, data_inputs, data_uses, is_constant_like, is_onnx_op, op_name, walk
 from .rules import DOMAIN
-from .techniques.popcount import OP_TYPE
+from .techniques.popcount import GQA_OP_TYPE, OP_TYPE
 
 # Between the score MatMul and the Softmax: scaling, masks, soft-capping, layout.
 _SCORE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape", "Slice", "Identity",
@@ -32,13 +32,14 @@ FUSED_ATTENTION: dict[str, dict[int, str]] = {
     f"{MS_DOMAIN}.DecoderMaskedMultiHeadAttention": {0: "q", 1: "k", 2: "v"},
     f"{MS_DOMAIN}.SparseAttention": {0: "q", 1: "k", 2: "v"},
     f"{DOMAIN}.{OP_TYPE}": {0: "q", 1: "k", 2: "v"},  # a model rewritten before: a core, not a candidate
+    f"{DOMAIN}.{GQA_OP_TYPE}": {0: "q", 1: "k", 2: "v"},
     f"{MS_DOMAIN}.Attention": {},
     f"{MS_DOMAIN}.PackedAttention": {},
     f"{MS_DOMAIN}.DecoderMaskedSelfAttention": {},
 }
 # Fused forms no rule takes yet: reported with this reason.
 _NOT_YET = frozenset({
-    f"{MS_DOMAIN}.GroupQueryAttention", f"{MS_DOMAIN}.PackedMultiHeadAttention", f"{MS_DOMAIN}.PackedAttention",
+    f"{MS_DOMAIN}.PackedMultiHeadAttention", f"{MS_DOMAIN}.PackedAttention",
     f"{MS_DOMAIN}.DecoderMaskedMultiHeadAttention", f"{MS_DOMAIN}.DecoderMaskedSelfAttention",
     f"{MS_DOMAIN}.SparseAttention",
 })
@@ -61,7 +62,7 @@ class AttentionCore:
     @property
     def candidate(self) -> bool:
         """Whether a rewrite is asked about this core (a PopcountAttention already is one)."""
-        return self.form != f"{DOMAIN}.{OP_TYPE}"
+        return self.form not in (f"{DOMAIN}.{OP_TYPE}", f"{DOMAIN}.{GQA_OP_TYPE}")
 
     @property
     def anchor_name(self) -> str:

@@ -22,7 +22,7 @@ from .attention import AttentionCore
 from .graph_utils import ValueNames
 from .rules import DOMAIN, DOMAIN_VERSION, FloatWeight, LayerWeight, LinearOperands, NBitsWeight
 from .techniques import BIAS, WEIGHT, OpBuild
-from .techniques.popcount import OP_TYPE, AttentionSettings
+from .techniques.popcount import AttentionSettings
 
 RULE_KEY = "ortsparse.rule"  # metadata_props key of a new node: the rule that matched what it replaces
 
@@ -75,11 +75,14 @@ class GraphEditor:
         self._node_names.add(name)
         return name
 
-    def replace(self, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node], old_output: ir.Value,
-                new_output: ir.Value, rule: str) -> None:
+    def replace(self, old_nodes: Sequence[ir.Node], new_nodes: Sequence[ir.Node],
+                old_output: ir.Value | Sequence[ir.Value], new_output: ir.Value | Sequence[ir.Value], rule: str) -> None:
         """Put ``new_nodes`` after ``old_output``'s producer, make ``new_output`` take
-        ``old_output``'s place (name, type, shape, every use, graph output), remove ``old_nodes``.
-        The new nodes carry the replaced nodes' metadata (first value wins) and the rule's name."""
+        ``old_output``'s place (name, type, shape, every use, graph output), remove ``old_nodes``
+        (several outputs: pairwise, in order). The new nodes carry the replaced nodes' metadata
+        (first value wins) and the rule's name."""
+        old_outputs = list(old_output) if isinstance(old_output, Sequence) else [old_output]
+        new_outputs = list(new_output) if isinstance(new_output, Sequence) else [new_output]
         merged: dict[str, str] = {RULE_KEY: rule}
         for node in old_nodes:
             for key, value in node.metadata_props.items():
@@ -87,9 +90,10 @@ class GraphEditor:
                     merged[key] = value
         for node in new_nodes:
             node.metadata_props.update(merged)
-        ir.convenience.replace_nodes_and_values(self.graph, old_output.producer(), old_nodes, new_nodes,
-                                                [old_output], [new_output])
-        self._forward[id(old_output)] = new_output
+        ir.convenience.replace_nodes_and_values(self.graph, old_outputs[0].producer(), old_nodes, new_nodes,
+                                                old_outputs, new_outputs)
+        for old, new in zip(old_outputs, new_outputs):
+            self._forward[id(old)] = new
 
     def remove_dead(self, seeds: Sequence[ir.Node]) -> None:
         """Remove the seed nodes and their producers once nothing uses their outputs (and the
@@ -236,15 +240,17 @@ def emit_linear(editor: GraphEditor, preparer: WeightPreparer, name: str, rule: 
 
 
 def emit_attention(editor: GraphEditor, core: AttentionCore, settings: AttentionSettings, opset: int) -> str:
-    """Replace one attention core by PopcountAttention (and the layout ops its form needs);
-    returns the new node's name. The core's other nodes go once nothing else reads them."""
+    """Replace one attention core by the rule's op (and the layout ops its form needs); returns
+    the new node's name. The core's other nodes go once nothing else reads them."""
     anchor = core.anchor
     operands = core.operands.resolved(editor.current)
     hint = operands.name_hint or anchor.name or ""
     prefix = hint.rsplit("/", 1)[0] if "/" in hint else hint
-    name = editor.new_node_name(f"{prefix}/{OP_TYPE}" if prefix else OP_TYPE)
+    new_op = core.rule.new_op
+    name = editor.new_node_name(f"{prefix}/{new_op}" if prefix else new_op)
     op = NodeBuilder()
     output = core.rule.emit(op, operands, anchor, settings, name, opset)
-    editor.replace([anchor], op.nodes, anchor.outputs[0], output, core.rule.rule_name)
+    replaced = anchor.outputs[:len(output)] if isinstance(output, Sequence) else anchor.outputs[0]
+    editor.replace([anchor], op.nodes, replaced, output, core.rule.rule_name)
     editor.remove_dead(operands.nodes[1:])
     return name

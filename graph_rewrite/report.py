@@ -150,7 +150,10 @@ class RewriteReport:
             return []
         verb = "to rewrite" if self.preview else "rewritten"
         done = [a for a in self.attention if a.rewritten]
-        lines = [f"{len(self.attention)} attention core(s), {len(done)} {verb} -> PopcountAttention"
+        ops = Counter(a.new_op for a in done)
+        targets = ", ".join(f"{n} -> {op}" for op, n in ops.items()) if len(ops) > 1 else \
+            (f"-> {next(iter(ops))}" if ops else "")
+        lines = [f"{len(self.attention)} attention core(s), {len(done)} {verb} {targets}".rstrip()
                  + (f" ({done[0].settings.short()})" if done and done[0].settings else "")]
         reasons = Counter(_generic(a.reason) for a in self.attention if not a.rewritten)
         lines.extend(f"  attention skipped {count:4d}  {reason}" for reason, count in reasons.most_common())

@@ -20,7 +20,7 @@ from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, FLOAT32
 from .techniques import TECHNIQUES, LayerWeights
-from .techniques.popcount import OP_TYPE, AttentionSettings
+from .techniques.popcount import AttentionSettings
 
 
 def list_layers(model: onnx.ModelProto | ir.Model, config: RewriteConfig | None = None) -> RewriteReport:
@@ -147,7 +147,8 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
         if settings is None:
             record.reason = why_off
             continue
-        record.decision, record.new_op, record.settings = REWRITTEN, OP_TYPE, settings
+        form_settings = settings.for_form(core.form)
+        record.decision, record.new_op, record.settings = REWRITTEN, core.rule.new_op, form_settings
         record.reason, record.notes = f"rule {core.rule.rule_name}", list(core.operands.notes)
         if editor is None:
             continue
@@ -155,7 +156,7 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
             record.decision, record.new_op, record.settings = SKIPPED, None, None
             record.reason = "its nodes were consumed by an overlapping rewrite"
             continue
-        record.node_name = emit_attention(editor, core, settings, opset)
+        record.node_name = emit_attention(editor, core, form_settings, opset)
     return records
 
 

@@ -1,10 +1,10 @@
 """Attention rules: one module per attention form, each turning a core of that form into
-``ai.ortsparse.PopcountAttention``. The recogniser (graph_rewrite/attention.py) finds the cores
+``ai.ortsparse.PopcountAttention`` (or, for ``com.microsoft.GroupQueryAttention``, its GQA form
+``ai.ortsparse.PopcountGroupQueryAttention``). The recogniser (graph_rewrite/attention.py) finds the cores
 and asks these rules, in order, to analyze them; the replacement (graph_rewrite/replace.py) emits.
 
-Adding a form (e.g. ``com.microsoft.GroupQueryAttention``) = one module with an
-:class:`AttentionRule` (``takes``, ``analyze``, ``emit``) + one line in ``RULES`` (and its q/k/v
-slots in ``attention.FUSED_ATTENTION`` for classification, which it already has).
+Adding a form = one module with an :class:`AttentionRule` (``takes``, ``analyze``, ``emit``) + one
+line in ``RULES`` (and its q/k/v slots in ``attention.FUSED_ATTENTION`` for classification).
 """
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from ..report import AttentionRecord
 from ._base import AttentionRule, Core, Mask, Operand
 from .eager import EagerAttention
 from .ms_attention import MsAttention, MsMultiHeadAttention
+from .ms_group_query_attention import MsGroupQueryAttention
 from .onnx_attention import OnnxAttention
 
-RULES: tuple[AttentionRule, ...] = (OnnxAttention(), MsAttention(), MsMultiHeadAttention(), EagerAttention())
+RULES: tuple[AttentionRule, ...] = (OnnxAttention(), MsAttention(), MsMultiHeadAttention(), MsGroupQueryAttention(),
+                                    EagerAttention())
 RULE_CLASSES: tuple[type[AttentionRule], ...] = tuple(type(rule) for rule in RULES)
 
 

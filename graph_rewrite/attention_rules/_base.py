@@ -364,6 +364,7 @@ class AttentionRule(abc.ABC):
 
     rule_name: ClassVar[str]
     before_after: ClassVar[str]
+    new_op: ClassVar[str] = OP_TYPE  # the ai.ortsparse op the rule emits
 
     @abc.abstractmethod
     def takes(self, anchor: ir.Node) -> bool:
@@ -377,5 +378,6 @@ class AttentionRule(abc.ABC):
 
     def emit(self, op, core: Core, anchor: ir.Node, settings: AttentionSettings, name: str | None,
              opset: int) -> ir.Value:
-        """The replacement of ``anchor``'s output, built with ``op`` (a node builder)."""
+        """The replacement of ``anchor``'s output (or of its first outputs, when a list), built with
+        ``op`` (a node builder)."""
         return emit_attention(op, core, settings, name)

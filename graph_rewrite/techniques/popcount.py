@@ -6,7 +6,11 @@ Settings are the op's attributes that are the user's choice (see design/ops.md);
 Seed mapping (documented in docs/rewriter.md):
 
 - ``--attn=popcount`` -> ``select="popcount"`` (seed 003: bitmap + popcount candidate keys, refined
-  exactly when ``topk > 0``);
+  exactly when ``topk > 0``); on ``com.microsoft.GroupQueryAttention`` cores, ``--attn=popcount`` with
+  every other ``--attn-*`` flag at its default means the recommended setting of that form,
+  :data:`GQA_RECOMMENDED` (the certified page selector, see docs/ops.md);
+- ``--attn=pages`` -> ``select="pages"``: keys grouped in pages with per-page min/max bounds of K,
+  visited best bound first until no unvisited key can enter the top-k (certified top-k);
 - ``--attn=energy`` -> ``select="energy"`` (seed 000's attention side: top keys by ||k||, the same
   key mask for K and V);
 - ``--attn=none`` -> ``select="none"``: the op computes exact attention (used to check a rewrite);
@@ -30,9 +34,11 @@ from ..errors import ConfigError
 from .base import Flag, FlagGroup, Switch, TechniqueSettings
 
 OP_TYPE = "PopcountAttention"
-ATTN_CHOICES = ("popcount", "energy", "none", "off")
+GQA_OP_TYPE = "PopcountGroupQueryAttention"  # the GroupQueryAttention form (graph_rewrite/attention_rules/ms_group_query_attention.py)
+GQA_FORM = "com.microsoft.GroupQueryAttention"
+ATTN_CHOICES = ("popcount", "energy", "pages", "none", "off")
 MODES = ("sign", "binary", "ternary")
-SELECTS = ("popcount", "energy", "none")
+SELECTS = ("popcount", "energy", "pages", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,8 @@ class AttentionSettings(TechniqueSettings):
     pack_cache: int = 1
     center: int = 1
     proj_bits: int = 0
+    page_size: int = 16
+    verify_keys: int = 0  # GroupQueryAttention form only: key-summary reuse checked by row hash
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,20 +78,23 @@ class AttentionSettings(TechniqueSettings):
             problems.append(f"eps={self.eps!r} must be a finite number >= 0")
         if not (isinstance(self.density_max, (int, float)) and 0.0 < self.density_max <= 1.0):
             problems.append(f"density_max={self.density_max!r} must be in (0, 1]")
-        if not (isinstance(self.candidates, (int, float)) and self.candidates >= 1.0 and math.isfinite(self.candidates)):
-            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1")
+        if not (isinstance(self.candidates, (int, float)) and math.isfinite(self.candidates)
+                and (self.candidates >= 1.0 or (self.candidates == 0 and self.select == "pages"))):
+            problems.append(f"candidates={self.candidates!r} must be a finite number >= 1 (pages: or 0, no budget)")
         for name in ("keep_first", "keep_recent"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 problems.append(f"{name}={value!r} must be an integer >= 0")
-        for name in ("pack_cache", "center"):
+        if not (isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and 1 <= self.page_size <= 4096):
+            problems.append(f"page_size={self.page_size!r} must be an integer in [1, 4096]")
+        for name in ("pack_cache", "center", "verify_keys"):
             value = getattr(self, name)
             if value not in (0, 1) or isinstance(value, (bool, float)):
                 problems.append(f"{name}={value!r} must be 0 or 1")
         if not (isinstance(self.proj_bits, int) and not isinstance(self.proj_bits, bool) and self.proj_bits >= 0):
             problems.append(f"proj_bits={self.proj_bits!r} must be an integer >= 0")
-        if self.select == "energy" and self.topk == 0:
-            problems.append("select='energy' needs topk > 0 (the number of keys kept)")
+        if self.select in ("energy", "pages") and self.topk == 0:
+            problems.append(f"select={self.select!r} needs topk > 0 (the number of keys kept)")
         if problems:
             raise ConfigError("invalid attention settings: " + "; ".join(problems))
 
@@ -98,7 +109,18 @@ class AttentionSettings(TechniqueSettings):
                 "eps": float(self.eps), "density_max": float(self.density_max),
                 "candidates": float(self.candidates), "keep_first": int(self.keep_first),
                 "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache),
-                "center": int(self.center), "proj_bits": int(self.proj_bits)}
+                "center": int(self.center), "proj_bits": int(self.proj_bits), "page_size": int(self.page_size)}
+
+    def gqa_attributes(self) -> dict[str, Any]:
+        """The attributes of PopcountGroupQueryAttention: the common ones plus verify_keys."""
+        return {**self.attributes(), "verify_keys": int(self.verify_keys)}
+
+    def for_form(self, form: str) -> AttentionSettings:
+        """The settings a core of ``form`` gets: ``--attn=popcount`` with every other flag at its
+        default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`; anything else as given."""
+        if form == GQA_FORM and self == _PLAIN_POPCOUNT:
+            return GQA_RECOMMENDED
+        return self
 
     def short(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
@@ -115,6 +137,10 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 
 
 _D = AttentionSettings()
+_PLAIN_POPCOUNT = AttentionSettings(select="popcount")
+# The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md).
+GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, page_size=16, keep_first=4,
+                                    keep_recent=256, min_keys=2048)
 
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
 # config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
@@ -122,8 +148,10 @@ ATTENTION_FLAGS = FlagGroup(
     "attention (PopcountAttention); seed 000's --kwta-target=attn|both means --attn=energy when --attn is not given",
     (
         Switch("--attn", field="select", choices=ATTN_CHOICES, default=None,
-               help="rewrite attention cores: popcount (seed 003 selector), energy (seed 000 key filter), none "
-                    "(exact attention in the op, for checking), off (default)"),
+               help="rewrite attention cores: popcount (seed 003 selector; on GroupQueryAttention cores with no "
+                    "other --attn-* flag: the recommended page setting), pages (certified top-k by per-page key "
+                    "bounds), energy (seed 000 key filter), none (exact attention in the op, for checking), "
+                    "off (default)"),
         Flag("--attn-mode", field="mode", choices=MODES, default=_D.mode, help=f"bitmap mode (default {_D.mode})"),
         Flag("--attn-topk", field="topk", type=int, default=_D.topk, metavar="N",
              help=f"keys per query refined exactly; 0 = approximate scores only (default {_D.topk})"),
@@ -135,7 +163,8 @@ ATTENTION_FLAGS = FlagGroup(
              help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact (default "
                   f"{_D.density_max:g}; 1 = never)"),
         Flag("--attn-candidates", field="candidates", type=float, default=_D.candidates, metavar="C",
-             help="selector keeps ceil(C*topk) keys, rescored exactly, best topk attended (default 1)"),
+             help="popcount: the selector keeps ceil(C*topk) keys, rescored exactly, best topk attended; pages: at "
+                  "most ceil(C*topk) keys scored exactly, 0 = no budget (certified top-k) (default 1)"),
         Flag("--attn-keep-first", field="keep_first", type=int, default=_D.keep_first, metavar="N",
              help="first N keys (attention sinks) always kept (default 0)"),
         Flag("--attn-keep-recent", field="keep_recent", type=int, default=_D.keep_recent, metavar="N",
@@ -147,6 +176,12 @@ ATTENTION_FLAGS = FlagGroup(
         Flag("--attn-proj-bits", field="proj_bits", type=int, default=_D.proj_bits, metavar="BITS",
              help="> 0: pack BITS random projections of q/k instead of their D signs (default 0; 256 measured best "
                   "on SmolLM2, docs/ops.md)"),
+        Flag("--attn-page-size", field="page_size", type=int, default=_D.page_size, metavar="N",
+             help=f"--attn=pages: keys per page (default {_D.page_size})"),
+        Flag("--attn-verify-keys", field="verify_keys", type=int, choices=(0, 1), default=_D.verify_keys,
+             help="GroupQueryAttention cores: also check reused key summaries by hashing every reused key row "
+                  "(exact whatever writes the KV buffer, but reads all keys each step; default 0: reuse by "
+                  "provenance, see docs/ops.md)"),
     ),
 )
 

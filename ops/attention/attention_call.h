@@ -46,6 +46,9 @@ struct AttentionCall {
   std::vector<size_t> kv_len;
   std::vector<int64_t> q_pos0;
   MaskView mask;
+  // Per query head [H]: the logit of an extra key with a zero V row in every softmax (an attention
+  // sink, as GroupQueryAttention's head_sink); null: none, or 0 with smooth_softmax.
+  const float* head_sink = nullptr;
   size_t keys(size_t b) const { return kv_len.empty() ? dims.skv : kv_len[b]; }
   int64_t position(size_t b, size_t i) const {
     return (q_pos0.empty() ? static_cast<int64_t>(keys(b)) - static_cast<int64_t>(dims.sq) : q_pos0[b]) +

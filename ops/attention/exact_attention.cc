@@ -45,18 +45,16 @@ void exact_scores(const kernels::KernelSet& kernels, const ScoreParams& p, const
 }
 
 void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead, size_t ldv, size_t dv, size_t lo,
-                const int32_t* rows, size_t n, float* y) {
+                const int32_t* rows, size_t n, float* y, float sink) {
   float mx = kNegInf;
   for (size_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   if (n == 0 || mx == kNegInf) {
     std::fill(y, y + dv, 0.0f);
     return;
   }
-  double sum = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    s[i] = std::exp(s[i] - mx);
-    sum += s[i];
-  }
+  mx = std::max(mx, sink);
+  double sum = sink == kNegInf ? 0.0 : std::exp(static_cast<double>(sink - mx));
+  sum += kernels.attention->exp_sub(s, n, mx, s);
   const float inv = static_cast<float>(1.0 / sum);
   for (size_t i = 0; i < n; ++i) s[i] *= inv;
   kernels.matmul->gemv_rows(vhead + lo * ldv, ldv, rows, s, n, y, dv, false);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "common/error.h"
@@ -36,7 +37,7 @@ std::vector<float> projection_matrix(size_t d, size_t bits) {
   return r;
 }
 
-KeyCacheSlot::KeyCacheSlot(KeySummary summary, bool keep) : summary_(summary), keep_(keep) {
+KeyCacheSlot::KeyCacheSlot(KeySummary summary, bool keep, bool verify) : summary_(summary), keep_(keep), verify_(verify) {
   std::random_device device;
   hash_seed_ = (static_cast<uint64_t>(device()) << 32) ^ device();
 }
@@ -69,13 +70,89 @@ struct HeadPlan {
   size_t reuse = 0;  // leading rows taken from the old cache
 };
 
+// Provenance: rows [0, trusted) of a head are rows this kernel wrote itself into the buffer (since
+// a call that wrote them all from row 0); a call's rows [unchanged, keys) are written by it now.
+// The old cache's buffer is this call's previous buffer (same_buffer) or not.
+std::vector<size_t> trusted_rows(const KeyCache* old, bool same_buffer, const KeyProvenance& provenance, size_t hkv,
+                                 const std::vector<size_t>& keys) {
+  std::vector<size_t> trusted(keys.size(), 0);
+  for (size_t hk = 0; hk < keys.size(); ++hk) {
+    const size_t u = provenance.unchanged[hk / hkv];
+    if (u == 0 || (same_buffer && u <= old->trusted[hk])) {
+      trusted[hk] = keys[hk];  // every row up to keys written by this kernel
+    } else if (same_buffer) {
+      trusted[hk] = std::min(old->trusted[hk], keys[hk]);  // rows [trusted, u) came from elsewhere
+    }
+  }
+  return trusted;
+}
+
+bool same_source(const KeyCache* old, const KeyProvenance& provenance, size_t heads, size_t d) {
+  return old != nullptr && old->heads == heads && old->d == d && old->trusted.size() == heads &&
+         provenance.previous != nullptr && old->source == provenance.previous &&
+         old->source_rows == provenance.previous_rows;
+}
+
+// Page bounds: row x joins page `s` ([max (d), min (d)]); absmax is NaN once a non-finite entry was seen.
+void page_add(float* s, float& absmax, const float* x, size_t d, bool first) {
+  float m = 0.0f;
+  bool finite = true;
+  if (first) {
+    std::copy_n(x, d, s);
+    std::copy_n(x, d, s + d);
+  } else {
+    for (size_t i = 0; i < d; ++i) {
+      s[i] = std::max(s[i], x[i]);
+      s[d + i] = std::min(s[d + i], x[i]);
+    }
+  }
+  for (size_t i = 0; i < d; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    m = std::max(m, std::fabs(x[i]));
+  }
+  if (!finite) {
+    absmax = std::numeric_limits<float>::quiet_NaN();
+  } else if (first) {
+    absmax = m;
+  } else if (!std::isnan(absmax)) {
+    absmax = std::max(absmax, m);
+  }
+}
+
 }  // namespace
 
+void KeyCacheSlot::track(const AttentionCall& call, const KeyProvenance* provenance) const {
+  const AttentionDims& dims = call.dims;
+  if (!keep_ || verify_ || provenance == nullptr || provenance->unchanged.size() != dims.b) return;
+  const size_t heads = dims.b * dims.hkv, d = dims.d;
+  const bool popcount = summary_.select == Selector::kPopcount;
+  std::vector<size_t> keys(heads);
+  for (size_t hk = 0; hk < heads; ++hk) keys[hk] = call.keys(hk / dims.hkv);
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A cache with the facts only (no summaries: the first call that needs them summarises every row
+  // and finds them trusted).
+  auto next = std::make_shared<KeyCache>();
+  next->trusted = trusted_rows(cache_.get(), same_source(cache_.get(), *provenance, heads, d), *provenance, dims.hkv, keys);
+  next->heads = heads;
+  next->d = d;
+  next->packed_dim = popcount && summary_.proj_bits > 0 ? static_cast<size_t>(summary_.proj_bits) : d;
+  next->page = summary_.select == Selector::kPages ? static_cast<size_t>(summary_.page_size) : 0;
+  next->rows.assign(heads, 0);
+  next->bits_set.assign(heads, 0);
+  next->source = provenance->current;
+  next->source_rows = provenance->current_rows;
+  cache_ = std::move(next);
+}
+
 std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call, const kernels::KernelSet& kernels,
-                                                      const TaskRunner& runner, uint64_t& keys_packed) const {
+                                                      const TaskRunner& runner, uint64_t& keys_packed,
+                                                      const KeyProvenance* provenance) const {
   const AttentionDims& dims = call.dims;
   const size_t heads = dims.b * dims.hkv, d = dims.d;
   const bool popcount = summary_.select == Selector::kPopcount;
+  const bool pages = summary_.select == Selector::kPages;
+  const size_t page = pages ? static_cast<size_t>(summary_.page_size) : 0;
+  const bool by_hash = keep_ && (provenance == nullptr || verify_);
   const bool center = popcount && summary_.center;
   const size_t dp = popcount && summary_.proj_bits > 0 ? static_cast<size_t>(summary_.proj_bits) : d;
   size_t max_keys = 0;
@@ -85,7 +162,7 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
     max_keys = std::max(max_keys, plan[hk].keys);
   }
   const size_t need_blocks = (max_keys + kLanes - 1) / kLanes;
-  const std::shared_ptr<const std::vector<uint32_t>> hash_key = keep_ ? hash_key_for(d) : nullptr;
+  const std::shared_ptr<const std::vector<uint32_t>> hash_key = by_hash ? hash_key_for(d) : nullptr;
   const uint32_t* key = hash_key ? hash_key->data() : nullptr;
 
   std::shared_ptr<KeyCache> old;
@@ -94,11 +171,27 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
     old = std::move(cache_);
   }
   const bool compatible = old && old->heads == heads && old->d == d && old->packed_dim == (popcount ? dp : d) &&
-                          old->hash_key == hash_key;
-  // Reuse per head: the leading rows whose stored hash equals this call's row hash. With
-  // centering, the center is the mean of the head's first min(keys, kCenterRows) rows, so a head
-  // is extended only when those rows are all reused and the old cache had at least as many.
-  if (compatible) {
+                          old->hash_key == hash_key && old->page == page;
+  // Reuse per head: by provenance, the rows the caller vouches for when the old cache was taken
+  // from the buffer this call's unchanged rows come from; by hash, the leading rows whose stored
+  // hash equals this call's row hash. With centering, the center is the mean of the head's first
+  // min(keys, kCenterRows) rows, so a head is extended only when those rows are all reused and the
+  // old cache had at least as many.
+  const bool facts = !by_hash && provenance != nullptr && provenance->unchanged.size() == dims.b;
+  const bool same_buffer = compatible && facts && same_source(old.get(), *provenance, heads, d);
+  std::vector<size_t> keys_per_head(heads);
+  for (size_t hk = 0; hk < heads; ++hk) keys_per_head[hk] = plan[hk].keys;
+  std::vector<size_t> trusted =
+      facts ? trusted_rows(old.get(), same_source(old.get(), *provenance, heads, d), *provenance, dims.hkv, keys_per_head)
+            : std::vector<size_t>(heads, 0);
+  if (same_buffer) {
+    for (size_t hk = 0; hk < heads; ++hk) {
+      size_t same = std::min({provenance->unchanged[hk / dims.hkv], old->trusted[hk], old->rows[hk], plan[hk].keys});
+      const size_t center_rows = std::min(plan[hk].keys, kCenterRows);
+      if (center && (same < center_rows || old->rows[hk] < center_rows)) same = 0;
+      plan[hk].reuse = same;
+    }
+  } else if (compatible && by_hash) {
     const kernels::AttentionKernels& attn = *kernels.attention;
     const KeyCache* o = old.get();
     HeadPlan* pl = plan.data();
@@ -138,10 +231,15 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
     n.bits_set.assign(heads, 0);
     n.center.assign(center ? heads * d : 0, 0.0f);
     n.hash_key = hash_key;
-    if (keep_) n.hashes.assign(heads * n.cap_blocks * kLanes * 2, 0);
+    if (by_hash) n.hashes.assign(heads * n.cap_blocks * kLanes * 2, 0);
+    n.page = page;
     if (popcount) {
       n.packed.assign(heads * n.cap_blocks * n.block_words, 0);
       n.gamma.assign(heads * n.cap_blocks * kLanes, 0.0f);
+    } else if (pages) {
+      n.cap_pages = (n.cap_blocks * kLanes + page - 1) / page;
+      n.pages.assign(heads * n.cap_pages * 2 * d, 0.0f);
+      n.page_absmax.assign(heads * n.cap_pages, 0.0f);
     } else {
       n.energy.assign(heads * n.cap_blocks * kLanes, 0.0f);
     }
@@ -153,11 +251,16 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
         if (popcount) {
           std::copy_n(old->head_packed(hk), blocks * n.block_words, n.packed.data() + hk * n.cap_blocks * n.block_words);
           std::copy_n(old->head_gamma(hk), reuse, n.gamma.data() + hk * n.cap_blocks * kLanes);
+        } else if (pages) {
+          const size_t used = (reuse + page - 1) / page;
+          std::copy_n(old->head_pages(hk), used * 2 * d, n.pages.data() + hk * n.cap_pages * 2 * d);
+          std::copy_n(old->head_page_absmax(hk), used, n.page_absmax.data() + hk * n.cap_pages);
         } else {
           std::copy_n(old->head_energy(hk), reuse, n.energy.data() + hk * n.cap_blocks * kLanes);
         }
-        std::copy_n(old->hashes.data() + hk * old->cap_blocks * kLanes * 2, 2 * reuse,
-                    n.hashes.data() + hk * n.cap_blocks * kLanes * 2);
+        if (by_hash)
+          std::copy_n(old->hashes.data() + hk * old->cap_blocks * kLanes * 2, 2 * reuse,
+                      n.hashes.data() + hk * n.cap_blocks * kLanes * 2);
         if (center) std::copy_n(old->center.data() + hk * d, d, n.center.data() + hk * d);
         n.rows[hk] = old->rows[hk];  // the task below recounts bits_set when only a prefix is reused
         n.bits_set[hk] = old->bits_set[hk];
@@ -173,7 +276,7 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   const HeadPlan* pl = plan.data();
   const int mode = static_cast<int>(summary_.mode);
   const float eps = summary_.eps;
-  const bool keep = keep_;
+  const bool hash_rows = by_hash;
   runner.run(heads, [&, kp, pl, proj_p, key](size_t hk) {
     const size_t b = hk / dims.hkv, h = hk % dims.hkv;
     const size_t keys = pl[hk].keys, reuse = pl[hk].reuse;
@@ -204,11 +307,22 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
       }
       kp->bits_set[hk] = bits;
     }
+    float* page_base = pages ? kp->pages.data() + hk * kp->cap_pages * 2 * d : nullptr;
+    float* absmax = pages ? kp->page_absmax.data() + hk * kp->cap_pages : nullptr;
+    if (pages && reuse % page != 0 && reuse < kp->rows[hk]) {
+      // A rewound head: its last reused page also bounds rows past `reuse`; rebuild it from its
+      // reused rows (the rows the caller vouches for, or whose hashes matched).
+      const size_t p = reuse / page;
+      for (size_t j = p * page; j < reuse; ++j) page_add(page_base + p * 2 * d, absmax[p], row(j), d, j == p * page);
+    }
     std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
     for (size_t j = reuse; j < keys; ++j) {
       const float* x = row(j);
-      if (keep) attn.row_hash(x, d, key, kp->hashes.data() + (hk * kp->cap_blocks * kLanes + j) * 2);
-      if (popcount) {
+      if (hash_rows) attn.row_hash(x, d, key, kp->hashes.data() + (hk * kp->cap_blocks * kLanes + j) * 2);
+      if (pages) {
+        const size_t p = j / page;
+        page_add(page_base + p * 2 * d, absmax[p], x, d, j % page == 0);
+      } else if (popcount) {
         if (center) {
           const float* mu = kp->center.data() + hk * d;
           for (size_t i = 0; i < d; ++i) centered[i] = x[i] - mu[i];
@@ -230,6 +344,9 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
     }
     kp->rows[hk] = keys;
   });
+  kc.source = provenance ? provenance->current : nullptr;
+  kc.source_rows = provenance ? provenance->current_rows : 0;
+  kc.trusted = std::move(trusted);
   keys_packed = 0;
   for (const HeadPlan& p : plan) keys_packed += p.keys - p.reuse;
   if (keep_) {

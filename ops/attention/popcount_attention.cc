@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -26,7 +27,8 @@ Selector parse_selector(const std::string& name) {
   if (name == "none") return Selector::kNone;
   if (name == "popcount") return Selector::kPopcount;
   if (name == "energy") return Selector::kEnergy;
-  fail("attribute select='", name, "' is not one of popcount, energy, none");
+  if (name == "pages") return Selector::kPages;
+  fail("attribute select='", name, "' is not one of popcount, energy, pages, none");
 }
 
 const char* pack_mode_name(PackMode mode) {
@@ -41,6 +43,7 @@ const char* selector_name(Selector select) {
   switch (select) {
     case Selector::kPopcount: return "popcount";
     case Selector::kEnergy: return "energy";
+    case Selector::kPages: return "pages";
     default: return "none";
   }
 }
@@ -56,6 +59,7 @@ KeySummary key_summary(const PopcountAttentionConfig& c) {
   s.eps = c.eps;
   s.center = c.center;
   s.proj_bits = c.proj_bits;
+  s.page_size = c.page_size;
   return s;
 }
 
@@ -66,7 +70,25 @@ struct Scratch {
   std::vector<uint32_t> select;
   std::vector<uint64_t> qbits;
   std::vector<float> qproj;
-  uint64_t keys_total = 0, keys_exact = 0;
+  // grouped exact
+  std::vector<float> group_scores, group_weights;
+  // pages
+  std::vector<float> qsplit, bounds, heap_scores;
+  std::vector<int32_t> page_order, heap_rows;
+  uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0, rows_paged = 0, rows_certified = 0;
+
+  void reserve_pages(size_t keys, size_t d, size_t page) {
+    const size_t n_pages = keys / page + 2;
+    if (qsplit.size() < 2 * d) qsplit.resize(2 * d);
+    if (bounds.size() < n_pages) {
+      bounds.resize(n_pages);
+      page_order.resize(n_pages);
+    }
+    if (heap_scores.size() < keys + page) {
+      heap_scores.resize(keys + page);
+      heap_rows.resize(keys + page);
+    }
+  }
 
   void reserve(size_t keys, size_t packed_dim) {
     const size_t pad = ((keys + kLanes - 1) / kLanes + 1) * kLanes + kernels::kIndexSlack;
@@ -150,6 +172,186 @@ void selector_scores(const CallPlan& p, const float* q, size_t hk, const KeyRang
   for (size_t j = 0; j < n; ++j) sel[j] = static_cast<float>(cnt[j]) * gq * gk[j] * p.score.scale;
 }
 
+// Rounding slack of a page bound: both the bound (a dot of length 2D) and an exact q·k (length D)
+// are float sums whose error is at most (length)·2^-24·sum|terms|, and every term is at most
+// |q_d|·max|k| of the page; (4D + 16)·2^-24·|q|_1·max|k| covers both with room.
+float bound_slack(size_t d, float q_abs_sum) {
+  return static_cast<float>((4.0 * static_cast<double>(d) + 16.0) * 0x1.0p-24) * q_abs_sum;
+}
+
+// The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
+// are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
+// (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
+// monotone), orders the pages (ties: lower page first).
+// - candidates = 0 (certified): pages are scored exactly best bound first, keeping the topk best
+//   scores (ties: lower key index), until the next bound is below the k-th best score: no key of an
+//   unvisited page could enter the top-k.
+// - candidates > 0 (budget): the ceil(candidates·topk / page_size) best-bound pages are scored
+//   exactly and their topk best keys kept; the row counts as certified when every other page's
+//   bound is below the k-th kept score.
+// Returns false (caller computes exact attention) when a page or q holds a non-finite value, or an
+// exact score is NaN.
+bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
+                      const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink, float* y,
+                      Scratch& s) {
+  const AttentionDims& dd = p.call->dims;
+  const PopcountAttentionConfig& cfg = *p.config;
+  const kernels::KernelSet& ks = *p.kernels;
+  const KeyCache& kc = *p.keys;
+  const size_t d = dd.d, page = kc.page, n = r.hi - r.lo, topk = static_cast<size_t>(cfg.topk);
+  const size_t first = std::min(n, static_cast<size_t>(cfg.keep_first));
+  const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
+  const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
+  s.reserve_pages(r.hi, d, page);
+  float q_abs = 0.0f;
+  for (size_t i = 0; i < d; ++i) {
+    s.qsplit[i] = std::max(q[i], 0.0f);
+    s.qsplit[d + i] = std::min(q[i], 0.0f);
+    q_abs += std::fabs(q[i]);
+  }
+  if (!std::isfinite(q_abs)) return false;
+  const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
+  float* bound = s.bounds.data();
+  ks.attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg0 * 2 * d, 2 * d, 2 * d, nullptr, npg, bound);
+  const float slack = bound_slack(d, q_abs);
+  const float* absmax = kc.head_page_absmax(hk) + pg0;
+  const ScoreParams& sp = p.score;
+  auto page_keys = [&](size_t t) {
+    return std::make_pair(std::max(mid_lo, (pg0 + t) * page), std::min(mid_hi, (pg0 + t + 1) * page));
+  };
+  for (size_t t = 0; t < npg; ++t) {
+    if (std::isnan(absmax[t])) return false;
+    float b = (bound[t] + slack * absmax[t]) * sp.scale;
+    if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
+    if (m.any()) {
+      const auto [a, e] = page_keys(t);
+      float top = kNegInf;
+      for (size_t j = a; j < e; ++j) top = std::max(top, m.value(j));
+      b = top == kNegInf ? kNegInf : b + top;
+    }
+    bound[t] = b;
+  }
+  int32_t* order = s.page_order.data();
+  for (size_t t = 0; t < npg; ++t) order[t] = static_cast<int32_t>(t);
+  const auto higher_bound_first = [bound](int32_t a, int32_t b) {
+    return bound[a] > bound[b] || (bound[a] == bound[b] && a < b);
+  };
+  float* hs = s.heap_scores.data();  // kept scores (then the protected keys' after them)
+  int32_t* hr = s.heap_rows.data();  // their key indices
+  size_t kept = 0, visited_keys = 0, visited_pages = 0;
+  bool certified = true;
+  auto usable = [](float v) { return v != kNegInf && !(v < kMaskedOut); };
+
+  if (cfg.candidates > 0.0f) {
+    // Budget: the ceil(budget / page_size) best-bound pages, then the top-k of their keys.
+    const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));
+    size_t chosen = std::min(npg, (budget + page - 1) / page);
+    std::nth_element(order, order + chosen, order + npg, higher_bound_first);
+    for (size_t c = 0; c < chosen;) {  // fully masked pages hold no candidate
+      if (bound[order[c]] == kNegInf) {
+        std::swap(order[c], order[--chosen]);
+      } else {
+        ++c;
+      }
+    }
+    std::sort(order, order + chosen);  // ascending key order: ties of the top-k go to the lower key
+    float* scores = s.sel.data();
+    int32_t* rows = s.kept.data();
+    for (size_t c = 0; c < chosen; ++c) {
+      const auto [a, e] = page_keys(static_cast<size_t>(order[c]));
+      for (size_t j = a; j < e; ++j) rows[visited_keys++] = static_cast<int32_t>(j);
+    }
+    // One gathered list: the kernel prefetches along it, across the scattered pages.
+    exact_scores(ks, sp, q, d, khead, ldk, m, 0, rows, visited_keys, scores);
+    visited_pages = chosen;
+    size_t allowed = 0;
+    for (size_t j = 0; j < visited_keys; ++j) {
+      if (std::isnan(scores[j])) return false;
+      if (!usable(scores[j])) {
+        scores[j] = kNegInf;
+      } else {
+        ++allowed;
+      }
+    }
+    int32_t* pick = s.final_rows.data();
+    kept = kernels::select_top_k(*ks.select, scores, visited_keys, std::min(topk, allowed), pick, s.select);
+    float kth = kPosInf;
+    for (size_t t = 0; t < kept; ++t) {
+      hs[t] = scores[pick[t]];
+      hr[t] = rows[pick[t]];
+      kth = std::min(kth, hs[t]);
+    }
+    // Certified when no page left out could hold a key scoring above the k-th kept one.
+    float rest = kNegInf;
+    for (size_t t = chosen; t < npg; ++t) rest = std::max(rest, bound[order[t]]);
+    certified = kept == topk ? rest < kth : rest == kNegInf;
+  } else {
+    // Certified: pages best bound first, a top-k heap whose top is the worst kept key (lower
+    // score, or equal score and higher index), until the next bound cannot beat it.
+    std::make_heap(order, order + npg, [&](int32_t a, int32_t b) { return higher_bound_first(b, a); });
+    const auto better = [hs, hr](uint32_t a, uint32_t b) { return hs[a] > hs[b] || (hs[a] == hs[b] && hr[a] < hr[b]); };
+    std::vector<uint32_t>& slot = s.select;
+    if (slot.size() < topk + 1) slot.resize(topk + 1);
+    uint32_t* heap = slot.data();
+    float* page_scores = s.scores.data();
+    size_t left = npg;
+    while (left > 0) {
+      const int32_t t = order[0];
+      const float b = bound[t];
+      if (b == kNegInf || (kept == topk && b < hs[heap[0]])) break;
+      std::pop_heap(order, order + left, [&](int32_t x, int32_t z) { return higher_bound_first(z, x); });
+      --left;
+      const auto [a, e] = page_keys(static_cast<size_t>(t));
+      exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, page_scores);
+      visited_keys += e - a;
+      ++visited_pages;
+      for (size_t j = 0; j < e - a; ++j) {
+        const float v = page_scores[j];
+        if (std::isnan(v)) return false;
+        if (!usable(v)) continue;
+        const int32_t row = static_cast<int32_t>(a + j);
+        if (kept < topk) {
+          hs[kept] = v;
+          hr[kept] = row;
+          heap[kept] = static_cast<uint32_t>(kept);
+          ++kept;
+          std::push_heap(heap, heap + kept, better);
+        } else {
+          const uint32_t top = heap[0];
+          if (v > hs[top] || (v == hs[top] && row < hr[top])) {
+            std::pop_heap(heap, heap + kept, better);
+            hs[top] = v;
+            hr[top] = row;
+            std::push_heap(heap, heap + kept, better);
+          }
+        }
+      }
+    }
+  }
+  s.pages_total += npg;
+  s.pages_visited += visited_pages;
+  ++s.rows_paged;
+  s.rows_certified += certified ? 1 : 0;
+  // The kept keys: the top-k (hs / hr [0, kept)), then the protected ranges. Their V rows start
+  // their way to cache while the protected keys are scored.
+  const size_t v_bytes = dd.dv * sizeof(float);
+  for (size_t t = 0; t < kept; ++t) {
+    const char* row = reinterpret_cast<const char*>(vhead + static_cast<size_t>(hr[t]) * ldv);
+    for (size_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+  }
+  size_t count = kept;
+  auto protect = [&](size_t a, size_t e) {
+    if (e <= a) return;
+    exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, hs + count);
+    for (size_t j = a; j < e; ++j) hr[count++] = static_cast<int32_t>(j);
+  };
+  protect(r.lo, mid_lo);
+  protect(mid_hi, r.hi);
+  s.keys_exact += visited_keys + (count - kept);
+  softmax_pv(ks, hs, vhead, ldv, dd.dv, 0, hr, count, y, sink);
+  return true;
+}
+
 // One query row: exact attention, or selection + exact refine of the kept keys.
 void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const AttentionCall& c = *p.call;
@@ -165,14 +367,22 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const KeyRange r = key_range(p, b, i);
   const size_t n = r.hi - r.lo;
   const MaskRow m = mask_row(c.mask, b, h, i);
+  const float sink = c.head_sink ? c.head_sink[h] : cfg.smooth_softmax ? 0.0f : kNegInf;
   s.keys_total += n;
   const size_t topk = static_cast<size_t>(cfg.topk);
   auto exact_all = [&]() {
     exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, nullptr, n, s.scores.data());
-    softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, nullptr, n, y);
+    softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
     s.keys_exact += n;
   };
-  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk)) return exact_all();
+  // Rows with few keys are exact: per row, so a prompt's rows select exactly as decode steps would.
+  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk) || n < static_cast<size_t>(cfg.min_keys))
+    return exact_all();
+  if (cfg.select == Selector::kPages) {
+    const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
+    if (n - protected_keys <= topk || !attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s)) exact_all();
+    return;
+  }
 
   float* sel = s.sel.data();
   selector_scores(p, q, hk, r, s);
@@ -182,7 +392,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   }
   add_mask(m, r.lo, sel, n);
   if (topk == 0) {  // pure approximate path: softmax of the approximate scores
-    softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y);
+    softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
     return;
   }
   // Exported models mask with a huge finite value (finfo.min): such keys are out of the selection
@@ -214,7 +424,7 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const size_t count = kernels::select_top_k(*ks.select, sel, n, want, kept, s.select);
   exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, kept, count, s.scores.data());
   s.keys_exact += count;
-  if (count <= topk + forced) return softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, kept, count, y);
+  if (count <= topk + forced) return softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, kept, count, y, sink);
 
   // Oversampled candidates: keep the topk best exact scores among them (plus the protected).
   float* rank = s.sel.data();  // the selector scores are no longer needed
@@ -229,13 +439,115 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     fs[t] = s.scores[static_cast<size_t>(fin[t])];
     fin[t] = kept[static_cast<size_t>(fin[t])];
   }
-  softmax_pv(ks, fs, vhead, ldv, dd.dv, r.lo, fin, nf, y);
+  softmax_pv(ks, fs, vhead, ldv, dd.dv, r.lo, fin, nf, y, sink);
+}
+
+// Exact attention for the query heads that share a KV head, together: within a call whose mask
+// does not depend on the head, the G = H / Hkv queries of one (batch, kv head, position) have the
+// same keys, so each K and V row is read once for all G instead of G times (at long contexts the
+// step is bound by those reads). The keys of a group may be split into parts (tasks of their own,
+// so a decode step with few groups still spreads over the threads); each part yields, per query,
+// its max score m, sum of exp(s - m) and unnormalised output, merged as an online softmax.
+constexpr size_t kChunkKeys = 128;   // K rows scored for every query of the group while in L1
+constexpr size_t kMinPartKeys = 256; // below this a part is not worth a task
+
+// One part [a, e) of group (b, hk, i): scores of the G queries, exp, weighted V rows.
+void exact_group_part(const CallPlan& p, size_t b, size_t hk, size_t i, size_t a, size_t e, float* part_out,
+                      double* part_sum, float* part_max, Scratch& s) {
+  const AttentionCall& c = *p.call;
+  const AttentionDims& dd = c.dims;
+  const kernels::KernelSet& ks = *p.kernels;
+  const size_t G = dd.h / dd.hkv, n = e - a;
+  const float* khead = c.k + c.k_rows.at(b, hk, 0);
+  const float* vhead = c.v + c.v_rows.at(b, hk, 0);
+  const MaskRow m = mask_row(c.mask, b, hk * G, i);  // head-independent mask
+  if (s.group_scores.size() < G * n) s.group_scores.resize(G * n);
+  float* scores = s.group_scores.data();
+  const size_t v_bytes = dd.dv * sizeof(float);
+  for (size_t c0 = a; c0 < e; c0 += kChunkKeys) {
+    const size_t cnt = std::min(kChunkKeys, e - c0);
+    // The chunk's V rows start their way to L2 while its keys are scored (the weighted sum below
+    // then streams them from cache instead of waiting on memory).
+    for (size_t j = c0; j < c0 + cnt; ++j) {
+      const char* row = reinterpret_cast<const char*>(vhead + j * c.v_rows.pos);
+      for (size_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+    }
+    for (size_t g = 0; g < G; ++g) {
+      const float* q = c.q + c.q_rows.at(b, hk * G + g, i);
+      exact_scores(ks, p.score, q, dd.d, khead, c.k_rows.pos, m, c0, nullptr, cnt, scores + g * n + (c0 - a));
+    }
+  }
+  constexpr size_t T = kernels::kTokenTile;
+  if (s.group_weights.size() < T * n) s.group_weights.resize(T * n);
+  float* w = s.group_weights.data();
+  for (size_t g0 = 0; g0 < G; g0 += T) {
+    const size_t tile = std::min(T, G - g0);
+    std::fill(w, w + T * n, 0.0f);
+    for (size_t t = 0; t < tile; ++t) {
+      const float* sg = scores + (g0 + t) * n;
+      float mx = kNegInf;
+      for (size_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+      part_max[g0 + t] = mx;
+      double sum = 0.0;
+      if (mx != kNegInf) {
+        float* e = scores + (g0 + t) * n;  // the scores become their exp(s - max), then interleave
+        sum = ks.attention->exp_sub(sg, n, mx, e);
+        for (size_t j = 0; j < n; ++j) w[j * T + t] = e[j];
+      }
+      part_sum[g0 + t] = sum;
+    }
+    // Unused tile slots carry weight 0; their outputs land in the scratch row past the group's.
+    float y[T * 1024];
+    float* ys = part_out + g0 * dd.dv;
+    const bool direct = tile == T;
+    float* dst = direct ? ys : (dd.dv <= 1024 ? y : nullptr);
+    if (dst == nullptr) {  // dv > 1024 with a partial tile: one query at a time
+      for (size_t t = 0; t < tile; ++t) {
+        std::vector<float> col(n);
+        for (size_t j = 0; j < n; ++j) col[j] = w[j * T + t];
+        ks.matmul->gemv_rows(vhead + a * c.v_rows.pos, c.v_rows.pos, nullptr, col.data(), n, ys + t * dd.dv, dd.dv, false);
+      }
+      continue;
+    }
+    ks.matmul->gemm_rows(vhead + a * c.v_rows.pos, c.v_rows.pos, nullptr, w, n, dst, dd.dv, dd.dv, false);
+    if (!direct) std::copy_n(y, tile * dd.dv, ys);
+  }
+}
+
+// y = the softmax-weighted V rows of a query from its parts' max, sum of exp(s - max) and
+// unnormalised output (part t at maxes[t·stat_stride], sums[t·stat_stride], outs[t·out_stride]),
+// with the sink logit in the normaliser. No attendable key: y = 0.
+void merge_parts(size_t parts, const float* maxes, const double* sums, size_t stat_stride, const float* outs,
+                 size_t out_stride, size_t dv, float sink, float* y) {
+  auto used = [&](size_t t) { return sums[t * stat_stride] > 0.0 || std::isnan(sums[t * stat_stride]); };
+  float top = kNegInf;
+  for (size_t t = 0; t < parts; ++t)
+    if (used(t)) top = std::max(top, maxes[t * stat_stride]);
+  if (top == kNegInf) {
+    std::fill(y, y + dv, 0.0f);
+    return;
+  }
+  const double base = std::max(top, sink);
+  double total = sink == kNegInf ? 0.0 : std::exp(static_cast<double>(sink) - base);
+  double acc[1024];
+  std::vector<double> big(dv > 1024 ? dv : 0);
+  double* sum_v = dv > 1024 ? big.data() : acc;
+  std::fill(sum_v, sum_v + dv, 0.0);
+  for (size_t t = 0; t < parts; ++t) {
+    if (!used(t)) continue;
+    const double f = std::exp(static_cast<double>(maxes[t * stat_stride]) - base);
+    total += sums[t * stat_stride] * f;
+    const float* o = outs + t * out_stride;
+    for (size_t j = 0; j < dv; ++j) sum_v[j] += o[j] * f;
+  }
+  const double inv = 1.0 / total;
+  for (size_t j = 0; j < dv; ++j) y[j] = static_cast<float>(sum_v[j] * inv);
 }
 
 }  // namespace
 
 PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, const kernels::KernelSet& kernels)
-    : config_(config), kernels_(&kernels), keys_(key_summary(config), config.cache_keys) {
+    : config_(config), kernels_(&kernels), keys_(key_summary(config), config.cache_keys, config.verify_keys) {
   if (!std::isfinite(config.scale) || config.scale < 0.0f)
     fail("attribute scale=", config.scale, " must be >= 0 (0: 1/sqrt(D))");
   if (config.topk < 0) fail("attribute topk=", config.topk, " must be >= 0 (0: approximate scores only)");
@@ -247,19 +559,24 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
   if (!(config.eps >= 0.0f)) fail("attribute eps=", config.eps, " must be >= 0");
   if (!(config.density_max > 0.0f && config.density_max <= 1.0f))
     fail("attribute density_max=", config.density_max, " must be in (0, 1] (1: never auto-disable)");
-  if (!(config.candidates >= 1.0f && config.candidates <= 1024.0f))
-    fail("attribute candidates=", config.candidates, " must be in [1, 1024]");
+  if (!(config.candidates >= 1.0f && config.candidates <= 1024.0f) &&
+      !(config.select == Selector::kPages && config.candidates == 0.0f))
+    fail("attribute candidates=", config.candidates, " must be in [1, 1024]",
+         config.select == Selector::kPages ? " (or 0: no budget, certified top-k)" : "");
   if (!(config.softcap >= 0.0f) || !std::isfinite(config.softcap))
     fail("attribute softcap=", config.softcap, " must be a finite number >= 0 (0: none)");
-  if (config.topk == 0 && config.select == Selector::kEnergy)
-    fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='energy' has no "
-         "approximate score");
+  if (config.topk == 0 && (config.select == Selector::kEnergy || config.select == Selector::kPages))
+    fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='",
+         selector_name(config.select), "' has no approximate score");
+  if (config.page_size < 1 || config.page_size > 4096)
+    fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
   if (!popcnt_path_supported(kernels.popcnt_path))
     fail("popcount path ", kernels::popcnt_path_name(kernels.popcnt_path), " is not supported by this CPU");
   if (!isa_supported(kernels.isa)) fail("ISA ", isa_name(kernels.isa), " is not supported by this CPU");
 }
 
-AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunner& runner) const {
+AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunner& runner,
+                                      const KeyProvenance* provenance, float scale) const {
   AttentionStats stats;
   const AttentionDims& dims = call.dims;
   const size_t rows_total = dims.b * dims.h * dims.sq;
@@ -269,13 +586,16 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   size_t max_keys = 0;
   for (size_t b = 0; b < dims.b; ++b) max_keys = std::max(max_keys, call.keys(b));
   CallPlan plan{&call, &config_, kernels_, ScoreParams{}, nullptr};
-  plan.score.scale = config_.scale > 0.0f ? config_.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.d)));
+  plan.score.scale = config_.scale > 0.0f ? config_.scale
+                     : scale > 0.0f          ? scale
+                                             : static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.d)));
   plan.score.softcap = config_.softcap;
   const bool select = config_.select != Selector::kNone && max_keys >= static_cast<size_t>(config_.min_keys) &&
                       max_keys > 0 && (config_.topk == 0 || max_keys > static_cast<size_t>(config_.topk));
   std::shared_ptr<const KeyCache> keys;
+  if (!select && config_.select != Selector::kNone) keys_.track(call, provenance);
   if (select) {
-    keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed);
+    keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed, provenance);
     plan.keys = keys.get();
     if (config_.select == Selector::kPopcount) {
       for (size_t hk = 0; hk < keys->heads; ++hk) {
@@ -290,7 +610,16 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   }
   stats.packed = plan.keys != nullptr;
 
-  const size_t n_tasks = std::min<size_t>(rows_total, 64);
+  // Exact attention with a head-independent mask: the query heads of a KV head together.
+  const bool head_free_mask = (call.mask.keep == nullptr && call.mask.add == nullptr) || call.mask.stride[1] == 0;
+  const bool grouped = plan.keys == nullptr && head_free_mask && dims.hkv > 0 && dims.h % dims.hkv == 0;
+  const size_t G = grouped ? dims.h / dims.hkv : 1;
+  const size_t groups = dims.b * dims.hkv * dims.sq;
+  // Few groups (a decode step): split each group's keys in parts, so every thread has work.
+  const size_t parts = !grouped || groups >= 16 ? 1
+                       : std::max<size_t>(1, std::min((16 + groups - 1) / groups, max_keys / kMinPartKeys));
+  const size_t items = grouped ? groups * parts : rows_total;
+  const size_t n_tasks = std::min<size_t>(items, 64);
   std::unique_ptr<std::vector<Scratch>> pooled;
   {
     std::lock_guard<std::mutex> lock(scratch_mutex_);
@@ -304,20 +633,73 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   if (scratch.size() < n_tasks) scratch.resize(n_tasks);
   const size_t packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : dims.d;
   for (size_t t = 0; t < n_tasks; ++t) {
-    scratch[t].keys_total = scratch[t].keys_exact = 0;
+    scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
+    scratch[t].rows_paged = scratch[t].rows_certified = 0;
     scratch[t].reserve(max_keys, packed_dim);
   }
   Scratch* scratch_p = scratch.data();
   const CallPlan* pp = &plan;
-  runner.run(n_tasks, [=](size_t task) {
-    const AttentionDims& dd = pp->call->dims;
-    const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
-    for (size_t r = begin; r < end; ++r)
-      attend_row(*pp, r / (dd.sq * dd.h), (r / dd.sq) % dd.h, r % dd.sq, scratch_p[task]);
-  });
+  if (grouped) {
+    // Per (item, query of the group): the part's unnormalised output [dv], max and sum.
+    const size_t dv = dims.dv;
+    std::vector<float> outs(items * G * dv), maxes(items * G);
+    std::vector<double> sums(items * G);
+    float* outs_p = outs.data();
+    float* maxes_p = maxes.data();
+    double* sums_p = sums.data();
+    runner.run(n_tasks, [=](size_t task) {
+      const AttentionDims& dd = pp->call->dims;
+      const size_t begin = items * task / n_tasks, end = items * (task + 1) / n_tasks;
+      for (size_t item = begin; item < end; ++item) {
+        const size_t group = item / parts, part = item % parts;
+        const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
+        const KeyRange r = key_range(*pp, b, i);
+        const size_t n = r.hi - r.lo, a = r.lo + n * part / parts, e = r.lo + n * (part + 1) / parts;
+        float* out = outs_p + item * G * dv;
+        float* mx = maxes_p + item * G;
+        double* sm = sums_p + item * G;
+        if (a == e) {
+          std::fill(mx, mx + G, kNegInf);
+          std::fill(sm, sm + G, 0.0);
+        } else {
+          exact_group_part(*pp, b, hk, i, a, e, out, sm, mx, scratch_p[task]);
+        }
+        if (part == 0) {
+          scratch_p[task].keys_total += G * n;
+          scratch_p[task].keys_exact += G * n;
+        }
+      }
+    });
+    runner.run(std::min<size_t>(groups * G, 64), [=](size_t task) {
+      const AttentionCall& c = *pp->call;
+      const AttentionDims& dd = c.dims;
+      const size_t n_rows = groups * G, begin = n_rows * task / std::min<size_t>(n_rows, 64),
+                   end = n_rows * (task + 1) / std::min<size_t>(n_rows, 64);
+      for (size_t row = begin; row < end; ++row) {
+        const size_t group = row / G, g = row % G;
+        const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
+        const size_t h = hk * G + g;
+        const float sink = c.head_sink ? c.head_sink[h] : pp->config->smooth_softmax ? 0.0f : kNegInf;
+        const size_t first = group * parts;
+        merge_parts(parts, maxes_p + first * G + g, sums_p + first * G + g, G, outs_p + first * G * dv + g * dv,
+                    G * dv, dv, sink, c.y + c.y_rows.at(b, h, i));
+      }
+    });
+  } else {
+    runner.run(n_tasks, [=](size_t task) {
+      const AttentionDims& dd = pp->call->dims;
+      const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
+      for (size_t r = begin; r < end; ++r)
+        attend_row(*pp, r / (dd.sq * dd.h), (r / dd.sq) % dd.h, r % dd.sq, scratch_p[task]);
+    });
+  }
   for (size_t t = 0; t < n_tasks; ++t) {
     stats.keys_total += scratch[t].keys_total;
     stats.keys_exact += scratch[t].keys_exact;
+    stats.pages_total += scratch[t].pages_total;
+    stats.pages_visited += scratch[t].pages_visited;
+    stats.rows_paged += scratch[t].rows_paged;
+    stats.rows_certified += scratch[t].rows_certified;
   }
   {
     std::lock_guard<std::mutex> lock(scratch_mutex_);

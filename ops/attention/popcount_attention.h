@@ -1,6 +1,7 @@
 // PopcountAttention: softmax(Q K^T · scale + mask) V where, per query, a cheap selector picks the
-// keys that get exact scores — popcount of bit-packed Q/K (sign, binary or ternary packing) or key
-// energy ||k|| — and the kept keys are refined exactly. select = none is plain exact attention.
+// keys that get exact scores — popcount of bit-packed Q/K (sign, binary or ternary packing), key
+// energy ||k||, or per-page key bounds visited best-first until no unvisited key can enter the
+// top-k (certified) — and the kept keys are refined exactly. select = none is plain exact attention.
 // The pieces: key summaries (key_cache), exact scoring and softmax·V (exact_attention), the
 // shared top-k selector (kernels/top_k); this file plans a call and runs each query row.
 // See docs/ops.md#popcountattention.
@@ -34,7 +35,8 @@ struct PopcountAttentionConfig {
   int64_t min_keys = 1024;   // Skv below this: exact attention
   float eps = 1e-4f;         // binary / ternary threshold
   float density_max = 0.15f; // binary / ternary: key bitmap density above this -> exact for the call
-  float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk
+  float candidates = 1.0f;   // popcount keeps ceil(candidates * topk) keys, exact rescore keeps topk;
+                             // pages: budget of ceil(candidates * topk) exactly scored keys (0: none)
   bool cache_keys = true;    // reuse the previous call's key summaries for unchanged K rows
   int64_t keep_first = 0;    // always keep the first keys (attention sinks) ...
   int64_t keep_recent = 0;   // ... and the last ones of each query's causal range (local window)
@@ -42,6 +44,9 @@ struct PopcountAttentionConfig {
   int64_t proj_bits = 0;     // popcount: > 0 packs R^T x, R a fixed random Gaussian [D, proj_bits]
   float softcap = 0.0f;      // > 0: scores = softcap * tanh(scores / softcap) (GroupQueryAttention)
   int64_t local_window = -1; // >= 0 with causal: query at position p attends keys (p - window, p]
+  int64_t page_size = 16;    // pages: keys per page (bounds of K per page and dim)
+  bool smooth_softmax = false;  // every softmax has one more logit, 0 (or the call's head_sink), with V = 0
+  bool verify_keys = true;   // with a KeyProvenance: still decide key-summary reuse by row hashes
 };
 
 struct AttentionStats {
@@ -51,6 +56,10 @@ struct AttentionStats {
   uint64_t keys_total = 0;   // keys each query could attend (causal range), summed over queries
   uint64_t keys_exact = 0;   // keys that got an exact score, summed over queries
   uint64_t keys_packed = 0;  // key rows summarised by this call; the rest reused
+  uint64_t pages_total = 0;  // pages: pages a query could visit, summed over queries
+  uint64_t pages_visited = 0;
+  uint64_t rows_paged = 0;      // pages: query rows that ran the page selector
+  uint64_t rows_certified = 0;  // ... and stopped because no unvisited key could enter the top-k
 };
 
 class PopcountAttention {
@@ -62,8 +71,11 @@ class PopcountAttention {
   const kernels::KernelSet& kernels() const { return *kernels_; }
 
   // y rows for every query of the call. Queries with no attendable key (all masked, or a causal
-  // range that is empty) get y = 0.
-  AttentionStats run(const AttentionCall& call, const TaskRunner& runner) const;
+  // range that is empty) get y = 0. provenance: what the caller knows about K's rows (key-summary
+  // reuse by provenance, see key_cache.h); null: reuse by row hash. scale: > 0 overrides a config
+  // scale of 0 (the caller's rounding of 1/sqrt(D)).
+  AttentionStats run(const AttentionCall& call, const TaskRunner& runner,
+                     const KeyProvenance* provenance = nullptr, float scale = 0.0f) const;
 
  private:
   PopcountAttentionConfig config_;

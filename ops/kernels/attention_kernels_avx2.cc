@@ -1,7 +1,11 @@
 // AVX2+FMA; only called when the CPU has them.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "kernels/attention_kernels.h"
+#include "kernels/exp_generic.h"
+#include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
 
@@ -14,25 +18,96 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Four rows per step (q loaded once for the four; the four accumulators reduced together with
+// horizontal adds). The tail of d (d % 8) goes through a zero-padded copy of q.
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 s = _mm256_hadd_ps(ab, cd);  // per 128-bit half: [a, b, c, d] partial sums
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 void dot_rows_avx2(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
   constexpr size_t kAhead = 8;  // rows of a gathered list: prefetch ahead (no stride to predict)
-  for (size_t i = 0; i < n; ++i) {
-    const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
-    if (rows && i + kAhead < n) {
-      const char* next = reinterpret_cast<const char*>(k + static_cast<size_t>(rows[i + kAhead]) * ldk);
-      for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+  auto row = [&](size_t i) { return k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk; };
+  const size_t full = d / 8 * 8;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    if (rows && i + kAhead + 4 <= n) {
+      for (size_t r = 0; r < 4; ++r) {
+        const char* next = reinterpret_cast<const char*>(row(i + kAhead + r));
+        for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      }
     }
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    size_t j = 0;
-    for (; j + 16 <= d; j += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(kr + j + 8), a1);
+    const float *k0 = row(i), *k1 = row(i + 1), *k2 = row(i + 2), *k3 = row(i + 3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (size_t j = 0; j < full; j += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + j);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + j), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
     }
-    for (; j + 8 <= d; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
-    float s = hsum(_mm256_add_ps(a0, a1));
-    for (; j < d; ++j) s += q[j] * kr[j];
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, reduce4(a0, a1, a2, a3));
+    for (size_t j = full; j < d; ++j) {
+      sums[0] += q[j] * k0[j];
+      sums[1] += q[j] * k1[j];
+      sums[2] += q[j] * k2[j];
+      sums[3] += q[j] * k3[j];
+    }
+    std::copy_n(sums, 4, out + i);
+  }
+  for (; i < n; ++i) {
+    const float* kr = row(i);
+    __m256 a0 = _mm256_setzero_ps();
+    for (size_t j = 0; j < full; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
+    float s = hsum(a0);
+    for (size_t j = full; j < d; ++j) s += q[j] * kr[j];
     out[i] = s;
   }
+}
+
+// exp_generic.h's algorithm on 8 lanes; 2^n built in the exponent field (n in [-126, 127]: normal),
+// one rounding in the final multiply, as ldexp.
+inline __m256 exp8(__m256 t) {
+  using namespace generic;
+  const __m256 small = _mm256_cmp_ps(t, _mm256_set1_ps(kExpMin), _CMP_LT_OQ);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), t);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpC0), r, _mm256_set1_ps(kExpC1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256 e = _mm256_max_ps(_mm256_min_ps(n, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-126.0f));
+  // n is NaN for a NaN t: keep p (NaN) instead of a garbage power of two.
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127)), 23);
+  const __m256 scaled = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  const __m256 nan = _mm256_cmp_ps(t, t, _CMP_UNORD_Q);
+  return _mm256_andnot_ps(small, _mm256_blendv_ps(scaled, p, nan));
+}
+
+double exp_sub_avx2(const float* x, size_t n, float shift, float* out) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+    _mm256_storeu_ps(out + i, e);
+    acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(acc0, acc1));
+  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < n; ++i) {
+    out[i] = generic::exp_scalar(x[i] - shift);
+    sum += out[i];
+  }
+  return sum;
 }
 
 inline __m256d abs_sum_pd(__m256 a, __m256d acc) {
@@ -129,7 +204,7 @@ void row_hash_avx2(const float* x, size_t d, const uint32_t* key, uint64_t* out)
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx2() {
-  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2};
+  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2, generic::rotate, exp_sub_avx2};
   return table;
 }
 

@@ -2,6 +2,8 @@
 #include <immintrin.h>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/exp_generic.h"
+#include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
 
@@ -9,26 +11,83 @@ namespace {
 
 inline __mmask16 tail_mask(size_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
+// Four rows per step: q is loaded once for the four, and the four accumulators are reduced
+// together (two lane shuffles and two in-lane adds per four rows instead of a full reduction per row).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, s));
+}
+
 void dot_rows_avx512(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out) {
-  constexpr size_t kAhead = 8;  // rows of a gathered list: prefetch ahead (no stride to predict)
-  for (size_t i = 0; i < n; ++i) {
-    const float* kr = k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk;
-    if (rows && i + kAhead < n) {
-      const char* next = reinterpret_cast<const char*>(k + static_cast<size_t>(rows[i + kAhead]) * ldk);
-      for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+  constexpr size_t kAhead = 16;  // rows prefetched ahead
+  auto row = [&](size_t i) { return k + (rows ? static_cast<size_t>(rows[i]) : i) * ldk; };
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    // Rows ahead into L1: a gathered list has no stride to predict, and a strided stream of short
+    // rows (a KV-cache head) outruns the hardware prefetcher.
+    if (i + kAhead + 4 <= n) {
+      for (size_t r = 0; r < 4; ++r) {
+        const char* next = reinterpret_cast<const char*>(row(i + kAhead + r));
+        for (size_t b = 0; b < d * sizeof(float); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      }
     }
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    size_t j = 0;
-    for (; j + 32 <= d; j += 32) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(kr + j), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(kr + j + 16), a1);
+    const float *k0 = row(i), *k1 = row(i + 1), *k2 = row(i + 2), *k3 = row(i + 3);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (size_t j = 0; j < d; j += 16) {
+      const __mmask16 m = d - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - j);
+      const __m512 qv = _mm512_maskz_loadu_ps(m, q + j);
+      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + j), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k1 + j), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k2 + j), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k3 + j), a3);
     }
-    for (; j < d; j += 16) {
+    _mm_storeu_ps(out + i, reduce4(a0, a1, a2, a3));
+  }
+  for (; i < n; ++i) {
+    const float* kr = row(i);
+    __m512 a0 = _mm512_setzero_ps();
+    for (size_t j = 0; j < d; j += 16) {
       const __mmask16 m = d - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - j);
       a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + j), _mm512_maskz_loadu_ps(m, kr + j), a0);
     }
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    out[i] = _mm512_reduce_add_ps(a0);
   }
+}
+
+// exp_generic.h's algorithm on 16 lanes (scalef does the 2^n: exactly ldexp's rounding).
+inline __m512 exp16(__m512 t) {
+  using namespace generic;
+  const __mmask16 small = _mm512_cmp_ps_mask(t, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), t);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC0), r, _mm512_set1_ps(kExpC1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC5));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  const __m512 e = _mm512_max_ps(_mm512_min_ps(n, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-126.0f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~small), _mm512_scalef_ps(p, e));
+}
+
+double exp_sub_avx512(const float* x, size_t n, float shift, float* out) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+    _mm512_mask_storeu_ps(out + i, m, e);
+    const __m512 z = _mm512_maskz_mov_ps(m, e);
+    acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(z)));
+    acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1))));
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
 }
 
 inline __m512d abs_sum_pd(__m512 a, __m512d acc) {
@@ -93,14 +152,15 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
     h0 = _mm512_add_epi64(h0, _mm512_mul_epu32(a0, _mm512_srli_epi64(a0, 32)));
     h1 = _mm512_add_epi64(h1, _mm512_mul_epu32(a1, _mm512_srli_epi64(a1, 32)));
   }
-  // Lanes summed as unsigned (mod 2^64): _mm512_reduce_add_epi64 adds signed, where wrapping is UB.
+  // Lanes summed as unsigned (mod 2^64): GCC's _mm512_reduce_add_epi64 adds signed long longs,
+  // whose wrap-around is undefined behaviour (UBSan reports it).
   alignas(64) uint64_t lanes0[8], lanes1[8];
-  _mm512_store_si512(lanes0, h0);
-  _mm512_store_si512(lanes1, h1);
+  _mm512_store_si512(reinterpret_cast<__m512i*>(lanes0), h0);
+  _mm512_store_si512(reinterpret_cast<__m512i*>(lanes1), h1);
   uint64_t s0 = 0, s1 = 0;
-  for (int i = 0; i < 8; ++i) {
-    s0 += lanes0[i];
-    s1 += lanes1[i];
+  for (size_t l = 0; l < 8; ++l) {
+    s0 += lanes0[l];
+    s1 += lanes1[l];
   }
   out[0] = s0;
   out[1] = s1;
@@ -109,7 +169,7 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx512() {
-  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512};
+  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512, generic::rotate, exp_sub_avx512};
   return table;
 }
 

@@ -2,6 +2,8 @@
 #include <cmath>
 
 #include "kernels/attention_kernels.h"
+#include "kernels/exp_generic.h"
+#include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
 namespace {
@@ -69,7 +71,7 @@ void row_hash_scalar(const float* x, size_t d, const uint32_t* key, uint64_t* ou
 }
 
 const AttentionKernels& attention_kernels_scalar() {
-  static const AttentionKernels table{dot_rows_scalar, pack_row_scalar, row_hash_scalar};
+  static const AttentionKernels table{dot_rows_scalar, pack_row_scalar, row_hash_scalar, generic::rotate, generic::exp_sub};
   return table;
 }
 

@@ -4,52 +4,19 @@
 
 #include "attention/popcount_attention.h"
 #include "common/metrics.h"
+#include "ort/attention_attributes.h"
 #include "ort/matmul_io.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
 namespace {
 
-enum Counter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact, kKeysPacked };
-enum Constant { kEnabled, kMode, kPopcnt };
-
-std::vector<std::pair<std::string, double>> describe_pack(const uint64_t* c, const double* constants) {
-  return {
-      {"pack.enabled", constants[kEnabled]},
-      {"pack.mode", constants[kMode]},
-      {"pack.density", c[kBitsTotal] ? static_cast<double>(c[kBitsSet]) / c[kBitsTotal] : 0.0},
-      {"pack.active", c[kCalls] ? static_cast<double>(c[kPackedCalls]) / c[kCalls] : 0.0},
-      {"pack.popcnt", constants[kPopcnt]},
-      {"pack.keys_exact_ratio", c[kKeysTotal] ? static_cast<double>(c[kKeysExact]) / c[kKeysTotal] : 1.0},
-      {"calls", static_cast<double>(c[kCalls])},
-      {"keys_total", static_cast<double>(c[kKeysTotal])},
-      {"keys_exact", static_cast<double>(c[kKeysExact])},
-      {"keys_packed", static_cast<double>(c[kKeysPacked])},
-  };
-}
-
 attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
-  attention::PopcountAttentionConfig c;
+  attention::PopcountAttentionConfig c = read_selection_attributes(attrs, attention::PopcountAttentionConfig{});
   c.scale = attrs.get_float("scale", 0.0f);
   const int64_t causal = attrs.get_int("is_causal", 0);
   if (causal != 0 && causal != 1) fail("attribute is_causal=", causal, " must be 0 or 1");
   c.causal = causal == 1;
-  c.mode = attention::parse_pack_mode(attrs.get_string("mode", "sign"));
-  c.select = attention::parse_selector(attrs.get_string("select", "popcount"));
-  c.topk = attrs.get_int("topk", 256);
-  c.min_keys = attrs.get_int("min_keys", 1024);
-  c.eps = attrs.get_float("eps", 1e-4f);
-  c.density_max = attrs.get_float("density_max", 0.15f);
-  c.candidates = attrs.get_float("candidates", 1.0f);
-  const int64_t cache = attrs.get_int("pack_cache", 1);
-  if (cache != 0 && cache != 1) fail("attribute pack_cache=", cache, " must be 0 or 1");
-  c.cache_keys = cache == 1;
-  c.keep_first = attrs.get_int("keep_first", 0);
-  c.keep_recent = attrs.get_int("keep_recent", 0);
-  const int64_t center = attrs.get_int("center", 1);
-  if (center != 0 && center != 1) fail("attribute center=", center, " must be 0 or 1");
-  c.center = center == 1;
-  c.proj_bits = attrs.get_int("proj_bits", 0);
   return c;
 }
 
@@ -85,10 +52,11 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     const attention::PopcountAttentionConfig config = read_config(Attributes(info));
     const kernels::KernelSet& kernels = kernel_set_or_fail();
     attention_ = std::make_unique<attention::PopcountAttention>(config, kernels);
-    metrics_ = metrics_slot(kOpName, node(), describe_pack);
+    metrics_ = metrics_slot(kOpName, node(), describe_attention);
     metrics_->set_constant(kEnabled, config.select == attention::Selector::kNone ? 0.0 : 1.0);
     metrics_->set_constant(kMode, static_cast<double>(static_cast<int>(config.mode)));
     metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(kernels.popcnt_path)));
+    metrics_->set_constant(kSelect, static_cast<double>(static_cast<int>(config.select)));
   }
 
   void Compute(OrtKernelContext* raw_context) {
@@ -162,14 +130,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     call.k_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.d);
     call.v_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.dv);
     call.y_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.dv);
-    const attention::AttentionStats stats = attention_->run(call, OrtTaskRunner(raw_context));
-    metrics_->add(kCalls, 1);
-    if (stats.packed) metrics_->add(kPackedCalls, 1);
-    metrics_->add(kBitsSet, stats.bits_set);
-    metrics_->add(kBitsTotal, stats.bits_total);
-    metrics_->add(kKeysTotal, stats.keys_total);
-    metrics_->add(kKeysExact, stats.keys_exact);
-    metrics_->add(kKeysPacked, stats.keys_packed);
+    count_attention(*metrics_, attention_->run(call, OrtTaskRunner(raw_context)));
   }
 
  private:

@@ -55,6 +55,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     domain.Add(ortsparse::ort::event_driven_matmul_op());
     domain.Add(ortsparse::ort::proc_sparse_matmul_op());
     domain.Add(ortsparse::ort::popcount_attention_op());
+    domain.Add(ortsparse::ort::popcount_group_query_attention_op());
     domain.Add(ortsparse::ort::tt_matmul_op());
     Ort::UnownedSessionOptions(options).Add(domain);
     domains->push_back(std::move(domain));  // must outlive every session that uses it

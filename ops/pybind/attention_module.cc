@@ -195,6 +195,40 @@ void register_attention(py::module_& m) {
     bindings::kernel_set(isa).attention->row_hash(x.data(), d, key.data(), out);
     return py::make_tuple(out[0], out[1]);
   }, py::arg("isa"), py::arg("x"), py::arg("key"));
+  // q [D] against rows of keys [N, D] (rows: optional int32 list of row indices).
+  m.def("dot_rows", [](const std::string& isa, FloatArray q, FloatArray keys, py::object rows) {
+    if (q.ndim() != 1 || keys.ndim() != 2 || keys.shape(1) != q.shape(0)) throw py::value_error("q [D], keys [N, D]");
+    py::array_t<int32_t, py::array::c_style | py::array::forcecast> index;
+    size_t n = static_cast<size_t>(keys.shape(0));
+    if (!rows.is_none()) {
+      index = rows.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
+      for (ssize_t i = 0; i < index.size(); ++i)
+        if (index.data()[i] < 0 || index.data()[i] >= keys.shape(0)) throw py::value_error("row out of range");
+      n = static_cast<size_t>(index.size());
+    }
+    FloatArray out = bindings::nan_filled(std::vector<size_t>{n});
+    bindings::kernel_set(isa).attention->dot_rows(q.data(), keys.data(), static_cast<size_t>(keys.shape(1)),
+                                                  static_cast<size_t>(keys.shape(1)), rows.is_none() ? nullptr : index.data(),
+                                                  n, out.mutable_data());
+    return out;
+  }, py::arg("isa"), py::arg("q"), py::arg("keys"), py::arg("rows") = py::none());
+  // Rotary embedding of x [2·half] by cos, sin [half].
+  m.def("rotate", [](const std::string& isa, FloatArray x, FloatArray cos, FloatArray sin, bool interleaved) {
+    const size_t half = static_cast<size_t>(cos.size());
+    if (static_cast<size_t>(sin.size()) != half || static_cast<size_t>(x.size()) != 2 * half)
+      throw py::value_error("x [2·half], cos and sin [half]");
+    FloatArray out = bindings::nan_filled(std::vector<size_t>{2 * half});
+    bindings::kernel_set(isa).attention->rotate(x.data(), cos.data(), sin.data(), half, interleaved ? 1 : 0,
+                                                out.mutable_data());
+    return out;
+  }, py::arg("isa"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("interleaved") = false);
+  // (exp(x - shift), its sum) on one ISA.
+  m.def("exp_sub", [](const std::string& isa, FloatArray x, float shift) {
+    FloatArray out = bindings::nan_filled(std::vector<size_t>{static_cast<size_t>(x.size())});
+    const double sum = bindings::kernel_set(isa).attention->exp_sub(x.data(), static_cast<size_t>(x.size()), shift,
+                                                                    out.mutable_data());
+    return py::make_tuple(out, sum);
+  }, py::arg("isa"), py::arg("x"), py::arg("shift"));
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");
   m.def("popcnt_paths", [] {

@@ -33,7 +33,7 @@ TINY_FILES = sorted(p.name for p in TINY.glob("*.onnx")) if TINY.is_dir() else [
 EXACT = AttentionSettings(select="none")
 ATTN_ONLY = RewriteConfig(attention=EXACT)  # KWTA's auto steps aside
 ATTRIBUTES = {"scale", "is_causal", "mode", "select", "topk", "min_keys", "eps", "density_max", "candidates",
-              "keep_first", "keep_recent", "pack_cache", "center", "proj_bits"}
+              "keep_first", "keep_recent", "pack_cache", "center", "proj_bits", "page_size"}
 
 
 def rewrite(model: onnx.ModelProto, config: RewriteConfig = ATTN_ONLY):
@@ -61,7 +61,7 @@ def assert_close(reference: onnx.ModelProto, rewritten: onnx.ModelProto, feeds, 
 def test_rules_have_before_after_docstrings():
     rules = describe_rules()
     assert [name for name, _, _ in rules] == ["attention_onnx", "attention_ms_attention", "attention_ms_mha",
-                                              "attention_eager"]
+                                              "attention_ms_gqa", "attention_eager"]
     for _, before_after, doc in rules:
         assert "->" in before_after and "Before -> After" in doc
 

@@ -211,7 +211,8 @@ def test_flags_are_data_and_round_trip_through_argparse():
 # declaring them as data must not lose, rename or add one.
 HISTORICAL_FLAGS = """
 --attn --attn-candidates --attn-center --attn-density-max --attn-eps --attn-keep-first --attn-keep-recent
---attn-min-keys --attn-mode --attn-pack-cache --attn-proj-bits --attn-topk --event-age-max --event-axis
+--attn-min-keys --attn-mode --attn-pack-cache --attn-page-size --attn-proj-bits --attn-topk --attn-verify-keys
+--event-age-max --event-axis
 --event-block --event-budget-ms --event-delta-theta --event-driven --event-gap-every --event-gap-tol
 --event-max-gated-rows --event-quorum --event-stale-beta --event-stale-lambda --event-target --event-topk --kwta
 --kwta-block --kwta-duty --kwta-duty-mode --kwta-k --kwta-k-abs --kwta-max-gated-rows --kwta-renorm --kwta-score

@@ -1,0 +1,124 @@
+"""onnxruntime's ``com.microsoft.GroupQueryAttention`` (what onnxruntime-genai's model builder writes
+for every decoder layer) becomes ``ai.ortsparse.PopcountGroupQueryAttention``: the same inputs,
+attributes and outputs plus the selection attributes, so the node is swapped in place and its
+neighbours (the QKV projection, the KV-cache graph inputs/outputs, the rotary caches) are untouched.
+
+Before -> After::
+
+    output, present_key, present_value = com.microsoft.GroupQueryAttention(
+        query, key?, value?, past_key?, past_value?, seqlens_k, total_sequence_length,
+        cos_cache?, sin_cache?, num_heads=H, kv_num_heads=Hkv, scale=s, softcap=c,
+        local_window_size=w, do_rotary=r, rotary_interleaved=i)
+    ->
+    output, present_key, present_value = ai.ortsparse.PopcountGroupQueryAttention(
+        <the same inputs>, <the same attributes>, <settings>)
+
+Packed QKV (key and value empty) and separate Q/K/V, rotary or not, local windows, soft-capping,
+smooth softmax, ``position_ids``, ``attention_bias`` and ``head_sink`` are all taken; the shared
+past/present buffer of onnxruntime-genai needs nothing from the graph (the op sees it at run time).
+Declined (near-misses), because the op does not implement them: the later optional inputs
+(quantized-KV scales, Q/K norm weights, query_seqlens); ``qk_output`` (or an output_qk in use);
+``sliding_window_cache=1``; a quantized KV cache (k/v_quant_type, kv_cache_bit_width); a float16 (or
+any non-float32) query; ``do_rotary=1`` without cos/sin caches.
+"""
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult
+
+from ..rules import DOMAIN, DOMAIN_VERSION
+from ..techniques.popcount import GQA_OP_TYPE, AttentionSettings
+from ._base import AttentionRule, Core, Operand, check_float
+
+MS = "com.microsoft"
+# Input names of the op, by index (onnxruntime >= 1.21 and later releases).
+INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+          "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
+          "k_norm_weight", "query_seqlens")
+SUPPORTED_INPUTS = 12  # query .. head_sink
+# GroupQueryAttention attributes the op reads (passed through as given); others are dropped.
+PASSED_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
+                     "rotary_interleaved", "causal", "smooth_softmax")
+
+
+def _refusal(anchor: ir.Node) -> str | None:
+    """Why the op cannot take this node (None: it can)."""
+    inputs = list(anchor.inputs)
+    used = [f"{index} ({INPUTS[index] if index < len(INPUTS) else '?'})"
+            for index, value in enumerate(inputs) if value is not None and index >= SUPPORTED_INPUTS]
+    if used:
+        return f"uses input(s) {', '.join(used)}, which PopcountGroupQueryAttention does not implement"
+    attributes = anchor.attributes
+    if attributes.get_int("num_heads", 0) <= 0 or attributes.get_int("kv_num_heads", 0) <= 0:
+        return "has no num_heads / kv_num_heads > 0"
+    if attributes.get_int("qk_output", 0):
+        return f"has qk_output={attributes.get_int('qk_output', 0)} (not implemented)"
+    if attributes.get_int("sliding_window_cache", 0):
+        return "has sliding_window_cache=1 (window-sized KV buffers: not implemented)"
+    for name in ("k_quant_type", "v_quant_type"):
+        if attributes.get_string(name, "NONE") != "NONE":
+            return f"has {name}={attributes.get_string(name, 'NONE')!r} (quantized KV cache: not implemented)"
+    if attributes.get_int("kv_cache_bit_width", 0):
+        return "has a quantized KV cache (kv_cache_bit_width): not implemented"
+    if len(anchor.outputs) > 3 and (anchor.outputs[3].uses() or anchor.outputs[3].is_graph_output()):
+        return "has its output_qk in use (not implemented)"
+    if len(anchor.outputs) < 3 or any(out.name == "" for out in anchor.outputs[1:3]):
+        return "has no present_key / present_value outputs"
+    if attributes.get_int("do_rotary", 0) and (len(inputs) < 9 or inputs[7] is None or inputs[8] is None):
+        return "has do_rotary=1 but no cos_cache / sin_cache"
+    return None
+
+
+class MsGroupQueryAttention(AttentionRule):
+    rule_name = "attention_ms_gqa"
+    before_after = ("com.microsoft.GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, ...) -> "
+                    "PopcountGroupQueryAttention(<the same inputs>)")
+    new_op = GQA_OP_TYPE
+
+    def takes(self, anchor: ir.Node) -> bool:
+        return anchor.domain == MS and anchor.op_type == "GroupQueryAttention"
+
+    def analyze(self, anchor: ir.Node, opset: int) -> tuple[MatchResult, Core | None]:
+        result = MatchResult()
+        why = _refusal(anchor)
+        if why is not None:
+            return result.fail(f"GroupQueryAttention '{anchor.name}' {why}", anchor), None
+        inputs = list(anchor.inputs) + [None] * (SUPPORTED_INPUTS - len(anchor.inputs))
+        query, key, value = inputs[:3]
+        if query is None:
+            return result.fail(f"GroupQueryAttention '{anchor.name}' has no query", anchor), None
+        if (key is None) != (value is None):
+            return result.fail(f"GroupQueryAttention '{anchor.name}' has only one of key / value", anchor), None
+        for operand, what in ((query, "query"), (key, "key"), (value, "value"), (inputs[3], "past_key")):
+            if operand is None:
+                continue
+            check = check_float(operand, f"GroupQueryAttention '{anchor.name}' {what}")
+            if not check:
+                return check, None
+        attributes = anchor.attributes
+        packed = key is None
+        core = Core(q=Operand(query), k=Operand(query if packed else key), v=Operand(query if packed else value),
+                    scale=attributes.get_float("scale", 0.0), is_causal=attributes.get_int("causal", 1),
+                    nodes=[anchor], name_hint=anchor.name or "")
+        core.notes.append("packed QKV" if packed else "separate Q, K, V")
+        if attributes.get_int("do_rotary", 0):
+            core.notes.append("rotary" + (" (interleaved)" if attributes.get_int("rotary_interleaved", 0) else ""))
+        if attributes.get_int("local_window_size", -1) > 0:
+            core.notes.append(f"local window {attributes.get_int('local_window_size', -1)}")
+        if attributes.get_float("softcap", 0.0) > 0.0:
+            core.notes.append(f"softcap {attributes.get_float('softcap', 0.0):g}")
+        if inputs[3] is None:
+            core.notes.append("no past (prompt only)")
+        return result, core
+
+    def emit(self, op, core: Core, anchor: ir.Node, settings: AttentionSettings, name: str | None,
+             opset: int) -> list[ir.Value]:
+        inputs = list(anchor.inputs[:SUPPORTED_INPUTS])
+        inputs[0] = core.q.value
+        if inputs[1] is not None:
+            inputs[1], inputs[2] = core.k.value, core.v.value
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attributes = {attr.name: attr.value for attr in anchor.attributes.values() if attr.name in PASSED_ATTRIBUTES}
+        return list(op.op(GQA_OP_TYPE, *inputs, _domain=DOMAIN, _version=DOMAIN_VERSION, _outputs=3, _name=name,
+                          **attributes, **settings.gqa_attributes()))

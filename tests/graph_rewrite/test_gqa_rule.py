@@ -1,0 +1,229 @@
+"""com.microsoft.GroupQueryAttention -> ai.ortsparse.PopcountGroupQueryAttention (rule
+attention_ms_gqa): the node is swapped in place (same inputs, outputs and attributes plus the
+selection settings), near-misses say why, --attn=popcount alone means the recommended setting of the
+form, and the real onnxruntime-genai SmolLM2 folders (fp32, int8, int4) are rewritten whole and run
+in onnxruntime_genai's Generator (slow)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import ortsparse
+from ortsparse.graph_rewrite import RewriteConfig, list_layers, rewrite_model
+from ortsparse.graph_rewrite.techniques.popcount import GQA_RECOMMENDED, AttentionSettings
+
+EXACT = RewriteConfig(attention=AttentionSettings(select="none"))
+H, HKV, D, HIDDEN = 4, 2, 16, 32
+
+
+def genai_layer(*, packed=True, rotary=True, dtype=TensorProto.FLOAT, extra_inputs=(), outputs=3, **attrs):
+    """One decoder layer's attention as the model builder writes it: x -> MatMul(Wqkv) -> GQA with the
+    KV cache as graph inputs / outputs, seqlens_k and total_sequence_length graph inputs."""
+    rng = np.random.default_rng(0)
+    width = (H + 2 * HKV) * D if packed else H * D
+    nodes = [helper.make_node("MatMul", ["x", "w_q"], ["q"], name="/layers.0/attn/q_proj/MatMul")]
+    inits = [numpy_helper.from_array(rng.standard_normal((HIDDEN, width)).astype(np.float32) * 0.2, "w_q")]
+    if not packed:
+        for n in ("k", "v"):
+            nodes.append(helper.make_node("MatMul", ["x", f"w_{n}"], [n], name=f"/layers.0/attn/{n}_proj/MatMul"))
+            inits.append(numpy_helper.from_array(rng.standard_normal((HIDDEN, HKV * D)).astype(np.float32) * 0.2,
+                                                 f"w_{n}"))
+    if rotary:
+        angle = rng.random((64, D // 2)).astype(np.float32) * 6.28
+        inits += [numpy_helper.from_array(np.cos(angle), "cos_cache"), numpy_helper.from_array(np.sin(angle), "sin_cache")]
+    inputs = ["q", "" if packed else "k", "" if packed else "v", "past_key", "past_value", "seqlens_k", "total",
+              "cos_cache" if rotary else "", "sin_cache" if rotary else "", *extra_inputs]
+    node_attrs = dict(num_heads=H, kv_num_heads=HKV, scale=0.25, do_rotary=int(rotary), rotary_interleaved=0,
+                      local_window_size=-1, softcap=0.0)
+    node_attrs.update(attrs)
+    outs = ["attn_out", "present_key", "present_value", "output_qk"][:outputs]
+    nodes.append(helper.make_node("GroupQueryAttention", inputs, outs, name="/layers.0/attn/GroupQueryAttention",
+                                  domain="com.microsoft", **node_attrs))
+    graph_inputs = [helper.make_tensor_value_info("x", dtype, ["b", "s", HIDDEN]),
+                    helper.make_tensor_value_info("past_key", dtype, ["b", HKV, "p", D]),
+                    helper.make_tensor_value_info("past_value", dtype, ["b", HKV, "p", D]),
+                    helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
+                    helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    for name in extra_inputs:
+        if name:
+            graph_inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    graph_outputs = [helper.make_tensor_value_info("attn_out", dtype, ["b", "s", H * D]),
+                     helper.make_tensor_value_info("present_key", dtype, ["b", HKV, "t", D]),
+                     helper.make_tensor_value_info("present_value", dtype, ["b", HKV, "t", D])]
+    if outputs > 3:
+        graph_outputs.append(helper.make_tensor_value_info("output_qk", dtype, None))
+    graph = helper.make_graph(nodes, "layer", graph_inputs, graph_outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=9)
+
+
+def gqa_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "PopcountGroupQueryAttention" and n.domain == "ai.ortsparse"]
+
+
+def attrs_of(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def feeds(rng, past=6, new=1):
+    x = rng.standard_normal((1, new, HIDDEN)).astype(np.float32)
+    pk = np.zeros((1, HKV, 16, D), np.float32)
+    pv = np.zeros((1, HKV, 16, D), np.float32)
+    pk[:, :, :past] = rng.standard_normal((1, HKV, past, D))
+    pv[:, :, :past] = rng.standard_normal((1, HKV, past, D))
+    return {"x": x, "past_key": pk, "past_value": pv, "seqlens_k": np.array([past + new - 1], np.int32),
+            "total": np.array(past + new, np.int32)}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("rotary", [True, False])
+def test_swapped_in_place_and_exact(packed, rotary, rng):
+    model = genai_layer(packed=packed, rotary=rotary)
+    out, report = rewrite_model(model, EXACT)
+    (node,) = gqa_nodes(out)
+    assert not [n for n in out.graph.node if n.op_type == "GroupQueryAttention"]
+    assert list(node.output) == ["attn_out", "present_key", "present_value"]
+    assert [o.name for o in out.graph.output] == ["attn_out", "present_key", "present_value"]
+    a = attrs_of(node)
+    assert a["num_heads"] == H and a["kv_num_heads"] == HKV and a["scale"] == 0.25 and a["select"] == b"none"
+    assert a["do_rotary"] == int(rotary) and a["verify_keys"] == 0
+    record = report.attention[0]
+    assert record.rule == "attention_ms_gqa" and record.new_op == "PopcountGroupQueryAttention"
+    assert ("packed QKV" if packed else "separate Q, K, V") in record.notes
+    data = feeds(rng)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)
+    actual = ortsparse.inference_session(out).run(None, data)
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert np.array_equal(actual[1], expected[1]) and np.array_equal(actual[2], expected[2])
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(extra_inputs=("", "", "", "k_scale")), "uses input(s) 12 (k_scale)"),
+    (dict(qk_output=1), "qk_output=1"),
+    (dict(outputs=4), "output_qk in use"),
+    (dict(sliding_window_cache=1), "sliding_window_cache=1"),
+    (dict(k_quant_type="PER_CHANNEL"), "k_quant_type='PER_CHANNEL'"),
+    (dict(kv_cache_bit_width=4), "kv_cache_bit_width"),
+    (dict(dtype=TensorProto.FLOAT16), "has dtype FLOAT16"),
+    (dict(rotary=False, do_rotary=1), "do_rotary=1 but no cos_cache / sin_cache"),
+])
+def test_near_misses_say_why(kwargs, reason):
+    model = genai_layer(**kwargs)
+    report = list_layers(model, EXACT)
+    record = report.attention[0]
+    assert not record.rewritten and reason in record.reason, record.reason
+    out, _ = rewrite_model(model, EXACT)
+    assert not gqa_nodes(out)
+
+
+def test_extra_inputs_are_passed_through(rng):
+    model = genai_layer(extra_inputs=("", "", "head_sink"), smooth_softmax=1)
+    out, report = rewrite_model(model, EXACT)
+    (node,) = gqa_nodes(out)
+    assert list(node.input)[11] == "head_sink" and attrs_of(node)["smooth_softmax"] == 1
+    data = {**feeds(rng), "head_sink": rng.standard_normal(H).astype(np.float32)}
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)
+    actual = ortsparse.inference_session(out).run(None, data)
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+def _config(argv):
+    from ortsparse.cli import add_rewrite_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_rewrite_arguments(parser)
+    return config_from_args(parser.parse_args(["in.onnx", *argv]))
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--attn=popcount"], GQA_RECOMMENDED),
+    (["--attn=popcount", "--attn-topk=64"], AttentionSettings(select="popcount", topk=64)),
+    (["--attn=pages", "--attn-page-size=8", "--attn-verify-keys=1", "--attn-candidates=0"],
+     AttentionSettings(select="pages", page_size=8, verify_keys=1, candidates=0.0)),
+    (["--attn=none"], AttentionSettings(select="none")),
+])
+def test_flags_give_the_node_its_settings(argv, expected):
+    out, report = rewrite_model(genai_layer(), _config(argv))
+    (node,) = gqa_nodes(out)
+    assert report.attention[0].settings == expected
+    a = attrs_of(node)
+    for name, value in expected.gqa_attributes().items():
+        got = a[name].decode() if isinstance(a[name], bytes) else a[name]
+        assert got == pytest.approx(value), name
+
+
+def test_recommended_setting_is_selective_and_valid():
+    assert GQA_RECOMMENDED.select == "pages" and not GQA_RECOMMENDED.exact
+    assert AttentionSettings(select="popcount").for_form("eager") == AttentionSettings(select="popcount")
+
+
+def test_linear_rewrite_of_the_projection_feeds_the_new_node(rng):
+    """KWTA on the QKV projection and the attention swap in one pass: the new node reads the KWTA output."""
+    from configs import kwta
+
+    model = genai_layer()
+    out, report = rewrite_model(model, kwta("all", k_frac=1.0, attention=AttentionSettings(select="none")))
+    (node,) = gqa_nodes(out)
+    producer = {o: n for n in out.graph.node for o in n.output}[node.input[0]]
+    assert producer.op_type == "KwtaBlockMatMul"
+    data = feeds(rng)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)
+    actual = ortsparse.inference_session(out).run(None, data)
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rewritten_node_is_no_candidate_again():
+    out, _ = rewrite_model(genai_layer(), EXACT)
+    report = list_layers(out, EXACT)
+    assert report.attention == [] and report.attention_cores == 1
+
+
+# -- real onnxruntime-genai folders ------------------------------------------------------------
+
+MODELS = Path.home() / ".cache" / "ortsparse" / "models" / "smollm2"
+
+
+def _greedy(folder: Path, ids, n: int):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + n, batch_size=1)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(ids, dtype=np.int32))
+    out = []
+    while not generator.is_done() and len(out) < n:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["genai-fp32", "genai-int8", "genai-int4"])
+@pytest.mark.parametrize("argv", [["--attn=none"], ["--attn=popcount"]], ids=["none", "popcount"])
+def test_genai_folders_are_rewritten_and_generate(variant, argv, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    from ortsparse.graph_rewrite.genai import LIBRARY_FILE, rewrite_genai_folder
+
+    source = MODELS / variant
+    if not (source / "genai_config.json").is_file():
+        pytest.skip(f"{source} missing (build the genai models first)")
+    out = tmp_path / variant
+    report = rewrite_genai_folder(source, out, _config(argv)).report
+    done = [a for a in report.attention if a.rewritten]
+    assert len(done) == 30 and all(a.rule == "attention_ms_gqa" for a in done)
+    config = json.loads((out / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["custom_ops_library"] == LIBRARY_FILE
+    assert (out / LIBRARY_FILE).is_file()
+    ids = np.load(MODELS / "corpus_britannica.npy")[:120].tolist()
+    tokens = _greedy(out, ids, 20)
+    assert len(tokens) == 20
+    if variant == "genai-fp32" and argv == ["--attn=none"]:
+        assert tokens == _greedy(source, ids, 20)
