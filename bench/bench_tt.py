@@ -1,6 +1,6 @@
 """TTMatMul vs ORT's MatMul on the same shapes, same process, alternating A B A B, medians; each
 speedup is set against the FLOP ratio (dense multiply-adds / TT multiply-adds per token). The
-target is speedup >= 0.7 x FLOP ratio (issue 7).
+target is speedup >= 0.7 x FLOP ratio.
 
 Cores are random (speed does not depend on their values); layouts: ``lowrank`` (d = 2,
 W = U V, in_modes [K, 1], out_modes [1, N]) at several ranks, and ``balanced`` d = 3 TT-matrices.

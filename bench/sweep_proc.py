@@ -3,7 +3,7 @@ top-1 agreement on the full-sequence export, MiniLM sentence-embedding cosine, m
 targeted layers, and optionally decode speed on the KV export. Writes JSON, markdown and a PNG
 (dppl and cosine vs fanout; speedup vs dppl when --speed).
 
-Selection variants (issue 5, item 5): --scores delta (the seed's ||W_b - base_b||) and wanda
+Selection variants: --scores delta (||W_b - base_b||) and wanda
 (||W_b - base_b|| * E||x_b||, E over calibration windows taken *after* the evaluation windows).
 
 usage: python bench/sweep_proc.py --targets down --fanouts 0.9 0.75 --windows 2 [--minilm] [--speed]

@@ -50,7 +50,7 @@ def compose(layer_name: str, chosen: Mapping[str, Any]) -> tuple[str, dict[str, 
 
 
 def check_attention(config) -> None:
-    """Seed 001: popcount-approximate attention scores (no exact refine) and event-driven on
+    """Popcount-approximate attention scores (no exact refine) and event-driven on
     attention must not share a score. ``config`` is a RewriteConfig; event-driven is the registry's
     ``event`` technique when it exists."""
     from .techniques.popcount import check_composition

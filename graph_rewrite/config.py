@@ -239,7 +239,7 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
         kwta = RewriteConfig(techniques=choices, overrides=overrides).choice("kwta")
         if kwta.enabled and kwta.target in ("attn", "both"):
             attention = attention_from_flags(values, select="energy")
-            why = f"--kwta-target={kwta.target} (seed 000: low-energy keys dropped -> select=energy)"
+            why = f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)"
             choices["kwta"] = kwta
     config = RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
     check_attention(config)

@@ -1,4 +1,4 @@
-"""Event-driven (seed 001): per row stream, refresh only the input blocks that changed most since
+"""Event-driven: per row stream, refresh only the input blocks that changed most since
 they were last used and reuse the rest -> ``EventDrivenMatMul``.
 
 With KWTA chosen for the same layer, KWTA becomes the event gate's candidate prior (``kwta_k``:

@@ -1,4 +1,4 @@
-"""KWTA (seed 000): per token, keep the top-K input blocks by score -> ``KwtaBlockMatMul``.
+"""KWTA: per token, keep the top-K input blocks by score -> ``KwtaBlockMatMul``.
 
 Float32 weights and MatMulNBits' quantized ones alike (the op's quantized form takes B, scales and
 zero points as stored, with K, N, bits and block_size).
@@ -38,7 +38,7 @@ KWTA_DUTY_MODES = ("dense", "hold")
 
 @dataclasses.dataclass(frozen=True)
 class KwtaSettings(TechniqueSettings):
-    """Attributes of ``KwtaBlockMatMul`` (see design/ops.md). ``block`` defaults to 1 (single rows:
+    """Attributes of ``KwtaBlockMatMul`` (see docs/ops.md). ``block`` defaults to 1 (single rows:
     measured best for quality), not to a vectorisation-friendly 16/32."""
 
     label: ClassVar[str] = "KWTA"

@@ -1,4 +1,4 @@
-"""State-pack bitmap gate (seed 003, MLP side): per token, skip the input blocks whose activations
+"""State-pack bitmap gate (MLP side): per token, skip the input blocks whose activations
 are all |x| <= eps -> ``KwtaBlockMatMul`` with ``pack_*`` attributes and k_frac = 1 (exact when
 eps = 0). Default target: MLP down-projections, whose inputs are the ones that can be sparse.
 
@@ -89,7 +89,7 @@ class Pack(Technique):
              help=f"a call whose active-block density is above RHO runs without the bitmap (default "
                   f"{_D.density_max}; 1 = never)"),
         Flag("--state-pack-popcnt", action="store_true",
-             help="accepted for the seed's flag set: the popcount path (VPOPCNTDQ, POPCNT, portable) is always "
+             help="accepted for compatibility: the popcount path (VPOPCNTDQ, POPCNT, portable) is always "
                   "chosen at run time; ORTSPARSE_POPCNT forces one"),
         Flag("--state-pack-block", field="block", type=int, default=_D.block, metavar="ROWS",
              help=f"rows of W per block (default {_D.block}; with KWTA on the layer, KWTA's block is used)"),

@@ -1,25 +1,25 @@
 """Attention technique: attention cores -> ``ai.ortsparse.PopcountAttention``.
 
-Settings are the op's attributes that are the user's choice (see design/ops.md); ``scale`` and
+Settings are the op's attributes that are the user's choice (see docs/ops.md); ``scale`` and
 ``is_causal`` come from the matched graph, never from the user.
 
-Seed mapping (documented in docs/rewriter.md):
+Flag mapping (documented in docs/rewriter.md):
 
-- ``--attn=popcount`` -> ``select="popcount"`` (seed 003: bitmap + popcount candidate keys, refined
+- ``--attn=popcount`` -> ``select="popcount"`` (bitmap + popcount candidate keys, refined
   exactly when ``topk > 0``); on ``com.microsoft.GroupQueryAttention`` cores, ``--attn=popcount`` with
   every other ``--attn-*`` flag at its default means the recommended setting of that form,
-  :data:`GQA_RECOMMENDED` (the certified page selector, see docs/ops.md);
+  :data:`GQA_RECOMMENDED` (the budgeted page selector, see docs/ops.md);
 - ``--attn=pages`` -> ``select="pages"``: keys grouped in pages with per-page min/max bounds of K,
   visited best bound first until no unvisited key can enter the top-k (certified top-k);
-- ``--attn=energy`` -> ``select="energy"`` (seed 000's attention side: top keys by ||k||, the same
+- ``--attn=energy`` -> ``select="energy"`` (KWTA's attention side: top keys by ||k||, the same
   key mask for K and V);
 - ``--attn=none`` -> ``select="none"``: the op computes exact attention (used to check a rewrite);
 - ``--attn=off`` (default) -> no attention rewrite;
-- seed 000's ``--kwta-target=attn|both``, when ``--attn`` is not given and KWTA is on (``--kwta=on``
-  or its ``auto`` default), also turns attention on as ``energy`` (``config.config_from_flags``): the seed's "filter low-energy keys, same mask for K/V" is exactly
+- ``--kwta-target=attn|both``, when ``--attn`` is not given and KWTA is on (``--kwta=on``
+  or its ``auto`` default), also turns attention on as ``energy`` (``config.config_from_flags``): KWTA on attention ("filter low-energy keys, same mask for K/V") is exactly
   ``select="energy"``; the q/k/v/out projections keep their KWTA meaning.
 
-Composition (seed 001): popcount-approximate scores (``select="popcount"`` with ``topk = 0``, no exact
+Composition: popcount-approximate scores (``select="popcount"`` with ``topk = 0``, no exact
 refine) must not be combined with event-driven on attention: event-driven would reuse stale
 approximate scores with no dense refine. :func:`check_composition` raises for that combination.
 """
@@ -127,12 +127,12 @@ class AttentionSettings(TechniqueSettings):
 
 
 def check_composition(settings: AttentionSettings | None, event_on_attention: bool) -> None:
-    """Seed 001: no popcount-approximate and event-driven on the same score without refine."""
+    """No popcount-approximate and event-driven on the same score without refine."""
     if settings is None or not event_on_attention:
         return
     if settings.select == "popcount" and settings.topk == 0:
         raise ConfigError("popcount-approximate attention scores (--attn=popcount with --attn-topk=0: no exact "
-                          "refine) cannot be combined with event-driven on attention (seed 001); set "
+                          "refine) cannot be combined with event-driven on attention; set "
                           "--attn-topk > 0 or take attention out of --event-target")
 
 
@@ -145,12 +145,12 @@ GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, pa
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
 # config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
 ATTENTION_FLAGS = FlagGroup(
-    "attention (PopcountAttention); seed 000's --kwta-target=attn|both means --attn=energy when --attn is not given",
+    "attention (PopcountAttention); --kwta-target=attn|both means --attn=energy when --attn is not given",
     (
         Switch("--attn", field="select", choices=ATTN_CHOICES, default=None,
-               help="rewrite attention cores: popcount (seed 003 selector; on GroupQueryAttention cores with no "
+               help="rewrite attention cores: popcount (bitmap + popcount key selector; on GroupQueryAttention cores with no "
                     "other --attn-* flag: the recommended page setting), pages (certified top-k by per-page key "
-                    "bounds), energy (seed 000 key filter), none (exact attention in the op, for checking), "
+                    "bounds), energy (keys by norm), none (exact attention in the op, for checking), "
                     "off (default)"),
         Flag("--attn-mode", field="mode", choices=MODES, default=_D.mode, help=f"bitmap mode (default {_D.mode})"),
         Flag("--attn-topk", field="topk", type=int, default=_D.topk, metavar="N",

@@ -1,4 +1,4 @@
-"""Proc-sparse (seed 002): W -> hash base + per output unit the deltas of its top-`fanout` K-blocks
+"""Proc-sparse: W -> hash base + per output unit the deltas of its top-`fanout` K-blocks
 -> ``ProcSparseMatMul``. A weight technique (exclusive per layer); KWTA chosen for the same layer
 becomes the op's gate (``kwta_*`` attributes, the composed mode).
 
@@ -29,8 +29,8 @@ class ProcSettings(TechniqueSettings):
 
     fanout: kept K-blocks per output unit; fanout_frac > 0 overrides it with a fraction of the
     layer's blocks (ceil). base_scale defaults to 0 (pure block-sparse): the hash base does not
-    correlate with trained weights and costs ~4x kernel time (docs/ops.md). score: ``delta`` = the
-    seed's ||W_b - base_b||; ``wanda`` = ||W_b - base_b|| * E||x_b|| over calibration inputs (falls
+    correlate with trained weights and costs ~4x kernel time (docs/ops.md). score: ``delta`` =
+    ||W_b - base_b||; ``wanda`` = ||W_b - base_b|| * E||x_b|| over calibration inputs (falls
     back to ``delta`` for a layer without them, with a note).
     """
 

@@ -1,4 +1,4 @@
-"""TT / low-rank factors (seed 004): W [K, N] -> TT-matrix cores -> ``TTMatMul``.
+"""TT / low-rank factors: W [K, N] -> TT-matrix cores -> ``TTMatMul``.
 
 A weight technique (exclusive per layer: TT xor proc-sparse). Per layer, at build time:
 ``rank > 0`` factors at that rank; ``rank = 0`` autotunes (the smallest rank whose output gap on the

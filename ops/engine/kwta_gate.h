@@ -1,5 +1,5 @@
 // The `kwta` input gate: per token, keep the top-K blocks of X by score (or those above a
-// calibrated threshold), with the duty schedule of seed 000. See docs/ops.md#kwtablockmatmul.
+// calibrated threshold), with the duty schedule (duty/duty_mode). See docs/ops.md#kwtablockmatmul.
 #pragma once
 
 #include <atomic>

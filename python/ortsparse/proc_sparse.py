@@ -1,5 +1,5 @@
 """ProcSparseMatMul's offline builder: dense W [K, N] -> procedural hash base + per output unit the
-deltas of its top-`fanout` K-blocks (seed 002). The loops run in C++ (``_kernels.proc_build``);
+deltas of its top-`fanout` K-blocks. The loops run in C++ (``_kernels.proc_build``);
 this module chunks the units, shows progress, converts deltas to fp16 if asked and accounts memory.
 
 Format (docs/ops.md#procsparsematmul): ``indices`` uint16 [N, F] (kept block indices, ascending),
@@ -103,7 +103,7 @@ def build_proc_sparse(w: np.ndarray, *, block: int = 32, fanout: int | float = 6
 
     fanout: blocks kept per output unit (int) or a fraction of the blocks (float).
     importance: optional per-block weight of the selection score (score = ||W_b - base_b|| *
-    importance_b), e.g. E||x_b|| from calibration activations (Wanda-style); None = the seed's rule.
+    importance_b), e.g. E||x_b|| from calibration activations (Wanda-style); None = the deltas' own norm.
     delta_dtype: "float16" (half the bytes; the conversion rounds to nearest) or "float32".
     progress: show a tqdm bar over units (a string is used as its label).
     """

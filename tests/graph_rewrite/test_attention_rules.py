@@ -294,7 +294,7 @@ def test_kwta_target_attn_means_energy_selection(target, expected):
     assert (config.attention.select if config.attention else None) == expected
     if expected:
         assert "kwta-target" in config.attention_why
-    # an explicit --attn wins over the seed mapping
+    # an explicit --attn wins over the --kwta-target mapping
     assert _args(["--kwta=on", f"--kwta-target={target}", "--attn=off"]).attention is None
 
 
