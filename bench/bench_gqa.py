@@ -23,7 +23,6 @@ at its position would; rows with fewer than min_keys keys are exact, as at decod
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time

@@ -197,7 +197,7 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
     model, tokenizer = load(gguf_path)
     seconds["load"] = round(time.perf_counter() - started, 1)
     t0 = time.perf_counter()
-    write_folder(hf_dir, lambda tmp: save_hf_folder(model, tokenizer, tmp))
+    write_folder(hf_dir, lambda tmp, m=model: save_hf_folder(m, tokenizer, tmp))
     seconds["hf folder"] = round(time.perf_counter() - t0, 1)
     del model
     log(f"  wrote {hf_dir} ({seconds['hf folder']} s)")
