@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -182,10 +182,9 @@ def bert_like(n_layers: int = 2, seed: int = 1, pooler: bool = False) -> onnx.Mo
     outputs = [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", D_MODEL])]
     if pooler:
         first = b.op("Gather", ["last_hidden_state", b.const("zero", np.array(0, np.int64))], axis=1)
-        pooled = b.op("Tanh", [dense(first, D_MODEL, D_MODEL, "pooler.dense")])
+        b.op("Tanh", [dense(first, D_MODEL, D_MODEL, "pooler.dense")])
         b.nodes[-1].output[0] = "pooler_output"
         outputs.append(helper.make_tensor_value_info("pooler_output", TensorProto.FLOAT, ["batch", D_MODEL]))
-        del pooled
     return b.model([_token_input(), _token_input("attention_mask")], outputs)
 
 

@@ -6,7 +6,6 @@ import sys
 import textwrap
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 

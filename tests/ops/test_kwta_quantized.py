@@ -2,7 +2,6 @@
 bits, block_size: the op against ORT's own MatMulNBits (keep everything) and against the gated
 numpy reference on the dequantized weights (keep part), and its input errors."""
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 

@@ -11,7 +11,6 @@ Tolerances.
   |ours - exact| <= e (+ fp32 slack) and |ours - ORT| <= 2 e (+ slack), both sides rounding x once.
 """
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
