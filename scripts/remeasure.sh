@@ -1,35 +1,85 @@
 #!/usr/bin/env bash
-# Re-measure the end-to-end claims with the real decode loop (docs/measure.md "Speed"). Run on a
-# quiet machine: ~45 min on 2 cores (calibration on the genai graph ~15 of them). Writes under reports/:
-#   bench_smollm2_calibrated_loop      calibrated KWTA (reports/smollm2_calibrated.json) on our export
-#   smollm2_calibrated.genai.json      the same thresholds under the genai graph's layer names
-#   quality_genai_calibrated.json      their dppl / top-1 agreement on genai fp32 (8 x 512 tokens)
-#   bench_genai_calibrated_loop        ... and decode speed there, through ORT and the Generator
-#   smollm2_genai_calibrated.json      KWTA calibrated on the genai graph itself (+ .report.json)
-#   bench_genai_calibrated_own_loop    ... and its decode speed
-#   bench_smollm2_attention_loop       PopcountAttention on our export at 2048 / 4096, genai fp32 beside
-#   loop_stability                     two back-to-back runs of the loop (spread of the medians)
+# Re-measure every end-to-end claim of the README and docs/results.md with the real decode loop
+# (docs/measure.md "Speed"). Run on a quiet machine; sections run in the order given (default: all,
+# ~2.5 h on 2 cores). Writes under reports/:
+#   baselines     bench/baselines.py: the baselines table (ours, genai fp32/int8/int4, ours-int8/int4)  ~30 min
+#   fp32          calibrated KWTA (reports/smollm2_calibrated.json) on our export; the same thresholds
+#                 renamed for the genai fp32 graph (quality + speed); KWTA calibrated on the genai
+#                 graph itself (smollm2_genai_calibrated.json) and its speed                           ~45 min
+#   attention     PopcountAttention on our export at 2048 / 4096, genai fp32 beside                   ~10 min
+#   gqa           PopcountGroupQueryAttention (recommended setting) in genai int4 / int8 / fp32 folders
+#                 at 4096 and 8192 tokens of context, 1 and 2 threads                                  ~30 min
+#   quant         gating on quantized weights: genai int8 and int4 calibrated within 2% total dppl vs
+#                 genai fp32 (--reference), then decode speed through ORT and the Generator           ~40 min
+#   tune          `ortsparse tune` on genai fp32 and int8 with a text never used for calibration
+#                 (Python's own documentation from the standard library)                              ~30 min
+#   stability     two back-to-back runs of the loop (spread of the medians)                           ~10 min
+# usage: scripts/remeasure.sh [baselines|fp32|attention|gqa|quant|tune|stability ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")
+S=$M/smollm2
 ortsparse models smollm2 corpus baselines genai
 
-ortsparse bench ours --config reports/smollm2_calibrated.json --kwta=off --contexts 128 1024 --threads 1 2 \
-  -o reports/bench_smollm2_calibrated_loop
+run_baselines() {
+  python bench/baselines.py -o reports/baselines
+}
 
-python bench/genai_overrides.py reports/smollm2_calibrated.json -o reports/smollm2_calibrated.genai.json
-ortsparse quality "$M/smollm2/genai-fp32" --config reports/smollm2_calibrated.genai.json --kwta=off \
-  --json reports/quality_genai_calibrated.json
-ortsparse bench genai-fp32 --rewrite genai-fp32 --config reports/smollm2_calibrated.genai.json --kwta=off \
-  --contexts 128 1024 --threads 1 2 -o reports/bench_genai_calibrated_loop
+run_fp32() {
+  ortsparse bench ours --config reports/smollm2_calibrated.json --kwta=off --contexts 128 1024 --threads 1 2 \
+    -o reports/bench_smollm2_calibrated_loop
+  python bench/genai_overrides.py reports/smollm2_calibrated.json -o reports/smollm2_calibrated.genai.json
+  ortsparse quality "$S/genai-fp32" --config reports/smollm2_calibrated.genai.json --kwta=off \
+    --json reports/quality_genai_calibrated.json
+  ortsparse bench genai-fp32 --rewrite genai-fp32 --config reports/smollm2_calibrated.genai.json --kwta=off \
+    --contexts 128 1024 --threads 1 2 -o reports/bench_genai_calibrated_loop
+  ortsparse calibrate "$S/genai-fp32" -o reports/smollm2_genai_calibrated.json --max-dppl 0.02 --margin 0.5 \
+    --calib-windows 4 --eval-windows 8
+  ortsparse bench genai-fp32 --rewrite genai-fp32 --config reports/smollm2_genai_calibrated.json --kwta=off \
+    --contexts 128 1024 --threads 1 -o reports/bench_genai_calibrated_own_loop
+}
 
-ortsparse calibrate "$M/smollm2/genai-fp32" -o reports/smollm2_genai_calibrated.json --max-dppl 0.02 --margin 0.5 \
-  --calib-windows 4 --eval-windows 8
-ortsparse bench genai-fp32 --rewrite genai-fp32 --config reports/smollm2_genai_calibrated.json --kwta=off \
-  --contexts 128 1024 --threads 1 -o reports/bench_genai_calibrated_own_loop
+run_attention() {
+  ortsparse bench ours genai-fp32 --kwta=off --attn=popcount --attn-min-keys 0 --attn-topk 256 --attn-candidates 4 \
+    --attn-keep-first 4 --attn-keep-recent 64 --attn-proj-bits 256 --contexts 2048 4096 --threads 1 \
+    -o reports/bench_smollm2_attention_loop
+}
 
-ortsparse bench ours genai-fp32 --kwta=off --attn=popcount --attn-min-keys 0 --attn-topk 256 --attn-candidates 4 \
-  --attn-keep-first 4 --attn-keep-recent 64 --attn-proj-bits 256 --contexts 2048 4096 --threads 1 \
-  -o reports/bench_smollm2_attention_loop
+run_gqa() {
+  for p in int4 int8 fp32; do
+    ortsparse bench "genai-$p" --rewrite "genai-$p" --kwta=off --attn=popcount --contexts 4096 8192 \
+      --threads 1 2 --steps 32 -o "reports/bench_genai_${p}_attention"
+  done
+}
 
-ortsparse bench ours genai-fp32 --contexts 128 1024 4096 --threads 1 --runs 2 -o reports/loop_stability
+run_quant() {
+  for p in int8 int4; do
+    ortsparse calibrate "$S/genai-$p" --reference "$S/genai-fp32" --method allocated --max-dppl 0.02 \
+      --calib-windows 4 --eval-windows 8 -o "reports/smollm2_genai_${p}_gated.json"
+    ortsparse bench "genai-$p" --rewrite "genai-$p" --config "reports/smollm2_genai_${p}_gated.json" --kwta=off \
+      --contexts 128 1024 --threads 1 2 -o "reports/bench_genai_${p}_gated"
+  done
+}
+
+run_tune() {
+  work=$(mktemp -d)
+  python -c "import pydoc_data.topics as t; print('\n\n'.join(t.topics.values()))" > "$work/python-docs.txt"
+  ortsparse tune "$S/genai-fp32" --text "$work/python-docs.txt" --max-dppl 0.02 \
+    -o "$work/genai-fp32-tuned" --report reports/tune_genai_fp32
+  ortsparse tune "$S/genai-int8" --reference "$S/genai-fp32" --text "$work/python-docs.txt" --max-dppl 0.02 \
+    -o "$work/genai-int8-tuned" --report reports/tune_genai_int8
+  rm -rf "$work"
+}
+
+run_stability() {
+  ortsparse bench ours genai-fp32 --contexts 128 1024 4096 --threads 1 --runs 2 -o reports/loop_stability
+}
+
+sections=("$@")
+[ ${#sections[@]} -eq 0 ] && sections=(baselines fp32 attention gqa quant tune stability)
+for section in "${sections[@]}"; do
+  case "$section" in
+    baselines|fp32|attention|gqa|quant|tune|stability) echo "== $section"; "run_$section" ;;
+    *) echo "remeasure.sh: unknown section '$section' (baselines fp32 attention gqa quant tune stability)" >&2; exit 2 ;;
+  esac
+done
