@@ -8,7 +8,7 @@
 #                 graph itself (smollm2_genai_calibrated.json) and its speed                           ~45 min
 #   attention     PopcountAttention on our export at 2048 / 4096, genai fp32 beside                   ~10 min
 #   gqa           PopcountGroupQueryAttention (recommended setting) in genai int4 / int8 / fp32 folders
-#                 at 4096 and 8192 tokens of context, 1 and 2 threads                                  ~30 min
+#                 at 4096 and 8192 tokens of context, 1 and 2 threads; dppl on 2 x 4096 tokens          ~35 min
 #   quant         gating on quantized weights: genai int8 and int4 calibrated within 2% total dppl vs
 #                 genai fp32 (--reference), then decode speed through ORT and the Generator           ~40 min
 #   tune          `ortsparse tune` on genai fp32 and int8 with a text never used for calibration
@@ -49,6 +49,8 @@ run_gqa() {
   for p in int4 int8 fp32; do
     ortsparse bench "genai-$p" --rewrite "genai-$p" --kwta=off --attn=popcount --contexts 4096 8192 \
       --threads 1 2 --steps 32 -o "reports/bench_genai_${p}_attention"
+    ortsparse quality "$S/genai-$p" --kwta=off --attn=popcount --windows 2 --window-len 4096 \
+      --json "reports/quality_genai_${p}_attention.json"
   done
 }
 
