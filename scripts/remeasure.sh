@@ -6,7 +6,7 @@
 #   fp32          calibrated KWTA (reports/smollm2_calibrated.json) on our export; the same thresholds
 #                 renamed for the genai fp32 graph (quality + speed); KWTA calibrated on the genai
 #                 graph itself (smollm2_genai_calibrated.json) and its speed                           ~45 min
-#   attention     PopcountAttention on our export at 2048 / 4096, genai fp32 beside                   ~10 min
+#   attention     PopcountAttention on our export at 2048 / 4096 (exact, popcount, pages), genai fp32 beside ~20 min
 #   gqa           PopcountGroupQueryAttention (recommended setting) in genai int4 / int8 / fp32 folders
 #                 at 4096 and 8192 tokens of context, 1 and 2 threads; dppl on 2 x 4096 tokens          ~35 min
 #   quant         gating on quantized weights: genai int8 and int4 calibrated within 2% total dppl vs
@@ -39,10 +39,15 @@ run_fp32() {
     --contexts 128 1024 --threads 1 -o reports/bench_genai_calibrated_own_loop
 }
 
-run_attention() {
+run_attention() {  # our export's attention cores: exact, the popcount quality setting, the page setting
+  ortsparse bench ours genai-fp32 --kwta=off --attn=none --contexts 2048 4096 --threads 1 \
+    -o reports/bench_smollm2_attention_exact_loop
   ortsparse bench ours genai-fp32 --kwta=off --attn=popcount --attn-min-keys 0 --attn-topk 256 --attn-candidates 4 \
     --attn-keep-first 4 --attn-keep-recent 64 --attn-proj-bits 256 --contexts 2048 4096 --threads 1 \
     -o reports/bench_smollm2_attention_loop
+  ortsparse bench ours genai-fp32 --kwta=off --attn=pages --attn-topk 256 --attn-candidates 3 --attn-page-size 16 \
+    --attn-keep-first 4 --attn-keep-recent 256 --attn-min-keys 2048 --contexts 2048 4096 --threads 1 \
+    -o reports/bench_smollm2_attention_pages_loop
 }
 
 run_gqa() {
