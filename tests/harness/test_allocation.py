@@ -170,3 +170,30 @@ def test_calibrate_allocated_command(tmp_path, tokens):
     assert report["method"] == "allocated" and "dppl" in report["held_out"]
     assert 0.0 < report["bytes"]["skipped_fraction_of_gated"] < 1.0
     assert (done.returncode == 0) == (report["held_out"]["dppl"] <= 0.05)
+
+
+def test_allocation_on_matmulnbits_weights(model, tokens, tmp_path):
+    """A quantized model (ORT's MatMulNBits, as onnxruntime-genai's int8/int4 graphs) is allocated
+    on the weights its gate will see: the dequantized MatMulNBits tensors, bytes as stored."""
+    from ortsparse.harness.baselines import quantize_matmul_nbits
+
+    quantized_path = tmp_path / "llama_tiny.int8.onnx"
+    quantize_matmul_nbits(LLAMA, quantized_path, bits=8, block_size=32, accuracy_level=4)
+    quantized = onnx.load(str(quantized_path))
+    assert sum(node.op_type == "MatMulNBits" for node in quantized.graph.node) >= 14
+    fp32 = {layer.name: layer for layer in allocation.gated_layers(model, "both")}
+    layers = allocation.gated_layers(quantized, "both")
+    assert len(layers) == 14
+    for layer in layers:
+        dense = fp32[layer.name.removesuffix("_Q8")]  # ORT's quantizer renames MatMul -> MatMul_Q8
+        k, n = dense.weight.shape
+        assert layer.weight.shape == (k, n)
+        scale = np.abs(dense.weight).max()
+        assert np.abs(layer.weight - dense.weight).max() <= scale / 127 + 1e-6  # int8 block quantization error
+        assert k * n <= layer.weight_bytes < 2 * k * n  # one byte per weight + scales
+    result = allocation.allocate_lm(quantized, tokens, max_dppl=0.05, windows=2, window_len=64, steps=4,
+                                    reference=model, log=lambda *_: None)
+    assert result.calibration_loss <= result.budget
+    rewritten = allocation.rewritten_with(quantized, result.entries())
+    gated = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
+    assert len(gated) == len(result.entries()) - 1 and all(len(n.input) >= 3 for n in gated)  # quantized form

@@ -40,6 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.rules import dequantize_nbits
 from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
 from .corpus import default_sentences, lm_windows, load_corpus_tokens, load_sentences, sentence_batches
 from .embeddings import compare_embeddings, mean_pool
@@ -111,9 +112,12 @@ def _block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _weight_matrix(model: onnx.ModelProto, node: onnx.NodeProto, k: int, n: int) -> np.ndarray | None:
-    """The [K, N] weight of a linear node (MatMul(X, W), Gemm(X, W[, transB]), MatMul(X, Transpose(W)))."""
+def _weight_matrix(model: onnx.ModelProto, node: onnx.NodeProto, k: int, n: int) -> tuple[np.ndarray, int] | None:
+    """The [K, N] float weight of a linear node (MatMul(X, W), Gemm(X, W[, transB]), MatMul(X,
+    Transpose(W)), com.microsoft MatMulNBits dequantized) and the bytes its stored form takes."""
     inits = {init.name: init for init in model.graph.initializer}
+    if node.op_type == "MatMulNBits":
+        return _nbits_matrix(inits, node, k, n)
     producers = {out: p for p in model.graph.node for out in p.output}
     name = node.input[1]
     transposed = False
@@ -126,7 +130,21 @@ def _weight_matrix(model: onnx.ModelProto, node: onnx.NodeProto, k: int, n: int)
         return None
     weight = numpy_helper.to_array(inits[name]).astype(np.float32)
     weight = weight.T if transposed else weight
-    return weight if weight.shape == (k, n) else None
+    return (weight, 4 * weight.size) if weight.shape == (k, n) else None
+
+
+def _nbits_matrix(inits: Mapping[str, onnx.TensorProto], node: onnx.NodeProto, k: int, n: int
+                  ) -> tuple[np.ndarray, int] | None:
+    """MatMulNBits' weight as the op computes with it (the rewriter passes these tensors through
+    untouched, so the gate sees the same numbers); bytes = B + scales + zero points as stored."""
+    attributes = {a.name: a.i for a in node.attribute}
+    names = [name for name in node.input[1:4] if name]
+    if any(name not in inits for name in names) or len(names) < 2:
+        return None
+    b, scales = (numpy_helper.to_array(inits[name]) for name in names[:2])
+    zero_points = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
+    weight = dequantize_nbits(b, scales, zero_points, k, n, attributes.get("bits", 4), attributes["block_size"])
+    return weight, sum(inits[name].ByteSize() for name in names)
 
 
 def gated_layers(model: onnx.ModelProto, target: str = "both") -> list[GatedLayer]:
@@ -139,11 +157,12 @@ def gated_layers(model: onnx.ModelProto, target: str = "both") -> list[GatedLaye
         if record.decision != "rewritten" or record.k is None or record.n is None:
             continue
         node = nodes[record.name]
-        weight = _weight_matrix(model, node, int(record.k), int(record.n))
-        if weight is None:
+        found = _weight_matrix(model, node, int(record.k), int(record.n))
+        if found is None:
             continue
+        weight, stored_bytes = found
         layers.append(GatedLayer(record.name, record.role, record.layer_class, _block_index(record.name),
-                                 node.input[0], weight, 4 * weight.size))
+                                 node.input[0], weight, stored_bytes))
     return layers
 
 
