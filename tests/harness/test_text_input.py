@@ -84,3 +84,13 @@ def test_calibrate_takes_a_text(capsys, text, tmp_path):
 def test_unknown_text_path_is_a_model_file_error(tmp_path):
     with pytest.raises(ModelFileError, match="does not exist"):
         tokenize_file(tmp_path / "missing.txt", GENAI / "tokenizer.json")
+
+
+def test_split_held_out_halves_and_interleaved():
+    from ortsparse.harness.corpus import split_held_out
+
+    tokens = np.arange(10)
+    held, calib = split_held_out(tokens, 2, "halves")
+    assert held.tolist() == [0, 1, 2, 3, 4] and calib.tolist() == [5, 6, 7, 8, 9]
+    held, calib = split_held_out(tokens, 2, "interleaved")
+    assert held.tolist() == [0, 1, 4, 5, 8, 9] and calib.tolist() == [2, 3, 6, 7]

@@ -4,6 +4,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ortsparse.cli import EXIT_USAGE, main
@@ -71,3 +72,17 @@ def test_short_text_and_missing_tokenizer_are_one_line_errors(tmp_path, capsys):
 def test_output_onto_the_input_is_refused(tmp_path, text, capsys):
     assert main(["tune", str(GENAI), "--text", str(text), "-o", str(GENAI)]) == EXIT_USAGE
     assert "source folder" in capsys.readouterr().err
+
+
+def test_split_text_interleaves_disjoint_windows():
+    from ortsparse.harness.tune import split_text
+
+    tokens = np.arange(20 * 512)
+    split = split_text(tokens, windows=8, window_len=512)
+    assert split.windows == 8 and split.window_len == 512
+    held, calib = split.held_out.reshape(-1, 512), split.calibration.reshape(-1, 512)
+    assert (held[:, 0] // 512 % 2 == 0).all() and (calib[:, 0] // 512 % 2 == 1).all()  # even / odd windows
+    assert not set(split.held_out) & set(split.calibration)
+    long = split_text(tokens, windows=2, window_len=512, context=4096)  # pieces of the long context
+    assert long.held_out[:4096].tolist() == list(range(4096))  # contiguous text for the long check
+    assert not set(long.held_out) & set(long.calibration)

@@ -32,7 +32,7 @@ from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
 from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from . import allocation
-from .corpus import encoder_batches, lm_windows, load_corpus_tokens
+from .corpus import SPLITS, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
@@ -240,14 +240,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured sensitivities (ortsparse.harness.allocation)")
     parser.add_argument("--score", choices=allocation.SCORES, default="l2",
                         help="gate score of --method allocated (l2 = |x|; l2_weighted = |x_k|*||W_k||)")
-    parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus); the first half "
-                        "gives evaluation windows, the second half calibration windows")
+    parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus), split into "
+                        "held-out and calibration windows by --split")
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
                         "else the tokenizer.json beside MODEL); split as --tokens is")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
     parser.add_argument("--margin", type=float, default=0.75,
                         help="calibration windows must stay within margin x budget, so the held-out result "
                              "has room to differ (default 0.75)")
+    parser.add_argument("--split", choices=SPLITS, default="halves",
+                        help="held-out vs calibration tokens: halves (first half held out; default) or interleaved "
+                             "(alternate windows: both see the same mix of the text)")
     parser.add_argument("--calib-windows", type=int, default=4)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=512)
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
-    eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
+    eval_tokens, calib_tokens = split_held_out(tokens, args.window_len, args.split)
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
@@ -291,7 +294,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           window_len=args.window_len)
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
-        "model": model_file, "reference": reference, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
+        "model": model_file, "reference": reference, "split": args.split, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "method": args.method, "sparsity": best, "history": history,
         "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
         **({"allocation": found["allocation"]} if "allocation" in found else {}),

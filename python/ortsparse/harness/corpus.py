@@ -38,6 +38,26 @@ def load_corpus_tokens(path: str | os.PathLike | None = None) -> np.ndarray:
     return np.load(path).reshape(-1)
 
 
+SPLITS = ("halves", "interleaved")
+
+
+def split_held_out(token_ids: Any, window_len: int, how: str = "halves") -> tuple[np.ndarray, np.ndarray]:
+    """(held-out, calibration) token streams of one text; no token is in both. ``halves``: the first
+    half is held out, the second calibrates. ``interleaved``: the text cut into ``window_len``-token
+    windows, even windows held out and odd ones calibrating — both halves then see the same mix of
+    the text (a text whose second half differs from its first, such as an encyclopedia in alphabetical
+    order, otherwise calibrates on one kind of text and is checked on another)."""
+    tokens = np.asarray(token_ids).reshape(-1)
+    if how == "halves":
+        held, calibration = np.split(tokens, [tokens.size // 2])
+        return held, calibration
+    if how != "interleaved":
+        raise ValueError(f"split {how!r}: expected one of {', '.join(SPLITS)}")
+    count = tokens.size // window_len
+    windows = tokens[:count * window_len].reshape(count, window_len)
+    return windows[0::2].reshape(-1), windows[1::2].reshape(-1)
+
+
 def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: int = 0) -> np.ndarray:
     """``[windows, window_len]`` int64: window i = ``token_ids[offset + i*L : offset + (i+1)*L]``."""
     tokens = np.asarray(token_ids).reshape(-1)

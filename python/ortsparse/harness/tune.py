@@ -42,6 +42,7 @@ from ..graph_rewrite.output_paths import OutputFiles, check_output_path
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..runtime import genai_decoder, genai_folder, vocab_size
 from .calibrate import gating_search
+from .corpus import split_held_out
 from .perplexity import compare_lm
 from .speed import decode_speed
 from .text import find_tokenizer, text_tokens
@@ -54,14 +55,15 @@ MIN_WINDOW = 128
 class TextSplit:
     """Calibration and held-out windows of one text."""
 
-    calibration: np.ndarray  # token ids (second half)
-    held_out: np.ndarray  # token ids (first half)
+    calibration: np.ndarray  # token ids (the odd windows of the text)
+    held_out: np.ndarray  # token ids (the even windows)
     windows: int
     window_len: int
 
 
-def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512) -> TextSplit:
-    """Halves of the text, each holding ``windows`` windows; windows shrink (to 128 tokens) and then
+def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, context: int | None = None) -> TextSplit:
+    """The text cut into windows, alternately held out and calibrating (both see the same mix of the
+    text: corpus.split_held_out), ``windows`` of each; windows shrink (to 128 tokens) and then
     become fewer (down to 1) when the text is short; too short even for that is a ModelFileError."""
     half = tokens.size // 2
     while window_len > MIN_WINDOW and windows * window_len > half:
@@ -70,7 +72,13 @@ def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512) -> T
     if windows < 1 or window_len < MIN_WINDOW:
         raise ModelFileError(f"the text has {tokens.size} tokens; tuning needs at least {2 * MIN_WINDOW} "
                              f"(a {MIN_WINDOW}-token calibration window and a held-out one)")
-    return TextSplit(tokens[half:], tokens[:half], windows, window_len)
+    # Alternate pieces of one window, or of the long context when one is checked (whole multiples of
+    # the window, so the long check reads contiguous text and every window lies inside one piece).
+    piece = window_len * max(1, -(-(context or 0) // window_len))
+    held_out, calibration = split_held_out(tokens, piece, "interleaved")
+    if min(held_out.size, calibration.size) < windows * window_len:  # too short for long pieces: the long
+        held_out, calibration = split_held_out(tokens, window_len, "interleaved")  # check then says so
+    return TextSplit(calibration, held_out, windows, window_len)
 
 
 def _gating_config(entries: list[dict[str, Any]], attention=None) -> RewriteConfig:
@@ -112,7 +120,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     graph = onnx.load(str(decoder))
     baseline = graph if reference is None else str(model_input(reference))
     max_positions = genai_decoder(folder).context_length if folder is not None else None
-    split = split_text(tokens, windows, window_len=min(512, max_positions or 512))
+    split = split_text(tokens, windows, window_len=min(512, max_positions or 512),
+                       context=context if context is not None and context >= LONG_CONTEXT else None)
     if context is not None and max_positions is not None and context > max_positions:
         raise ModelFileError(f"--context {context} is longer than the model's {max_positions} positions")
     log(f"tune: {tokens.size} tokens -> {split.windows} calibration and {split.windows} held-out windows of "
