@@ -85,7 +85,9 @@ def _row(workload: str, precision: str, technique: str, quality: str, speed: str
 
 
 def technique_rows() -> list[str]:
-    lines = ["| workload | model | ortsparse | quality | decode tok/s, 1 thread | report |", "|---|---|---|---|---|---|"]
+    lines = ["What ortsparse adds on top (same models, same loop; each row's two speeds come from one run, models "
+             "alternating; quality is against the model ortsparse started from unless it says fp32):", "",
+             "| workload | model | ortsparse | quality | decode tok/s, 1 thread | report |", "|---|---|---|---|---|---|"]
     found = False
     for precision in ("int4", "int8", "fp32"):  # long context: PopcountGroupQueryAttention
         payload = _load(f"bench_genai_{precision}_attention.json")
