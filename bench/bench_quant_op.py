@@ -1,0 +1,104 @@
+"""The quantized KwtaBlockMatMul through ONNX Runtime sessions vs the same kernel in a C++ loop.
+
+bench/bench_quant_kernel.py times our kernel in a C++ loop (no session) against MatMulNBits in a
+session. This one puts both ops in sessions — `copies` independent nodes on one X [1, 1, K], M = 1,
+int8, block 32, symmetric, 1 thread, spinning off, sessions alternating, medians — and times the
+kernel on the same tensors in the C++ loop beside them, so the cost of running inside a session is
+visible. Variants: dense (k_frac 1, every row), keep ~0.72 by a threshold on |x| (what calibrated
+gating does at ~28% skipped).
+
+usage: python bench/bench_quant_op.py [--shape 576 960] [--copies 96] [--runs 60]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+import ortsparse
+from ortsparse import _kernels as K
+from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+
+MS = "com.microsoft"
+
+
+def quantized(rng, k, n):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    w = (rng.standard_normal((k, n)) * 0.15).astype(np.float32)
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=8)
+    b, scales, _ = DefaultWeightOnlyQuantizer(config).qbits_block_quant(w)
+    return b, scales
+
+
+def nbits_graph(tensors, k, n):
+    nodes, inits, outputs = [], [], []
+    for i, (b, scales) in enumerate(tensors):
+        inits += [onnx.numpy_helper.from_array(b, f"b{i}"), onnx.numpy_helper.from_array(scales, f"s{i}")]
+        nodes.append(helper.make_node("MatMulNBits", ["X", f"b{i}", f"s{i}"], [f"y{i}"], name=f"/l{i}/MatMul_Q8",
+                                      domain=MS, K=k, N=n, bits=8, block_size=32, accuracy_level=4))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, 1, n]))
+    graph = helper.make_graph(nodes, "nbits", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1, k])],
+                              outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    model.ir_version = 10
+    return model
+
+
+def gated(model, settings):
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(settings, enabled=True, target="all")})
+    return rewrite_model(model, config)[0]
+
+
+def session(model, ours):
+    options = ortsparse.session_options(intra_op_num_threads=1, allow_spinning=False) if ours else ort.SessionOptions()
+    if not ours:
+        options.intra_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(model, str(path))
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=2, default=[576, 960], metavar=("K", "N"))
+    parser.add_argument("--copies", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=60)
+    args = parser.parse_args(argv)
+    k, n = args.shape
+    rng = np.random.default_rng(0)
+    tensors = [quantized(rng, k, n) for _ in range(args.copies)]
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    threshold = float(np.quantile(np.abs(x), 0.28))
+    kept = np.flatnonzero(np.abs(x[0, 0]) >= threshold).astype(np.int32)
+    base = nbits_graph(tensors, k, n)
+    sessions = {"MatMulNBits (ORT)": session(base, False),
+                "ours dense, session": session(gated(base, KwtaSettings(k_frac=1.0)), True),
+                f"ours keep {kept.size / k:.2f}, session": session(gated(base, KwtaSettings(k_frac=1.0, threshold=threshold)), True)}
+    loop = [K.QuantMatMul(b, s, None, k, n, 8, 32) for b, s in tensors]
+    loops = {"ours dense, C++ loop": None, f"ours keep {kept.size / k:.2f}, C++ loop": [kept]}
+    times = {name: [] for name in [*sessions, *loops]}
+    for _ in range(args.runs):
+        for name, s in sessions.items():
+            start = time.perf_counter()
+            s.run(None, {"X": x})
+            times[name].append((time.perf_counter() - start) / args.copies)
+        for name, rows in loops.items():
+            times[name].append(float(K.quant_bench(loop, x[0], rows, runs=1, threads=1)[0]))
+    print(f"{k}x{n} int8 block 32, M = 1, {args.copies} nodes ({args.copies * k * n / 1e6:.0f} MB), 1 thread; "
+          f"us per node, median of {args.runs - 5}")
+    for name, values in times.items():
+        print(f"  {name:32s} {1e6 * np.median(values[5:]):7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
