@@ -1,6 +1,7 @@
 """Where a decode step's time goes: ORT's profiler per op type, dense vs KWTA-rewritten KV export.
 
 usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5]
+       python bench/profile_decode.py --model GENAI_FOLDER_OR_ONNX --config layers.json [...]
 Each model prefills `--context` corpus tokens, then `--runs` real decode steps (the corpus
 continuation, the cache growing) are profiled. Node times come from ORT's own profiler (it adds
 overhead; compare the two columns, not absolute tokens/s).
@@ -15,6 +16,8 @@ import tempfile
 import onnx
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+from ortsparse.graph_rewrite.config import load_overrides
+from ortsparse.graph_rewrite.genai import model_input
 from ortsparse.harness.corpus import load_corpus_tokens
 from ortsparse.harness.models import model_path
 from ortsparse.runtime import KVDecoder, kv_layout, open_session
@@ -43,15 +46,24 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="both")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--model", help="a KV-cache decoder or onnxruntime-genai folder (default: our SmolLM2 export)")
+    parser.add_argument("--config", help="an override file (calibrate / tune) instead of --k / --target")
     args = parser.parse_args(argv)
-    dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
-    gated, _ = rewrite_model(dense, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=args.k), enabled=True, target=args.target)}))
+    dense = onnx.load(str(model_input(args.model) if args.model else model_path("smollm2", "kv.torchscript")))
+    if args.config:
+        config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+                               overrides=load_overrides(args.config))
+    else:
+        config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=args.k), enabled=True,
+                                                                   target=args.target)})
+    gated, _ = rewrite_model(dense, config)
     tokens = load_corpus_tokens()
     with tempfile.TemporaryDirectory() as tmp:
         columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense"),
                    "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta")}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
-    print(f"per decode step, context {args.context}, 1 thread, k {args.k} on {args.target} (us of node time)")
+    what = args.config or f"k {args.k} on {args.target}"
+    print(f"per decode step, context {args.context}, 1 thread, {what} (us of node time)")
     print(f"{'op':24s} {'dense':>10s} {'kwta':>10s}")
     for op in ops[:12]:
         print(f"{op:24s} {columns['dense'][op]:10.0f} {columns['kwta'][op]:10.0f}")

@@ -385,11 +385,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def decode_speed(models: Mapping[str, Any], tokens: np.ndarray | None = None, *, context: int = 128,
                  steps: int = 32, warmup: int = 4, threads: int = 1, log: Callable[[str], None] | None = None) -> dict:
-    """Tokens/s of a few KV graphs in the real loop at one context and thread count (sweeps and
-    calibration use it): name -> ``tokens_per_s``, ``top1_agreement`` (vs the first),
-    ``keep_ratio`` (mean over gated nodes, when any)."""
+    """Tokens/s of a few KV graphs or genai folders in the real loop at one context and thread count
+    (tune, sweeps and calibration use it): name -> ``tokens_per_s``, ``top1_agreement`` (vs the
+    first), ``keep_ratio`` (mean over gated nodes, when any). A genai folder runs through
+    onnxruntime_genai's Generator, as apps run it; a graph in an ORT session."""
     tokens = load_corpus_tokens() if tokens is None else tokens
-    payload = bench([Candidate(n, s) for n, s in models.items()], tokens, contexts=(context,), threads=(threads,),
+    candidates = [Candidate(n, s, ("og",) if isinstance(s, (str, Path)) and Path(s).is_dir() else ("ort",))
+                  for n, s in models.items()]
+    payload = bench(candidates, tokens, contexts=(context,), threads=(threads,),
                     steps=steps, warmup=warmup, log=log or (lambda text: None))
     out = {}
     for row in payload["rows"]:

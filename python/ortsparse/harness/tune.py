@@ -191,6 +191,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
             candidates = {"input": decoder, "tuned": staged}
         speed_context = min(context or 128, (max_positions or 1 << 30) - speed_steps - 8)
         report["speed_context"] = speed_context
+        report["speed_runner"] = "onnxruntime_genai Generator" if folder is not None else "ONNX Runtime session"
         try:
             report["speed"] = decode_speed(candidates, split.held_out if split.held_out.size > speed_context + speed_steps
                                            else None, context=speed_context, steps=speed_steps, threads=threads, log=log)
@@ -227,7 +228,8 @@ def summary(report: dict[str, Any]) -> str:
     speed = report.get("speed") or {}
     if "input" in speed and "tuned" in speed:
         a, b = speed["input"]["tokens_per_s"], speed["tuned"]["tokens_per_s"]
-        lines.append(f"  decode (real loop, context {report['speed_context']}): {a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x)")
+        lines.append(f"  decode (real loop, context {report['speed_context']}, {report.get('speed_runner', 'ORT')}): "
+                     f"{a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x)")
     elif "error" in speed:
         lines.append(f"  decode: {speed['error']}")
     lines.append(f"  {report['seconds']:.0f} s")
@@ -249,6 +251,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"| tuned | {100 * held['dppl']:+.2f}% | {held['top1_agreement']:.3f} | "
                  f"{100 * report['gating']['skipped_fraction']:.1f}% | "
                  + (f"{tuned:.1f} ({tuned / base:.2f}x) |" if base and tuned else "— |"))
+    if base and tuned:
+        lines += ["", f"Decode: real loop at context {report['speed_context']}, {report.get('speed_runner', 'ORT')}, "
+                      f"models alternating."]
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
