@@ -39,6 +39,11 @@ def test_tune_an_onnx_file(tmp_path, text):
     assert main(["tune", str(TINY / "llama_tiny_kv.torchscript.onnx"), "--tokenizer", str(GENAI), "--text", str(text),
                  "-o", str(out), "--max-dppl", "1.0"]) == 0
     assert out.is_file() and (tmp_path / "tuned.onnx.tune.json").is_file()
+    import onnx
+
+    gated = [n for n in onnx.load(str(out)).graph.node if n.op_type == "KwtaBlockMatMul"]
+    assert gated and all({a.name: a.i for a in n.attribute}["max_gated_rows"] == tune_module.DEPLOY_MAX_GATED_ROWS
+                         for n in gated)  # prompts run dense in the written model
 
 
 def test_over_budget_writes_nothing_and_says_what_it_would_take(tmp_path, text, monkeypatch, capsys):
