@@ -3,8 +3,8 @@ text" to a tuned, verified model.
 
 MODEL is an ONNX decoder (a full-sequence or KV-cache export) or an onnxruntime-genai folder; the
 text is tokenized with the model's own tokenizer (``tokenizer.json`` beside it, or ``--tokenizer``).
-The token ids are split in two: calibration windows from the second half, held-out windows from the
-first (never seen while calibrating). Then:
+The token ids are cut into windows, alternately held out and calibrating (held-out windows are never
+seen while calibrating; both kinds sample the whole text). Then:
 
 1. **Gating** (KwtaBlockMatMul, per-layer calibrated thresholds): each decoder linear layer's
    sensitivity is measured on the calibration windows and per-layer sparsities are allocated within
@@ -16,7 +16,7 @@ first (never seen while calibrating). Then:
 4. **Speed**: the real decode loop (text continuation, KV cache growing), MODEL and the tuned model
    round-robin in one process, at ``--context`` (default 128).
 5. OUT (a model file, or a genai folder for a genai MODEL) and the report ``<OUT>.tune.{json,md,png}``,
-   written together.
+   written together. The written model runs prompts dense (``max_gated_rows``).
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
             attention = AttentionSettings(select="popcount")  # each attention form's recommended setting
             attention_note = f"PopcountAttention, recommended setting, for contexts of {context}"
         else:
-            attention_note = (f"--context {context}: the text's held-out half has {split.held_out.size} tokens, "
+            attention_note = (f"--context {context}: the text's held-out part has {split.held_out.size} tokens, "
                               f"fewer than one {context}-token window; attention left exact")
     elif context is not None:
         attention_note = f"--context {context} < {LONG_CONTEXT}: attention selection does not pay there; left exact"
