@@ -254,13 +254,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# ortsparse tune: {Path(report['model']).name}", ""]
     if report.get("command"):
         lines += [f"Command: `{report['command']}`  "]
+    against = f" vs {Path(report['reference']).name}" if report.get("reference") else ""
     lines += [f"Text: {report['tokens']} tokens; {report['windows']} calibration + {report['windows']} held-out "
-              f"windows of {report['window_len']}; budget {100 * report['max_dppl']:.1f}% dppl (held-out)", "",
+              f"windows of {report['window_len']}; budget {100 * report['max_dppl']:.1f}% dppl{against} (held-out)", "",
               "| | dppl (held-out) | top-1 agreement | gated bytes skipped | decode tok/s |", "|---|---|---|---|---|"]
     speed = report.get("speed") or {}
     base = speed.get("input", {}).get("tokens_per_s")
     tuned = speed.get("tuned", {}).get("tokens_per_s")
-    lines.append(f"| input | 0 | 1 | 0 | {base:.1f} |" if base else "| input | 0 | 1 | 0 | — |")
+    # Against a --reference the input's own loss was not measured (the tuned dppl already includes it).
+    own = "— | — |" if report.get("reference") else "0 | 1 |"
+    lines.append(f"| input | {own} 0 | {base:.1f} |" if base else f"| input | {own} 0 | — |")
     lines.append(f"| tuned | {100 * held['dppl']:+.2f}% | {held['top1_agreement']:.3f} | "
                  f"{100 * report['gating']['skipped_fraction']:.1f}% | "
                  + (f"{tuned:.1f} ({tuned / base:.2f}x) |" if base and tuned else "— |"))
