@@ -115,7 +115,8 @@ def technique_rows() -> list[str]:
             found = True
             lines.append(_row(f"decode at {context} tokens, quality budget 2%", precision,
                               f"calibrated gating ({100 * skipped:.0f}% of gated weight bytes skipped)",
-                              f"dppl {_pct(held['dppl'])} vs fp32 (held-out)",
+                              f"dppl {_pct(held['dppl'])} vs {'fp32' if calibration.get('reference') else precision} "
+                              "(held-out)",
                               _speed(base["tokens_per_s"], new["tokens_per_s"]), f"bench_genai_{precision}_gated.md"))
     for precision in ("fp32", "int8"):  # the one-command path
         report = _load(f"tune_genai_{precision}.json")
