@@ -276,6 +276,9 @@ SAVE_THEN_SIGNAL = textwrap.dedent("""
     import os, signal, sys, time
     import onnx_ir
     sys.path[:0] = {paths!r}
+    # As in an interactive shell: a background job (CI started with `&`) inherits SIGINT ignored,
+    # and the CLI rightly leaves an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real_save = onnx_ir.save
 
     def save_then_signal(model, path, **kwargs):
