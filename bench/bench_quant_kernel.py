@@ -124,7 +124,9 @@ def markdown(rows, info, bandwidth, command):
              f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
              "Per-call medians, alternating in one process; speedup = ORT time / ours (>1 is faster). "
              "keep < 1: random row lists at block 1. 2 threads: allow_spinning=0 for ORT, a sleeping "
-             "two-thread runner for ours. GB/s (M = 1) = bytes the call reads / time.", "",
+             "two-thread runner for ours. GB/s (M = 1) = bytes the call reads / time. Ours is timed in a C++ loop, "
+             "MatMulNBits in a session: inside a session our op costs more per node (bench/bench_quant_op.py: "
+             "~25% at 576x960), so these ratios overstate what the op gets in a model.", "",
              "| K x N | bits | block | M | regime | thr | keep | ORT us | ours us | speedup | target | ORT GB/s | ours GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
