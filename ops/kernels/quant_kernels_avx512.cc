@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/quant_decode_generic.h"
 #include "kernels/quant_kernels.h"
 
 namespace ortsparse::kernels {
@@ -17,18 +18,9 @@ namespace {
 // Decode
 // ---------------------------------------------------------------------------------------------
 
-// How a pass of up to kPassRows rows of one K-block treats the block accumulator `acc` and the output:
 // Rows per pass over the panel: each pass loads and stores the block accumulator once.
 constexpr size_t kPassRows = 8;
-
-// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
-// bytes in flight during one DRAM latency), at least the next pass's rows and at most 32 rows.
-constexpr size_t kPrefetchBytes = 6144;
-inline size_t prefetch_rows(size_t row_bytes) {
-  return std::min<size_t>(32, std::max<size_t>(kPassRows, (kPrefetchBytes + row_bytes - 1) / row_bytes));
-}
-
-enum Mode { kFirst, kMiddle, kLast, kOnly };  // acc = rows | acc += rows | out += s*(acc+rows-zp*xs) | out += s*(rows-zp*xs)
+using generic::Mode, generic::kFirst, generic::kMiddle, generic::kLast, generic::kOnly;
 
 inline __m512 bytes_to_float(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
 
@@ -40,7 +32,7 @@ void pass(const uint8_t* const* rows, const uint8_t* const* ahead, const float* 
   const __m512 xsv = _mm512_set1_ps(xs), zpc = _mm512_set1_ps(default_zp);
   const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (size_t g = 0; g < groups; ++g) {
-    // The rows prefetch_rows() further down the token's list: a gated list jumps where the hardware
+    // The rows generic::prefetch_rows() further down the token's list: a gated list jumps where the hardware
     // prefetchers cannot follow, so the kernel fetches them itself (one line per row and group).
     for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * (kQuantGroup * kBits / 8)), _MM_HINT_T0);
     float* ag = acc + g * kQuantGroup;
@@ -92,53 +84,23 @@ template <int kBits>
 void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
             size_t nrows, float* out, float* acc) {
   const size_t width = p.panel, groups = width / kQuantGroup;
-  const uint8_t* q = p.panel_q(panel);
-  const float* scales = p.panel_scales(panel);
-  const uint8_t* zp = p.panel_zero_points(panel);
   const float default_zp = p.default_zp;
   for (size_t j = 0; j < width; j += 16) _mm512_storeu_ps(out + j, _mm512_setzero_ps());
-  const size_t end_row = std::min(p.k, b1 * p.block), distance = prefetch_rows(p.row_bytes);
-  size_t next = 0;
-  for (size_t b = b0; b < b1; ++b) {
-    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
-    size_t begin = r0, end = r1;
-    if (rows) {
-      begin = next;
-      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
-      end = next;
-      if (begin == end) continue;
-    }
-    float xs = 0.0f;
-    for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
-    const float* sb = scales + b * width;
-    const uint8_t* zb = zp ? zp + b * width : nullptr;
-    for (size_t i = begin; i < end; i += kPassRows) {
-      const int count = static_cast<int>(std::min(kPassRows, end - i));
-      const bool first = i == begin, last = i + kPassRows >= end;
-      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
-      const uint8_t* qr[kPassRows];
-      const uint8_t* pf[kPassRows];
-      float xv[kPassRows];
-      for (int e = 0; e < count; ++e) {
-        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
-        qr[e] = q + r * p.row_bytes;
-        xv[e] = x[r];
-        const size_t ahead = i + e + distance;  // in list order (dense: row order), within [b0, b1)
-        const size_t ra = rows ? (ahead < nrows ? static_cast<size_t>(rows[ahead]) : r) : (ahead < end_row ? ahead : r);
-        pf[e] = q + ra * p.row_bytes;
-      }
-      switch (count) {
-        case 1: pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 2: pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 3: pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 4: pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 5: pass_mode<kBits, 5>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 6: pass_mode<kBits, 6>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        case 7: pass_mode<kBits, 7>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-        default: pass_mode<kBits, 8>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs); break;
-      }
-    }
-  }
+  generic::for_each_decode_pass<kPassRows>(
+      p, panel, b0, b1, x, rows, nrows,
+      [&](int count, Mode mode, const uint8_t* const* qr, const uint8_t* const* pf, const float* xv, const float* sb,
+          const uint8_t* zb, float xs) {
+        switch (count) {
+          case 1: return pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 2: return pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 3: return pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 4: return pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 5: return pass_mode<kBits, 5>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 6: return pass_mode<kBits, 6>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          case 7: return pass_mode<kBits, 7>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+          default: return pass_mode<kBits, 8>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+        }
+      });
 }
 
 void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,

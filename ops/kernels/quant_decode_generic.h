@@ -1,0 +1,73 @@
+// The row walk both SIMD decode kernels of the quant backend share: per K-block of the panel, its
+// kept rows (every row when `rows` is null) in passes of up to kPass rows; each pass gets the rows'
+// bytes, the rows kPrefetch further down the list to prefetch, their x values, the block's scales
+// and zero points, the block's sum of x and how it treats the block accumulator. Only the pass (the
+// arithmetic) is ISA-specific. Included once per ISA file.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/quant_kernels.h"
+
+namespace ortsparse::kernels::generic {
+// Internal linkage: each ISA file keeps its own copy (compiled with its own flags).
+namespace {
+
+// How a pass treats the block accumulator `acc` and the output:
+// acc = rows | acc += rows | out += s*(acc+rows-zp*xs) | out += s*(rows-zp*xs)
+enum Mode { kFirst, kMiddle, kLast, kOnly };
+
+// How far ahead the decode kernels prefetch kept rows: ~kPrefetchBytes of row data (more than the
+// bytes in flight during one DRAM latency), at least the next pass's rows and at most 32 rows.
+constexpr size_t kPrefetchBytes = 6144;
+inline size_t prefetch_rows(size_t row_bytes, size_t pass_rows) {
+  return std::min<size_t>(32, std::max<size_t>(pass_rows, (kPrefetchBytes + row_bytes - 1) / row_bytes));
+}
+
+// run_pass(count, mode, rows, ahead, xv, scales, zero_points, xs): one pass of count <= kPass rows.
+template <size_t kPass, class RunPass>
+void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x,
+                          const int32_t* rows, size_t nrows, RunPass&& run_pass) {
+  const size_t width = p.panel;
+  const uint8_t* q = p.panel_q(panel);
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  const size_t end_row = std::min(p.k, b1 * p.block), distance = prefetch_rows(p.row_bytes, kPass);
+  size_t next = 0;
+  for (size_t b = b0; b < b1; ++b) {
+    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
+    size_t begin = r0, end = r1;
+    if (rows) {
+      begin = next;
+      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
+      end = next;
+      if (begin == end) continue;
+    }
+    float xs = 0.0f;
+    for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
+    const float* sb = scales + b * width;
+    const uint8_t* zb = zp ? zp + b * width : nullptr;
+    for (size_t i = begin; i < end; i += kPass) {
+      const int count = static_cast<int>(std::min(kPass, end - i));
+      const bool first = i == begin, last = i + kPass >= end;
+      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
+      const uint8_t* qr[kPass];
+      const uint8_t* pf[kPass];
+      float xv[kPass];
+      for (int e = 0; e < count; ++e) {
+        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
+        qr[e] = q + r * p.row_bytes;
+        xv[e] = x[r];
+        const size_t ahead = i + e + distance;  // in list order (dense: row order), within [b0, b1)
+        const size_t ra = rows ? (ahead < nrows ? static_cast<size_t>(rows[ahead]) : r) : (ahead < end_row ? ahead : r);
+        pf[e] = q + ra * p.row_bytes;
+      }
+      run_pass(count, mode, qr, pf, xv, sb, zb, xs);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ortsparse::kernels::generic
