@@ -43,6 +43,24 @@ def _installed_library() -> Path:
     return here
 
 
+def plain_session_options(
+    *, intra_op_num_threads: int | None = None, allow_spinning: bool | None = None, **attrs: Any
+):
+    """:func:`session_options` without the op library (for models with no ortsparse op)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if intra_op_num_threads is not None:
+        options.intra_op_num_threads = int(intra_op_num_threads)
+    if allow_spinning is not None:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    for name, value in attrs.items():
+        if not hasattr(options, name):
+            raise TypeError(f"onnxruntime.SessionOptions has no attribute {name!r}")
+        setattr(options, name, value)
+    return options
+
+
 def session_options(
     *, intra_op_num_threads: int | None = None, allow_spinning: bool | None = None, **attrs: Any
 ):
@@ -52,18 +70,9 @@ def session_options(
     two knobs benchmarks here care about; any other keyword is set as an attribute of the options
     (``graph_optimization_level=...``, ``log_severity_level=...``).
     """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
+    options = plain_session_options(intra_op_num_threads=intra_op_num_threads, allow_spinning=allow_spinning,
+                                    **attrs)
     options.register_custom_ops_library(get_library_path())
-    if intra_op_num_threads is not None:
-        options.intra_op_num_threads = int(intra_op_num_threads)
-    if allow_spinning is not None:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
-    for name, value in attrs.items():
-        if not hasattr(options, name):
-            raise TypeError(f"onnxruntime.SessionOptions has no attribute {name!r}")
-        setattr(options, name, value)
     return options
 
 

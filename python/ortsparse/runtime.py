@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ._library import DOMAIN
+from ._library import DOMAIN, plain_session_options
 from ._library import session_options as library_session_options
 
 # --------------------------------------------------------------------------- model sources
@@ -125,21 +125,6 @@ def thread_options(threads: int) -> dict[str, Any]:
     return {"intra_op_num_threads": int(threads), "allow_spinning": False if threads > 1 else None}
 
 
-def _dense_options(intra_op_num_threads: int | None = None, allow_spinning: bool | None = None,
-                   **attrs: Any) -> ort.SessionOptions:
-    # Same keywords as ortsparse.session_options, without registering the op library.
-    options = ort.SessionOptions()
-    if intra_op_num_threads is not None:
-        options.intra_op_num_threads = int(intra_op_num_threads)
-    if allow_spinning is not None:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
-    for name, value in attrs.items():
-        if not hasattr(options, name):
-            raise TypeError(f"onnxruntime.SessionOptions has no attribute {name!r}")
-        setattr(options, name, value)
-    return options
-
-
 def options_for(model: Any, session_options: Any = None) -> ort.SessionOptions:
     """The ``onnxruntime.SessionOptions`` :func:`open_session` uses for ``model``."""
     if isinstance(session_options, ort.SessionOptions):
@@ -147,7 +132,7 @@ def options_for(model: Any, session_options: Any = None) -> ort.SessionOptions:
     keywords = dict(session_options or {})
     if uses_ortsparse(model):
         return library_session_options(**keywords)
-    return _dense_options(**keywords)
+    return plain_session_options(**keywords)
 
 
 def open_session(model: Any, session_options: Any = None) -> ort.InferenceSession:
