@@ -24,7 +24,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ortsparse import _kernels as K
-from ortsparse.benchmarking import kernel_bench_parser, kernel_bench_shapes, machine_info, median, read_bandwidth_gbs, write_report
+from ortsparse.benchmarking import (command_line, kernel_bench_parser, kernel_bench_repeats, kernel_bench_shapes,
+                                   machine_info, median, read_bandwidth_gbs, report_header, write_report)
 
 SHAPES = [(576, 1536), (1536, 576), (576, 960), (4096, 11008)]
 KEEPS = [1.0, 0.75, 0.5]
@@ -117,12 +118,8 @@ def run_case(k, n, m, bits, block, zero_points, regime, threads, repeats, rng):
 
 
 def markdown(rows, info, bandwidth, command):
-    lines = ["# Quant backend vs ORT MatMulNBits (accuracy_level 4), kernel level", "",
-             f"Command: `{command}`  ", f"Machine: {info['cpu']}, {info['cores']} cores, ISA {info['isa']}, "
-             f"onnxruntime {info['onnxruntime']}, {info['date']}  ",
-             f"Read bandwidth: {bandwidth['numpy_sum_gbs']:.1f} GB/s (numpy sum), "
-             f"{bandwidth['numpy_matvec_gbs']:.1f} GB/s (numpy matvec)", "",
-             "Per-call medians, alternating in one process; speedup = ORT time / ours (>1 is faster). "
+    lines = report_header("Quant backend vs ORT MatMulNBits (accuracy_level 4), kernel level", command, info, bandwidth)
+    lines += ["Per-call medians, alternating in one process; speedup = ORT time / ours (>1 is faster). "
              "keep < 1: random row lists at block 1. 2 threads: allow_spinning=0 for ORT, a sleeping "
              "two-thread runner for ours. GB/s (M = 1) = bytes the call reads / time. Ours is timed in a C++ loop, "
              "MatMulNBits in a session: inside a session our op costs more per node (bench/bench_quant_op.py: "
@@ -157,8 +154,7 @@ def main(argv=None):
             for k, n in shapes:
                 for m in args.ms:
                     for regime in args.regimes:
-                        big = k * n * m > 576 * 1536 * 128
-                        repeats = args.repeats or (5 if args.quick else (7 if big else 25 if m > 1 else 61))
+                        repeats = kernel_bench_repeats(args, k, n, m, quick=5)
                         new = run_case(k, n, m, bits, args.block, args.zero_points, regime, threads, repeats, rng)
                         for r in new:
                             print(f"int{bits} {k}x{n} M={m} {regime} thr={threads} keep={r['keep']}: ORT {r['ort_us']:.1f}us "
@@ -166,9 +162,9 @@ def main(argv=None):
                                   + (f" GB/s ORT {r['ort_gbs']:.1f} ours {r['ours_gbs']:.1f}" if m == 1 else ""),
                                   flush=True)
                         rows.extend(new)
-    command = "python bench/bench_quant_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = dict(machine=info, bandwidth=bandwidth, command=command.strip(), rows=rows)
-    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command.strip()))
+    command = command_line("python bench/bench_quant_kernel.py", argv)
+    payload = dict(machine=info, bandwidth=bandwidth, command=command, rows=rows)
+    paths = write_report(args.output, payload, markdown(rows, info, bandwidth, command))
     print("wrote", *paths)
     return 0
 
