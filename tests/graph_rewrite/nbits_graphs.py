@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from tiny_graphs import GraphBuilder  # a sibling module (tests/graph_rewrite is on sys.path, not a package)
+
 MS = "com.microsoft"
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM, D_FF, VOCAB, MAX_POS = 64, 4, 2, 16, 128, 96, 64
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -30,23 +32,8 @@ def quantize(w: np.ndarray, bits: int, block: int, zero_points: bool):
     return b, scales, (zp if zero_points else None)
 
 
-class Builder:
-    def __init__(self, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self._count = 0
-
-    def const(self, name: str, array) -> str:
-        self.initializers.append(onnx.numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def op(self, op_type: str, inputs, name: str | None = None, outputs: int = 1, domain: str = "", **attrs):
-        self._count += 1
-        name = name or f"/{op_type}_{self._count}"
-        outs = [f"{name}/output_{i}" for i in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name, domain=domain, **attrs))
-        return outs[0] if outputs == 1 else outs
+class Builder(GraphBuilder):
+    """tiny_graphs' builder with MatMulNBits / MatMul layers; models in onnxruntime-genai's opsets."""
 
     def nbits(self, x: str, k: int, n: int, prefix: str, bits: int, block: int, zero_points: bool,
               accuracy_level: int, scale: float = 0.15) -> str:
@@ -64,6 +51,7 @@ class Builder:
         return self.op("MatMul", [x, w], name=f"/{prefix}/MatMul")
 
     def model(self, inputs, outputs, opset: int = 21) -> onnx.ModelProto:
+        # No checker here: com.microsoft ops (MatMulNBits) are not in the ONNX checker's schemas.
         graph = helper.make_graph(self.nodes, "nbits", inputs, outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)],
                                   producer_name="ortsparse-tests")
@@ -201,12 +189,12 @@ def genai_like(n_layers: int = 2, bits: int | None = 8, block: int = 32, zero_po
         normed, residual = skip_norm(residual, down, norm, f"/model/layers.{i + 1}/input_layernorm/SkipLayerNorm",
                                      last=last)
     if shared_embedding:
-        logits = bld.op("MatMulNBits", [normed, "lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"],
-                        name="/lm_head/MatMul_Q4", domain=MS, K=D_MODEL, N=VOCAB, bits=4, block_size=block,
-                        accuracy_level=accuracy_level)
+        bld.op("MatMulNBits", [normed, "lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"],
+               name="/lm_head/MatMul_Q4", domain=MS, K=D_MODEL, N=VOCAB, bits=4, block_size=block,
+               accuracy_level=accuracy_level)
     else:
-        logits = linear(normed, D_MODEL, VOCAB, "lm_head")
-    bld.nodes[-1].output[0] = "logits"
+        linear(normed, D_MODEL, VOCAB, "lm_head")
+    bld.nodes[-1].output[0] = "logits"  # the head's output, renamed as genai graphs name it
     outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", VOCAB]))
     return bld.model(inputs, outputs)
 

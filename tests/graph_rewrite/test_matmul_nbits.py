@@ -18,7 +18,7 @@ import nbits_graphs as ng
 from configs import kwta, without_kwta
 from ort_run import kwta_nodes
 from ortsparse.graph_rewrite import list_layers, rewrite_model
-from ortsparse.graph_rewrite.rules import NBitsWeight, dequantize_nbits
+from ortsparse.graph_rewrite.rules import dequantize_nbits
 from ortsparse.graph_rewrite.techniques import (EventSettings, PackSettings, ProcSettings, TechniqueChoice,
                                                 TTSettings)
 
