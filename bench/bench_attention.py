@@ -31,7 +31,7 @@ import sys
 import numpy as np
 from onnx import TensorProto, helper
 
-from ortsparse.benchmarking import machine_info, median, session, time_sessions, write_report
+from ortsparse.benchmarking import command_line, machine_info, median, report_header, session, time_sessions, write_report
 
 MS = "com.microsoft"
 
@@ -193,10 +193,10 @@ def run_context(ctx, threads, args, rng):
     return rows
 
 
-def markdown(rows, args):
+def markdown(rows, args, command, info):
     refs = [r for r in ("ort_decomposed", "ort_mha", "ort_gqa") if any(f"speedup_vs_{r}" in x for x in rows)]
-    lines = ["# Decode attention: PopcountAttention vs ORT", "",
-             f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim}, {args.layers} layers per Run, generated "
+    lines = report_header("Decode attention: PopcountAttention vs ORT", command, info)
+    lines += [f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim}, {args.layers} layers per Run, generated "
              "Gaussian inputs (cosine vs exact is NOT representative of real attention; see "
              "bench/attention_quality.py).", "",
              "| ctx | threads | candidate | us/layer | " + " | ".join(f"x vs {r}" for r in refs) + " | cosine |",
@@ -237,8 +237,9 @@ def main(argv=None) -> int:
         for ctx in args.contexts:
             rows += run_context(ctx, threads, args, rng)
             print(f"ctx {ctx} threads {threads} done", file=sys.stderr)
-    md = markdown(rows, args)
-    payload = {"machine": machine_info(), "args": vars(args), "rows": rows}
+    command, info = command_line("python bench/bench_attention.py", argv), machine_info()
+    md = markdown(rows, args, command, info)
+    payload = {"machine": info, "command": command, "args": vars(args), "rows": rows}
     json_path, md_path = write_report(args.output, payload, md)
     print(md)
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
