@@ -390,8 +390,10 @@ def decode_speed(models: Mapping[str, Any], tokens: np.ndarray | None = None, *,
     first), ``keep_ratio`` (mean over gated nodes, when any). A genai folder runs through
     onnxruntime_genai's Generator, as apps run it; a graph in an ORT session."""
     tokens = load_corpus_tokens() if tokens is None else tokens
-    candidates = [Candidate(n, s, ("og",) if isinstance(s, (str, Path)) and Path(s).is_dir() else ("ort",))
-                  for n, s in models.items()]
+    candidates = [Candidate(n, s) for n, s in models.items()]
+    for candidate in candidates:
+        if candidate.is_genai:
+            candidate.runners = ("og",)
     payload = bench(candidates, tokens, contexts=(context,), threads=(threads,),
                     steps=steps, warmup=warmup, log=log or (lambda text: None))
     out = {}

@@ -88,10 +88,9 @@ DEPLOY_MAX_GATED_ROWS = 8
 
 
 def _gating_config(entries: list[dict[str, Any]], attention=None, max_gated_rows: int = 0) -> RewriteConfig:
-    if max_gated_rows:
-        entries = [{**entry, "kwta": {**entry["kwta"], "max_gated_rows": max_gated_rows}}
-                   if isinstance(entry.get("kwta"), dict) else entry for entry in entries]
-    return RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+    # The entries update the base settings, so max_gated_rows reaches every gated layer.
+    base = KwtaSettings(max_gated_rows=max_gated_rows)
+    return RewriteConfig(techniques={"kwta": TechniqueChoice(base, enabled=False, target="all")},
                          overrides=parse_overrides({"layers": entries}), attention=attention)
 
 
