@@ -197,3 +197,11 @@ def test_allocation_on_matmulnbits_weights(model, tokens, tmp_path):
     rewritten = allocation.rewritten_with(quantized, result.entries())
     gated = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
     assert len(gated) == len(result.entries()) - 1 and all(len(n.input) >= 3 for n in gated)  # quantized form
+    # The quantized head is not gated but runs dense on our kernel; an fp32 head stays where it is.
+    heads = [n.name for n in quantized.graph.node if n.op_type == "MatMulNBits" and "lm_head" in n.name]
+    assert heads and result.dense_on_ours == heads
+    head = next(n for n in rewritten.graph.node if n.name == heads[0])
+    assert head.op_type == "KwtaBlockMatMul"
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
+    assert attributes["k_frac"] == 1.0 and attributes.get("threshold", 0.0) == 0.0
+    assert allocation.dense_quantized_heads(model) == []

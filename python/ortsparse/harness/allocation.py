@@ -521,6 +521,7 @@ class Allocation:
     calibration_loss: float
     history: list[dict[str, Any]]
     seconds: dict[str, float]
+    dense_on_ours: list[str] = dataclasses.field(default_factory=list)  # see dense_quantized_heads()
 
     def sparsity(self) -> dict[str, float]:
         return {layer.name: float(unit.grid[self.choice.get(unit.input_name, 0)])
@@ -536,8 +537,10 @@ class Allocation:
 
     def entries(self) -> list[dict[str, Any]]:
         """Override entries (``{"layers": entries}`` is the file ``rewrite-onnx --config`` reads):
-        every layer off, then each gated layer with its threshold (block 1, k_frac 1)."""
+        every layer off, the ``dense_on_ours`` layers dense on our kernel, then each gated layer
+        with its threshold (block 1, k_frac 1)."""
         entries: list[dict[str, Any]] = [{"match": "*", "kwta": "off"}]
+        entries += [{"match": glob_escape(name), "kwta": dict(DENSE_ON_OURS)} for name in self.dense_on_ours]
         sparsity = self.sparsity()
         for name, threshold in self.thresholds().items():
             if sparsity[name] <= 0.0:
@@ -553,11 +556,29 @@ class Allocation:
             "score": self.score, "budget": self.budget, "calibration_loss": self.calibration_loss,
             "planned_skipped_fraction_of_gated": self.skipped_fraction(),
             "gated_weight_bytes": sum(unit.weight_bytes for unit in self.units),
-            "seconds": self.seconds, "history": self.history,
+            "seconds": self.seconds, "history": self.history, "dense_on_ours": self.dense_on_ours,
             "units": [{"layers": [layer.name for layer in unit.layers], "weight_bytes": unit.weight_bytes,
                        "sparsity": float(unit.grid[self.choice.get(unit.input_name, 0)]),
                        "probe": unit.probe, "loss_per_error": unit.scale} for unit in self.units],
         }
+
+
+# KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
+DENSE_ON_OURS = {"k_frac": 1.0, "block": 1}
+
+
+def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> list[str]:
+    """The LM heads stored as MatMulNBits that are not gated: the allocation writes them dense on our
+    quantized kernel. At one token the head is the widest layer (576 x 49152 in SmolLM2, a fifth of a
+    decode step's weight bytes) and our decode kernel streams it faster than MatMulNBits
+    (scripts/remeasure.sh quant: +8-12% tokens/s on the genai int8 model on top of the gated layers);
+    its numerics are MatMulNBits accuracy_level 0's, which the held-out check then measures.
+    Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
+    faster (bench/bench_quant_op.py, 1536x576)."""
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
+    return [record.name for record in list_layers(model, config).layers
+            if record.op_type.endswith("MatMulNBits") and record.layer_class == "head" and record.rewritten
+            and record.name not in set(gated)]
 
 
 def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
@@ -586,7 +607,8 @@ def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capt
     choice, history = bisect_price(units, layers, budget_loss, budget, steps=steps, log=log)
     seconds["search"] = time.perf_counter() - clock
     verified = [h["loss"] for h in history if h["skipped"] == skipped_fraction(units, choice) and h["loss"] <= budget]
-    return Allocation(score, list(layers), units, choice, budget, verified[0] if verified else 0.0, history, seconds)
+    return Allocation(score, list(layers), units, choice, budget, verified[0] if verified else 0.0, history, seconds,
+                      dense_quantized_heads(model, [layer.name for layer in layers]))
 
 
 def allocate_lm(model: Any, calibration_tokens: Any, max_dppl: float = 0.02, *, target: str = "both",
@@ -637,14 +659,15 @@ def rewritten_with(model: onnx.ModelProto, entries: list[dict[str, Any]]) -> onn
     return rewrite_model(model, config)[0]
 
 
-def bytes_summary(model: onnx.ModelProto, measured: Mapping[str, Any]) -> dict[str, Any]:
+def bytes_summary(model: onnx.ModelProto, measured: Mapping[str, Any], dense: Sequence[str] = ()) -> dict[str, Any]:
     """Gated weight bytes skipped as the op measured them (``1 - weighted_keep_ratio`` of
     :func:`ortsparse.harness.op_metrics.snapshot`) and that skip as a fraction of every linear
-    layer's weight bytes (head included: what one decode step reads, the embedding row aside)."""
+    layer's weight bytes (head included: what one decode step reads, the embedding row aside).
+    ``dense``: layers on our op that keep every row (not counted as gated)."""
     nodes = measured.get("nodes", {})
     every = gated_layers(model, "all")
     total = sum(layer.weight_bytes for layer in every)
-    gated = [layer for layer in every if layer.name in nodes]
+    gated = [layer for layer in every if layer.name in nodes and layer.name not in set(dense)]
     gated_bytes = sum(layer.weight_bytes for layer in gated)
     skipped = sum((1.0 - nodes[layer.name]) * layer.weight_bytes for layer in gated)
     return {"gated_layers": len(gated), "gated_weight_bytes": gated_bytes, "all_linear_weight_bytes": total,
@@ -679,7 +702,7 @@ def run(args: Any, target: str, write: Callable[[str, str, str], None], report_p
         passed = final["dppl"] <= args.max_dppl
         summary = f"held-out dppl {final['dppl']:+.4f}, top-1 agreement {final['top1_agreement']:.3f}"
     write(args.output, "override file", json.dumps({"layers": result.entries()}, indent=1) + "\n")
-    measured = bytes_summary(model, final.get("metrics", {}))
+    measured = bytes_summary(model, final.get("metrics", {}), result.dense_on_ours)
     report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": model_file, "method": "allocated",
               "target": target, "margin": args.margin, "allocation": result.report(), "sparsity": result.sparsity(),
               "held_out": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}, "bytes": measured}

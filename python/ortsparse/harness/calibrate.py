@@ -300,7 +300,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **({"allocation": found["allocation"]} if "allocation" in found else {}),
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
         # Measured by the op on the held-out run (the planned fraction above is the calibration grid's).
-        "bytes": allocation.bytes_summary(model, held_out.get("metrics", {})),
+        "bytes": allocation.bytes_summary(model, held_out.get("metrics", {}),
+                                          found.get("allocation", {}).get("dense_on_ours", [])),
     }
     if args.bench:
         report["bench"] = _bench_with(model_file, entries, log)
