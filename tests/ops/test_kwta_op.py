@@ -90,6 +90,24 @@ def test_threshold_keeps_blocks_above_it_capped_at_top_k(rng):
     np.testing.assert_allclose(y, np.broadcast_to(b, y.shape), rtol=1e-6)
 
 
+@pytest.mark.parametrize("isa", _kernels.supported_isas())
+@pytest.mark.parametrize("score", ["l2", "mean_abs"])
+def test_threshold_rows_on_every_isa(isa, score, rng):
+    """The threshold test runs on SIMD order keys: rows with |x| >= threshold (at it included,
+    NaN and inf kept), ascending, for K across vector tails."""
+    threshold = 0.7
+    for k in [1, 7, 15, 16, 17, 33, 64, 100]:
+        w, _ = weights(rng, k, 3)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        x[0, :: 5] = threshold  # exactly at the threshold: kept
+        x[1, k // 2] = np.nan
+        x[2, k - 1] = -np.inf
+        x[2, 0] = -threshold
+        gate = _kernels.KwtaMatMul(w, k_frac=1.0, threshold=threshold, score=score, isa=isa)
+        expected = [np.flatnonzero(~(np.abs(row) < threshold)).tolist() for row in x]
+        assert [r.tolist() for r in gate.plan(x)] == expected, (isa, score, k)
+
+
 def test_renorm_scales_by_blocks_total_over_kept(rng):
     k, n = 40, 12
     w, b = weights(rng, k, n)
