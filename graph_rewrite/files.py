@@ -344,7 +344,7 @@ def rewrite_file(
     check_output_path(out_path, what="output", protected=early)  # fail before the slow part
     if report_path is not None:
         check_output_path(report_path, what="report", protected=early)
-    stages = ["load", "analyse", "build", "rewrite", "attention", "save"]
+    stages = ["load", "analyse", "build", "fuse", "rewrite", "attention", "save"]
     with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
         def stage(name: str) -> None:
             bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer

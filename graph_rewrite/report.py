@@ -103,6 +103,7 @@ class RewriteReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     attention: list[AttentionRecord] = dataclasses.field(default_factory=list)  # per candidate core
     preview: bool = False  # True: a plan (``--list-layers``), nothing was changed
+    fusions: list[Any] = dataclasses.field(default_factory=list)  # fuse.Fusion: same-input layers in one op
 
     @property
     def rewritten(self) -> list[LayerRecord]:
@@ -174,6 +175,11 @@ class RewriteReport:
         if reasons:
             lines.append("skipped because:")
             lines.extend(f"  {count:4d}  {reason}" for reason, count in reasons.most_common())
+        fused = [f for f in self.fusions if f.fused]
+        if fused:
+            layers = sum(len(f.layers) for f in fused)
+            lines.append(f"fused {layers} quantized gated layers into {len(fused)} ops (same input, same settings; exact)")
+        lines.extend(f"  not fused: {' + '.join(f.layers)}: {f.why}" for f in self.fusions if not f.fused)
         lines.extend(self.attention_summary())
         if not self.rewritten and not self.preview and not any(a.rewritten for a in self.attention):
             lines.append("note: no layer matched the selection; the output is the input model unchanged")
@@ -190,6 +196,7 @@ class RewriteReport:
             "attention": [a.to_dict() for a in self.attention],
             "added_initializers": self.added_initializers,
             "removed_initializers": self.removed_initializers,
+            "fusions": [{"layers": list(f.layers), "fused": f.fused, "why": f.why} for f in self.fusions],
             "notes": self.notes,
             "config": config_dict(self.config),
         }

@@ -15,6 +15,7 @@ from .compose import check_attention
 from .config import RewriteConfig
 from .decide import decide_layer
 from .errors import ConfigError
+from .fuse import fuse_shared_input
 from .layers import LinearLayer, Survey, survey
 from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
@@ -35,6 +36,7 @@ def rewrite_model(
     *,
     on_stage: Callable[[str], None] | None = None,
     calibration: Mapping[str, np.ndarray] | None = None,
+    fuse: bool = True,
 ) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
     """Replace the selected linear layers (and, with ``config.attention``, the attention cores) by
     ortsparse ops.
@@ -42,15 +44,17 @@ def rewrite_model(
     A ``ModelProto`` is left untouched and a new ``ModelProto`` is returned; an ``ir.Model`` is
     rewritten in place and returned. ``on_stage`` is called with the name of each stage (progress).
     ``calibration`` maps layer (node) names to sample inputs X [S, K], for techniques whose build
-    uses activations (e.g. TT's output gap).
+    uses activations (e.g. TT's output gap). ``fuse``: quantized gated layers that read the same
+    input with the same settings become one op (graph_rewrite/fuse.py; exact, so on by default).
     """
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
-        report = _run(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage, calibration=calibration)
+        report = _run(ir_model, config or RewriteConfig(), apply=True, on_stage=on_stage, calibration=calibration,
+                      fuse=fuse)
         return ir.to_proto(ir_model), report
     if isinstance(model, ir.Model):
         return model, _run(model, config or RewriteConfig(), apply=True, on_stage=on_stage,
-                           calibration=calibration)
+                           calibration=calibration, fuse=fuse)
     raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
 
 
@@ -161,7 +165,7 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
 
 
 def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Callable[[str], None] | None = None,
-         calibration: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
+         calibration: Mapping[str, np.ndarray] | None = None, fuse: bool = True) -> RewriteReport:
     stage = on_stage or (lambda _: None)
     check_attention(config)
     stage("analyse")
@@ -170,6 +174,10 @@ def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Calla
     preparer = WeightPreparer(model.graph) if apply else None
     layers = _linear_layers(found, config, editor, preparer, calibration, stage)
     report = RewriteReport(layers=layers, config=config, attention_cores=found.attention_cores, preview=not apply)
+    if apply and fuse:
+        stage("fuse")
+        emitted = [r.name for r in layers if r.rewritten and r.new_op == "KwtaBlockMatMul"]
+        report.fusions = fuse_shared_input(editor, default_opset(model), emitted)
     if apply and config.attention is not None:
         _check_attribute_ranges("attention", config.attention.attributes())
         stage("attention")

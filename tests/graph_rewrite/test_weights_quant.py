@@ -158,7 +158,7 @@ def test_gated_layers_match_onnxruntime_quantized_model():
     onnxruntime's quantized model at accuracy_level 0, prefill rows (int8) against level 4."""
     model = onnx.load(TINY / "llama_tiny.torchscript.onnx")
     config = kwta("mlp", k_frac=1.0, techniques={"quant": quant(accuracy_level=0)})
-    out, report = rewrite_model(model, config)
+    out, report = rewrite_model(model, config, fuse=False)  # one node per layer (test_fuse_shared_input.py fuses)
     gated = kwta_nodes(out)
     assert len(gated) == 6 and all(attrs(n)["bits"] == 8 and n.input[1].endswith("_Q8") for n in gated)
     assert [r.new_op for r in report.layers].count("MatMulNBits") == 9
@@ -168,7 +168,7 @@ def test_gated_layers_match_onnxruntime_quantized_model():
         feeds = token_feeds(model, batch=1, seq=seq)
         assert relative(ours.run(None, feeds)[0], level0.run(None, feeds)[0]) <= 1e-5
     ours4 = ortsparse.inference_session(rewrite_model(model, kwta("mlp", k_frac=1.0,
-                                                                  techniques={"quant": quant()}))[0])
+                                                                  techniques={"quant": quant()}), fuse=False)[0])
     level4 = session(ort_quantized(model, 8))
     feeds = token_feeds(model, batch=2, seq=5)
     # Per layer the int8 paths agree within the rounding bound (test_matmul_nbits.py); through a
@@ -184,7 +184,8 @@ def test_every_rule_form_quantizes_to_what_it_computes(family, kwargs, dtype, bl
     (accuracy_level 0, keep-all KWTA on the MLP) equals the float model with dequantized weights."""
     model = {"gpt2": tg.gpt2_like, "bert": tg.bert_like, "llama": tg.llama_like}[family](**kwargs)
     settings = dict(dtype=dtype, block_size=block, symmetric=symmetric, accuracy_level=0)
-    out, report = rewrite_model(model, kwta("mlp", k_frac=1.0, techniques={"quant": quant(**settings)}))
+    # fuse=False: dequantized_float_model reads each layer's own weights (fusion: test_fuse_shared_input.py).
+    out, report = rewrite_model(model, kwta("mlp", k_frac=1.0, techniques={"quant": quant(**settings)}), fuse=False)
     onnx.checker.check_model(out, full_check=True)
     assert len(report.rewritten) == len(report.layers)
     bits = 8 if dtype == "int8" else 4
@@ -257,7 +258,7 @@ def test_cli_refusal_is_exit_2(tmp_path, capsys):
 
 def test_already_quantized_layers_are_left_to_the_gates():
     model = ng.genai_like(n_layers=1, bits=8)
-    out, report = rewrite_model(model, parse(["--weights", "int4"]))
+    out, report = rewrite_model(model, parse(["--weights", "int4"]), fuse=False)
     assert [n.op_type for n in out.graph.node].count("MatMulNBits") == 3  # attn and head: not gated, as they were
     assert len(kwta_nodes(out)) == 3 and all(attrs(n)["bits"] == 8 for n in kwta_nodes(out))
     assert not report.added_initializers and not report.removed_initializers

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
+from ortsparse.graph_rewrite.fuse import FUSED_NAME_SEPARATOR
 from ortsparse.harness import allocation
 from ortsparse.runtime import lm_feeds, open_session
 
@@ -196,7 +197,9 @@ def test_allocation_on_matmulnbits_weights(model, tokens, tmp_path):
     assert result.calibration_loss <= result.budget
     rewritten = allocation.rewritten_with(quantized, result.entries())
     gated = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
-    assert len(gated) == len(result.entries()) - 1 and all(len(n.input) >= 3 for n in gated)  # quantized form
+    assert all(len(n.input) >= 3 for n in gated)  # quantized form
+    # Every entry's layer is gated (gate_proj + up_proj and q/k/v fused into one node each).
+    assert sum(len(n.name.split(FUSED_NAME_SEPARATOR)) for n in gated) == len(result.entries()) - 1
     # The quantized head is not gated but runs dense on our kernel; an fp32 head stays where it is.
     heads = [n.name for n in quantized.graph.node if n.op_type == "MatMulNBits" and "lm_head" in n.name]
     assert heads and result.dense_on_ours == heads

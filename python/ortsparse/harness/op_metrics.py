@@ -6,13 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._library import DOMAIN, metrics
+from ..graph_rewrite.fuse import FUSED_NAME_SEPARATOR
 from ..runtime import load_proto
 
 
 def metrics_summary(raw: Mapping[str, Mapping[str, Any]], model: Any = None) -> dict[str, Any]:
     """Compact view of ``ortsparse.metrics()``: per op type the overall keep ratio (blocks kept /
-    blocks total, every call and token), per node its keep ratio, and — given the model — the keep
-    ratio weighted by each gated layer's weight size (the fraction of gated weight bytes read)."""
+    blocks total, every call and token), per node its keep ratio (a fused node's also under each
+    layer it holds), and — given the model — the keep ratio weighted by each gated layer's weight
+    size (the fraction of gated weight bytes read)."""
     ops: dict[str, dict[str, Any]] = {}
     nodes: dict[str, float] = {}
     for name, values in raw.items():
@@ -25,6 +27,9 @@ def metrics_summary(raw: Mapping[str, Mapping[str, Any]], model: Any = None) -> 
         elif values.get("calls"):  # "<op type>/<node name>": the entry names its node
             total = float(values.get("blocks_total", 0) or 0)
             nodes[values.get("node", name)] = float(values.get("blocks_kept", 0) or 0) / total if total else float("nan")
+    for name in [n for n in nodes if FUSED_NAME_SEPARATOR in n]:  # a fused node speaks for each layer in it
+        for part in name.split(FUSED_NAME_SEPARATOR):
+            nodes.setdefault(part, nodes[name])
     summary: dict[str, Any] = {"ops": ops, "nodes": nodes}
     if model is not None and nodes:
         proto = load_proto(model)

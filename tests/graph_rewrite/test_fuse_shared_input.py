@@ -1,0 +1,99 @@
+"""graph_rewrite/fuse.py: quantized gated layers on one input fused into one KwtaBlockMatMul + Split.
+The fused graph must give bit-identical outputs (decode rows and the int8 prefill), keep the
+original output names, drop the per-layer weights, and leave near-misses apart with a reason."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import nbits_graphs as ng
+from configs import kwta
+from ort_run import kwta_nodes
+from ortsparse.graph_rewrite import LayerOverride, rewrite_model
+from ortsparse.graph_rewrite.fuse import FUSED_NAME_SEPARATOR
+
+import ortsparse
+
+K = 96
+
+
+def shared_input_model(ns=(70, 130), bits=8, block=32, zero_points=False, bias_on=None, seed=0) -> onnx.ModelProto:
+    """X [M, K] read by one MatMulNBits per N in ``ns`` (named l0, l1, ...); each output a graph output."""
+    b = ng.Builder(seed)
+    outputs = []
+    for i, n in enumerate(ns):
+        y = b.nbits("X", K, n, f"l{i}", bits, block, zero_points, accuracy_level=4)
+        if bias_on == i:
+            y = b.op("Add", [y, b.const(f"l{i}.bias", b.rng.standard_normal(n).astype(np.float32))], name=f"/l{i}/Add")
+        outputs.append(helper.make_tensor_value_info(y, TensorProto.FLOAT, None))
+    return b.model([helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", K])], outputs)
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), ortsparse.session_options(intra_op_num_threads=1),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, {"X": x})
+
+
+def gated(threshold=0.4):
+    return kwta("all", k_frac=1.0, threshold=threshold)
+
+
+@pytest.mark.parametrize("threshold", [0.4, 0.0])  # gated rows / every row (>= 4 tokens: the int8 prefill)
+@pytest.mark.parametrize("bits,block,zero_points", [(8, 32, False), (4, 32, True), (8, 16, True), (4, 128, False)])
+def test_fused_outputs_are_bit_identical(bits, block, zero_points, threshold):
+    model = shared_input_model(ns=(70, 130, 64), bits=bits, block=block, zero_points=zero_points)
+    fused, report = rewrite_model(model, gated(threshold))
+    apart, _ = rewrite_model(model, gated(threshold), fuse=False)
+    assert [f.fused is not None for f in report.fusions] == [True]
+    nodes = kwta_nodes(fused)
+    assert len(nodes) == 1 and nodes[0].name == FUSED_NAME_SEPARATOR.join(f"/l{i}/MatMul_Q{bits}" for i in range(3))
+    assert {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}["N"] == 70 + 130 + 64
+    assert [o.name for o in fused.graph.output] == [o.name for o in model.graph.output]
+    # The per-layer weights are gone (one concatenated copy instead).
+    names = {i.name for i in fused.graph.initializer}
+    originals = {i.name for i in model.graph.initializer}
+    assert not names & originals and len(names) == (3 if zero_points else 2)
+    rng = np.random.default_rng(1)
+    for m in (1, 2, 8):  # decode rows one by one, a small batch, the int8 prefill
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        for got, want in zip(run(fused, x), run(apart, x)):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_fused_model_matches_matmulnbits_dense():
+    model = shared_input_model()
+    fused, _ = rewrite_model(model, kwta("all", k_frac=1.0))
+    x = np.random.default_rng(2).standard_normal((1, K)).astype(np.float32)
+    reference = ort.InferenceSession(ng.with_accuracy_level(model, 0).SerializeToString(),
+                                     providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    for got, want in zip(run(fused, x), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_near_misses_stay_apart_with_a_reason():
+    model = shared_input_model()
+    # Thresholds calibrated apart: the gates would keep different rows.
+    overrides = (LayerOverride(match="/l1/*", techniques={"kwta": {"threshold": 0.9}}),)
+    _, report = rewrite_model(model, kwta("all", k_frac=1.0, threshold=0.4, overrides=overrides))
+    assert [f.fused for f in report.fusions] == [None] and "threshold" in report.fusions[0].why
+    # A bias on one layer.
+    _, report = rewrite_model(shared_input_model(bias_on=0), gated())
+    assert [f.fused for f in report.fusions] == [None] and "bias" in report.fusions[0].why
+    # Layers kept apart by fuse=False, and a preview (list_layers) never fuses.
+    _, report = rewrite_model(model, gated(), fuse=False)
+    assert report.fusions == []
+
+
+def test_fused_node_metrics_speak_for_each_layer():
+    """The op reports per node; the harness attributes a fused node's keep ratio to its layers."""
+    from ortsparse.harness.op_metrics import metrics_summary
+
+    fused = FUSED_NAME_SEPARATOR.join(["/l0/MatMul_Q8", "/l1/MatMul_Q8"])
+    raw = {f"KwtaBlockMatMul/{fused}": {"node": fused, "calls": 3, "blocks_total": 100, "blocks_kept": 75},
+           "KwtaBlockMatMul/other": {"node": "other", "calls": 1, "blocks_total": 10, "blocks_kept": 5}}
+    nodes = metrics_summary(raw)["nodes"]
+    assert nodes["/l0/MatMul_Q8"] == nodes["/l1/MatMul_Q8"] == nodes[fused] == 0.75 and nodes["other"] == 0.5
