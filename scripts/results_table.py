@@ -111,10 +111,11 @@ def technique_rows() -> list[str]:
             continue
         held = calibration["held_out"]
         skipped = calibration["bytes"]["skipped_fraction_of_gated"]
+        head = "; lm_head dense on our kernel" if calibration.get("allocation", {}).get("dense_on_ours") else ""
         for context, base, new in _bench_pairs(payload, precision):
             found = True
             lines.append(_row(f"decode at {context} tokens, quality budget 2%", precision,
-                              f"calibrated gating ({100 * skipped:.0f}% of gated weight bytes skipped)",
+                              f"calibrated gating ({100 * skipped:.0f}% of gated weight bytes skipped{head})",
                               f"dppl {_pct(held['dppl'])} vs {'fp32' if calibration.get('reference') else precision} "
                               "(held-out)",
                               _speed(base["tokens_per_s"], new["tokens_per_s"]), f"bench_genai_{precision}_gated.md"))

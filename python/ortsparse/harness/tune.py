@@ -228,10 +228,12 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
 
 def summary(report: dict[str, Any]) -> str:
     held = report["held_out"]
-    gated = sum(c.get("rewritten", 0) for c in report["rewrite"].values() if isinstance(c, dict))
+    dense = report["gating"].get("allocation", {}).get("dense_on_ours", [])
+    gated = sum(c.get("rewritten", 0) for c in report["rewrite"].values() if isinstance(c, dict)) - len(dense)
     lines = [f"tune: wrote {report['output']}",
              f"  layers gated: {gated}; gated weight bytes skipped (calibration): "
-             f"{100 * report['gating']['skipped_fraction']:.1f}%",
+             f"{100 * report['gating']['skipped_fraction']:.1f}%"
+             + (f"; dense on our kernel: {', '.join(dense)}" if dense else ""),
              f"  held-out: dppl {100 * held['dppl']:+.2f}% (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
              f"{held['top1_agreement']:.3f} on {report['windows']} x {report['window_len']} tokens",
              f"  attention: {report['attention_note']}"]
