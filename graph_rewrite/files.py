@@ -323,6 +323,7 @@ def rewrite_file(
     check: bool = True,
     report_path: str | os.PathLike | None = None,
     inputs: Mapping[str | os.PathLike, str] = {},  # noqa: B006 - read only
+    fuse: bool = True,
 ) -> RewriteReport:
     """Rewrite the model at ``in_path`` into ``out_path`` and return the report.
 
@@ -361,7 +362,7 @@ def rewrite_file(
                 if external else None
             out_path = outputs.add(out_path, "output")
             report_target = outputs.add(report_path, "report") if report_path is not None else None
-            _, report = rewrite_model(model, config, on_stage=stage)
+            _, report = rewrite_model(model, config, on_stage=stage, fuse=fuse)
             stage("save")
             staged = save_model(model, outputs, out_path, data_path)
             if check:

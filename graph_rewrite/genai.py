@@ -213,7 +213,7 @@ def _set_library(config: dict, use: bool) -> None:
 
 
 def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, config: RewriteConfig | None = None,
-                         *, check: bool = True) -> GenaiRewrite:
+                         *, check: bool = True, fuse: bool = True) -> GenaiRewrite:
     """Rewrite the decoder of the genai folder ``source`` (the folder or its decoder file) into the new
     folder ``output`` (see the module docstring). With ``check`` the rewritten decoder is opened in
     an ONNX Runtime session (with the op library) before anything is moved into place: the ONNX
@@ -223,7 +223,7 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
     check_folder_output(folder, output)
     model = load_model(info.model_file)
     input_data = _external_files(model, info.model_file.resolve().parent)
-    _, report = rewrite_model(model, config)
+    _, report = rewrite_model(model, config, fuse=fuse)
     with _staging_folder(output.resolve().parent) as staging:
         _copy_folder(folder, staging, skip={info.model_file.resolve(), *input_data, (folder / RECORD_FILE).resolve()})
         model_file = staging / info.model_file.relative_to(folder)

@@ -74,6 +74,9 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
     check.add_argument("--no-check", action="store_true",
                        help="skip onnx.checker.check_model(full_check=True) on the output")
+    check.add_argument("--no-fuse", action="store_true",
+                       help="keep one node per layer (default: quantized gated layers reading the same input "
+                            "with the same settings become one op; exact)")
 
     info = parser.add_argument_group("information")
     info.add_argument("--list-rules", action="store_true", help="print the rewrite rules and exit")
@@ -135,7 +138,7 @@ def _rewrite_genai_folder(args: argparse.Namespace, config, say: Callable[[str],
     """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder."""
     from .graph_rewrite.genai import model_input, read_genai_folder, rewrite_genai_folder
 
-    result = rewrite_genai_folder(args.input, args.output, config, check=not args.no_check)
+    result = rewrite_genai_folder(args.input, args.output, config, check=not args.no_check, fuse=not args.no_fuse)
     library = ", op library copied in" if result.library else ""
     say(f"wrote {result.folder} (onnxruntime-genai folder, decoder {result.model_file.name}{library})")
     say(result.report.summary())
@@ -183,7 +186,7 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if is_folder_rewrite(args.input, args.output):
         return _rewrite_genai_folder(args, config, say, progress, shapes)
     report = rewrite_file(args.input, args.output, config, progress=progress, check=not args.no_check,
-                          report_path=args.report, inputs=_read_by_flags(args))
+                          report_path=args.report, inputs=_read_by_flags(args), fuse=not args.no_fuse)
     say(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
     say(report.summary())
     if args.verify:

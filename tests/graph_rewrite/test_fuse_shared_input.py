@@ -28,7 +28,7 @@ def shared_input_model(ns=(70, 130), bits=8, block=32, zero_points=False, bias_o
         y = b.nbits("X", K, n, f"l{i}", bits, block, zero_points, accuracy_level=4)
         if bias_on == i:
             y = b.op("Add", [y, b.const(f"l{i}.bias", b.rng.standard_normal(n).astype(np.float32))], name=f"/l{i}/Add")
-        outputs.append(helper.make_tensor_value_info(y, TensorProto.FLOAT, None))
+        outputs.append(helper.make_tensor_value_info(y, TensorProto.FLOAT, ["m", n]))
     return b.model([helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", K])], outputs)
 
 
@@ -97,3 +97,16 @@ def test_fused_node_metrics_speak_for_each_layer():
            "KwtaBlockMatMul/other": {"node": "other", "calls": 1, "blocks_total": 10, "blocks_kept": 5}}
     nodes = metrics_summary(raw)["nodes"]
     assert nodes["/l0/MatMul_Q8"] == nodes["/l1/MatMul_Q8"] == nodes[fused] == 0.75 and nodes["other"] == 0.5
+
+
+def test_cli_fuses_by_default_and_no_fuse_keeps_the_layers(tmp_path, capsys):
+    from ortsparse.cli import rewrite_onnx_main
+
+    source = tmp_path / "m.onnx"
+    onnx.save(shared_input_model(), source)
+    for flags, nodes in (([], 1), (["--no-fuse"], 2)):
+        target = tmp_path / f"out{nodes}.onnx"
+        assert rewrite_onnx_main([str(source), "-o", str(target), "--kwta-target", "all", "--kwta-threshold", "0.4",
+                                  "--kwta-k", "1", "--no-check", *flags]) == 0
+        assert len(kwta_nodes(onnx.load(target))) == nodes
+    assert "fused 2 quantized gated layers into 1 ops" in capsys.readouterr().out
