@@ -31,8 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from .graph_utils import ValueNames
-from .replace import GraphEditor, NodeBuilder
+from .replace import GraphEditor, NodeBuilder, WeightPreparer
 from .rules import DOMAIN
 
 FUSED_NAME_SEPARATOR = " + "
@@ -84,24 +83,15 @@ def _why_apart(nodes: Sequence[ir.Node]) -> str:
     return ""
 
 
-def _concatenated(preparer_names: ValueNames, graph: ir.Graph, hint: str, arrays: Sequence[np.ndarray],
-                  rows: Sequence[int]) -> ir.Value:
-    """One initializer of the arrays stacked along N (each reshaped to [its N, -1]), in the shape the
-    first had when it was [N, ...] with more than one dimension, flat otherwise."""
-    parts = [a.reshape(n, -1) for a, n in zip(arrays, rows)]
-    stacked = np.concatenate(parts, axis=0)
-    if arrays[0].ndim > 1:
-        stacked = stacked.reshape((sum(rows), *arrays[0].shape[1:]))
-    else:
-        stacked = stacked.reshape(-1)
-    name = preparer_names.new(hint)
-    tensor = ir.tensor(np.ascontiguousarray(stacked), name=name)
-    value = ir.Value(name=name, shape=ir.Shape(stacked.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
+def _stacked(arrays: Sequence[np.ndarray], rows: Sequence[int]) -> np.ndarray:
+    """The arrays stacked along N (each read as [its N, -1]), in the first one's shape when it had
+    more than one dimension, flat otherwise."""
+    stacked = np.concatenate([a.reshape(n, -1) for a, n in zip(arrays, rows)], axis=0)
+    return stacked.reshape((sum(rows), *arrays[0].shape[1:])) if arrays[0].ndim > 1 else stacked.reshape(-1)
 
 
-def fuse_shared_input(editor: GraphEditor, opset: int, candidates: Sequence[str]) -> list[Fusion]:
+def fuse_shared_input(editor: GraphEditor, preparer: WeightPreparer, opset: int,
+                      candidates: Sequence[str]) -> list[Fusion]:
     """Fuse every group of two or more quantized KwtaBlockMatMul nodes among ``candidates`` (the
     names of the nodes this rewrite emitted) reading the same X with the same settings; returns what
     was fused and what was left apart (and why)."""
@@ -112,7 +102,6 @@ def fuse_shared_input(editor: GraphEditor, opset: int, candidates: Sequence[str]
         if node.domain == DOMAIN and node.op_type == "KwtaBlockMatMul" and node.name in wanted \
                 and node.inputs and node.inputs[0] is not None:
             by_input.setdefault(id(node.inputs[0]), []).append(node)
-    names = ValueNames(graph)
     results: list[Fusion] = []
     for nodes in by_input.values():
         if len(nodes) < 2 or not any(len(n.inputs) > 1 and n.inputs[1] is not None and n.inputs[1].const_value is not None
@@ -130,8 +119,8 @@ def fuse_shared_input(editor: GraphEditor, opset: int, candidates: Sequence[str]
         for index, suffix in ((1, "fused"), (2, "scales_fused"), (3, "zero_points_fused")):
             if index >= len(inputs[0]) or inputs[0][index] is None:
                 break
-            fused_inputs.append(_concatenated(names, graph, f"{stem}_{suffix}",
-                                              [_initializer_array(i[index]) for i in inputs], n_cols))
+            fused_inputs.append(preparer.new_initializer(
+                f"{stem}_{suffix}", _stacked([_initializer_array(i[index]) for i in inputs], n_cols)))
         attributes = {**_attributes(nodes[0]), "N": sum(n_cols)}
         fused_name = editor.new_node_name(FUSED_NAME_SEPARATOR.join(layer_names))
         build = NodeBuilder()
@@ -140,10 +129,7 @@ def fuse_shared_input(editor: GraphEditor, opset: int, candidates: Sequence[str]
                                _name=editor.new_node_name(f"{fused_name}/split_sizes"))
         parts = build.op("Split", y, sizes, axis=-1, _outputs=len(nodes), _name=editor.new_node_name(f"{fused_name}/split"))
         old_outputs = [node.outputs[0] for node in nodes]
-        sources = [v for node in nodes for v in node.inputs[1:] if v is not None]
+        preparer.replaced_values([v for node in nodes for v in node.inputs[1:] if v is not None])
         editor.replace(nodes, build.nodes, old_outputs, list(parts), RULE_NAME)
-        for value in sources:
-            if value.is_initializer() and not value.uses() and graph.initializers.get(value.name) is value:
-                del graph.initializers[value.name]
         results.append(Fusion(layer_names, fused_name))
     return results

@@ -151,6 +151,10 @@ class WeightPreparer:
         self.added.append(name)
         return value
 
+    def replaced_values(self, values: Sequence[ir.Value]) -> None:
+        """Initializers a later edit may leave unused (e.g. weights fused into one)."""
+        self._sources.extend(values)
+
     def replaced(self, operands: LinearOperands) -> None:
         """The layer's original weight/bias may become unused (a technique stored its own form)."""
         self._sources.extend(operands.weight.sources)

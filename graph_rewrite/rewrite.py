@@ -177,7 +177,7 @@ def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Calla
     if apply and fuse:
         stage("fuse")
         emitted = [r.name for r in layers if r.rewritten and r.new_op == "KwtaBlockMatMul"]
-        report.fusions = fuse_shared_input(editor, default_opset(model), emitted)
+        report.fusions = fuse_shared_input(editor, preparer, default_opset(model), emitted)
     if apply and config.attention is not None:
         _check_attribute_ranges("attention", config.attention.attributes())
         stage("attention")
