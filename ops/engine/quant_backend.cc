@@ -174,7 +174,7 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   const QuantPacked& p = weights_->packed();
   const size_t k = p.k, n = p.n, nb = p.num_blocks, width = p.num_panels * p.panel;
   struct Task {
-    size_t token, b0, b1, nrows;
+    size_t token, b0, b1, nrows, lookahead;  // lookahead: list entries after this task's (prefetched only)
     const int32_t* rows;
   };
   thread_local std::vector<Task> tasks;
@@ -192,12 +192,13 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     static const int32_t kNoRow = 0;
     const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
     for (size_t c = 0; c < chunks; ++c) {
-      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, nullptr};
+      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr};
       if (rows) {
         const int32_t* lo = std::lower_bound(rows, rows + count, static_cast<int32_t>(task.b0 * p.block));
         const int32_t* hi = std::lower_bound(lo, rows + count, static_cast<int32_t>(std::min(k, task.b1 * p.block)));
         task.rows = lo;
         task.nrows = static_cast<size_t>(hi - lo);
+        task.lookahead = static_cast<size_t>(rows + count - hi);
       }
       tasks.push_back(task);
     }
@@ -211,7 +212,7 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   runner.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
     const Task& task = task_list[i];
     for (size_t panel = 0; panel < p.num_panels; ++panel)
-      kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows,
+      kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
                      partial + i * width + panel * p.panel, acc + i * p.panel);
   });
   for (size_t i = 0; i < tokens.size(); ++i) {

@@ -78,7 +78,7 @@ struct QuantTuning {
   // A decode token's blocks are split into at most this many tasks of at least
   // decode_min_chunk_rows kept rows (partial sums added at the end; every task streams full rows).
   size_t decode_row_chunks = 4;
-  size_t decode_min_chunk_rows = 256;
+  size_t decode_min_chunk_rows = 128;
   // Dense tokens go through the int8 GEMM when a call has at least this many of them.
   size_t prefill_min_tokens = 4;
   // The GEMM's column chunks are split into at most this many tasks.

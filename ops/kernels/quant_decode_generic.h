@@ -39,12 +39,14 @@ inline void prefetch_block_scales(const float* scales, const uint8_t* zp, size_t
 // run_pass(count, mode, rows, ahead, xv, scales, zero_points, xs): one pass of count <= kPass rows.
 template <size_t kPass, class RunPass>
 void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x,
-                          const int32_t* rows, size_t nrows, RunPass&& run_pass) {
+                          const int32_t* rows, size_t nrows, size_t lookahead, RunPass&& run_pass) {
   const size_t width = p.panel;
   const uint8_t* q = p.panel_q(panel);
   const float* scales = p.panel_scales(panel);
   const uint8_t* zp = p.panel_zero_points(panel);
-  const size_t end_row = std::min(p.k, b1 * p.block), distance = prefetch_rows(p.row_bytes, kPass);
+  // Prefetching runs past this call's rows into the next task's (list entries after nrows, or the
+  // rows after the last block), so a task that follows on the same thread starts warm.
+  const size_t list_end = nrows + lookahead, distance = prefetch_rows(p.row_bytes, kPass);
   size_t next = 0;
   if (b0 < b1) prefetch_block_scales(scales, zp, width, b0);
   for (size_t b = b0; b < b1; ++b) {
@@ -59,7 +61,7 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
     // The next block's scales and zero points are a stream of their own, read once per block at its
     // last pass, that the hardware prefetchers miss: fetch them while this block's rows stream in
     // (+6-38% out of cache at SmolLM2's shapes, bench/bench_quant_kernel.py).
-    if (b + 1 < b1) prefetch_block_scales(scales, zp, width, b + 1);
+    if (b + 1 < p.num_blocks) prefetch_block_scales(scales, zp, width, b + 1);
     float xs = 0.0f;
     for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
     const float* sb = scales + b * width;
@@ -75,8 +77,8 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
         const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
         qr[e] = q + r * p.row_bytes;
         xv[e] = x[r];
-        const size_t ahead = i + e + distance;  // in list order (dense: row order), within [b0, b1)
-        const size_t ra = rows ? (ahead < nrows ? static_cast<size_t>(rows[ahead]) : r) : (ahead < end_row ? ahead : r);
+        const size_t ahead = i + e + distance;  // in list order (dense: row order)
+        const size_t ra = rows ? (ahead < list_end ? static_cast<size_t>(rows[ahead]) : r) : (ahead < p.k ? ahead : r);
         pf[e] = q + ra * p.row_bytes;
       }
       run_pass(count, mode, qr, pf, xv, sb, zb, xs);

@@ -61,9 +61,12 @@ struct QuantKernels {
   // scale[b, :] * (sum_{r in rows of b} x[r] * q[r, :] - zp[b, :] * sum_{r in rows of b} x[r]).
   // rows == nullptr: every row of the blocks; else `nrows` kept rows (ascending, all inside the
   // blocks). Only the kept rows' bytes (and the scales of blocks with a kept row) are read.
+  // lookahead: how many entries of the token's list follow rows[nrows - 1] (another task's rows):
+  // they are prefetched, not computed, so that a task run after this one on the same thread starts
+  // warm (dense: rows up to K are prefetched the same way).
   // acc: scratch of `panel` floats. out is overwritten (padding columns included).
   void (*decode)(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-                 size_t nrows, float* out, float* acc);
+                 size_t nrows, size_t lookahead, float* out, float* acc);
 
   // Tokens t < a.m, columns [c0, c1) of a panel (multiples of kQuantGroup):
   //   ys[t][j - c0] = (bias ? bias[j - c0] : 0) + sum_b wscale[b, j] * (a.scale[t, b] * dot(t, b, j)

@@ -85,12 +85,12 @@ void pass_mode(Mode mode, const uint8_t* const* rows, const uint8_t* const* ahea
 
 template <int kBits>
 void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-            size_t nrows, float* out, float* acc) {
+            size_t nrows, size_t lookahead, float* out, float* acc) {
   const size_t width = p.panel, groups = width / kQuantGroup;
   const float default_zp = p.default_zp;
   for (size_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j, _mm256_setzero_ps());
   generic::for_each_decode_pass<kPassRows>(
-      p, panel, b0, b1, x, rows, nrows,
+      p, panel, b0, b1, x, rows, nrows, lookahead,
       [&](int count, Mode mode, const uint8_t* const* qr, const uint8_t* const* pf, const float* xv, const float* sb,
           const uint8_t* zb, float xs) {
         switch (count) {
@@ -103,8 +103,8 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
 }
 
 void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-                size_t nrows, float* out, float* acc) {
-  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, out, acc);
+                size_t nrows, size_t lookahead, float* out, float* acc) {
+  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, lookahead, out, acc);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -82,12 +82,12 @@ void pass_mode(Mode mode, const uint8_t* const* rows, const uint8_t* const* ahea
 
 template <int kBits>
 void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-            size_t nrows, float* out, float* acc) {
+            size_t nrows, size_t lookahead, float* out, float* acc) {
   const size_t width = p.panel, groups = width / kQuantGroup;
   const float default_zp = p.default_zp;
   for (size_t j = 0; j < width; j += 16) _mm512_storeu_ps(out + j, _mm512_setzero_ps());
   generic::for_each_decode_pass<kPassRows>(
-      p, panel, b0, b1, x, rows, nrows,
+      p, panel, b0, b1, x, rows, nrows, lookahead,
       [&](int count, Mode mode, const uint8_t* const* qr, const uint8_t* const* pf, const float* xv, const float* sb,
           const uint8_t* zb, float xs) {
         switch (count) {
@@ -104,8 +104,8 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
 }
 
 void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-                size_t nrows, float* out, float* acc) {
-  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, out, acc);
+                size_t nrows, size_t lookahead, float* out, float* acc) {
+  (p.bits == 4 ? decode<4> : decode<8>)(p, panel, b0, b1, x, rows, nrows, lookahead, out, acc);
 }
 
 void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,

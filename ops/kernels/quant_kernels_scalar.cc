@@ -21,7 +21,7 @@ inline float zp_at(const uint8_t* zp, const QuantPacked& p, size_t b, size_t j) 
 }
 
 void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
-            size_t nrows, float* out, float* acc) {
+            size_t nrows, size_t /*lookahead: the scalar reference does not prefetch*/, float* out, float* acc) {
   const size_t width = p.panel;
   const uint8_t* q = p.panel_q(panel);
   const float* scales = p.panel_scales(panel);
