@@ -12,8 +12,8 @@ After::
 
 The nodes must be KwtaBlockMatMul's quantized form (MatMulNBits' tensors) with the same attributes
 but N and no bias: the gate then keeps the same rows for both (it reads only X), so one call plans
-the rows once, and each kept row is one run of N1 + N2 columns instead of two shorter ones (a
-576 x 3072 int8 call streams 15% faster than two 576 x 1536 calls at a 72% keep, in a C++ loop).
+the rows once, and each kept row is one run of N1 + N2 columns instead of two shorter ones (longer
+runs stream faster; docs/results.md has what the fusion bought end to end).
 Each output column is computed exactly as before: the fused graph gives bit-identical outputs.
 onnxruntime-genai's int8/int4 graphs have such pairs (gate_proj and up_proj of every MLP; their
 q/k/v projections are already one MatMulNBits). The fused node is named after its parts joined by
@@ -61,6 +61,7 @@ def _initializer_array(value: ir.Value | None) -> np.ndarray | None:
 def _why_apart(nodes: Sequence[ir.Node]) -> str:
     """Why these KwtaBlockMatMul nodes on one X cannot be fused ('' when they can)."""
     first = _attributes(nodes[0])
+    first_has_zp = len(nodes[0].inputs) > 3 and nodes[0].inputs[3] is not None
     for node in nodes:
         inputs = list(node.inputs)
         if len(inputs) < 3 or inputs[1] is None or inputs[1].const_value is None \
@@ -71,7 +72,6 @@ def _why_apart(nodes: Sequence[ir.Node]) -> str:
         if any(_initializer_array(v) is None for v in inputs[1:3]):
             return f"{node.name}'s weights are not initializers"
         has_zp = len(inputs) > 3 and inputs[3] is not None
-        first_has_zp = len(nodes[0].inputs) > 3 and nodes[0].inputs[3] is not None
         if has_zp != first_has_zp:
             return "zero points on some layers only"
         if has_zp and _initializer_array(inputs[3]) is None:

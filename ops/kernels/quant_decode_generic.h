@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/quant_kernels.h"
 
@@ -36,6 +37,19 @@ inline void prefetch_block_scales(const float* scales, const uint8_t* zp, size_t
     for (size_t at = 0; at < width; at += 64) _mm_prefetch(reinterpret_cast<const char*>(zp + b * width + at), _MM_HINT_T0);
 }
 
+// run(std::integral_constant<int, R>{}) with R = count, for 1 <= count <= kMax (a pass's row count
+// as a compile-time constant, so each ISA's pass is unrolled per row count).
+template <int kMax, class Run>
+void with_pass_rows(int count, Run&& run) {
+  if constexpr (kMax == 1) {
+    run(std::integral_constant<int, 1>{});
+  } else if (count >= kMax) {
+    run(std::integral_constant<int, kMax>{});
+  } else {
+    with_pass_rows<kMax - 1>(count, run);
+  }
+}
+
 // run_pass(count, mode, rows, ahead, xv, scales, zero_points, xs): one pass of count <= kPass rows.
 template <size_t kPass, class RunPass>
 void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x,
@@ -50,17 +64,10 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
   size_t next = 0;
   if (b0 < b1) prefetch_block_scales(scales, zp, width, b0);
   for (size_t b = b0; b < b1; ++b) {
-    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
-    size_t begin = r0, end = r1;
-    if (rows) {
-      begin = next;
-      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
-      end = next;
-      if (begin == end) continue;
-    }
+    size_t begin = 0, end = 0;
+    if (!block_kept_range(p, b, rows, nrows, next, begin, end)) continue;
     // The next block's scales and zero points are a stream of their own, read once per block at its
-    // last pass, that the hardware prefetchers miss: fetch them while this block's rows stream in
-    // (+6-38% out of cache at SmolLM2's shapes, bench/bench_quant_kernel.py).
+    // last pass, that the hardware prefetchers miss: fetch them while this block's rows stream in.
     if (b + 1 < p.num_blocks) prefetch_block_scales(scales, zp, width, b + 1);
     float xs = 0.0f;
     for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];

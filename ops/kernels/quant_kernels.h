@@ -15,6 +15,7 @@
 //    unsigned weights, then out[n] += wscale * (ascale * dot - zp * ascale * sum(a)) in fp32.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -45,6 +46,23 @@ struct QuantPacked {
     return zero_points ? zero_points + p * num_blocks * panel : nullptr;
   }
 };
+
+// The kept rows of K-block b in a decode call's row list: [begin, end) of `rows` (the list cursor
+// `next` advanced past them), or the block's own rows [b * block, ...) when rows is null. False: the
+// block keeps no row (the decode kernels skip it, its scales included).
+inline bool block_kept_range(const QuantPacked& p, size_t b, const int32_t* rows, size_t nrows, size_t& next,
+                             size_t& begin, size_t& end) {
+  const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
+  if (rows == nullptr) {
+    begin = r0;
+    end = r1;
+    return true;
+  }
+  begin = next;
+  while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
+  end = next;
+  return begin != end;
+}
 
 // Activations of the dense prefill tokens, quantized per (token, K-block) to int8 (see Numerics).
 struct QuantActivations {

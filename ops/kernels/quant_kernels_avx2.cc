@@ -93,12 +93,9 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
       p, panel, b0, b1, x, rows, nrows, lookahead,
       [&](int count, Mode mode, const uint8_t* const* qr, const uint8_t* const* pf, const float* xv, const float* sb,
           const uint8_t* zb, float xs) {
-        switch (count) {
-          case 1: return pass_mode<kBits, 1>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
-          case 2: return pass_mode<kBits, 2>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
-          case 3: return pass_mode<kBits, 3>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
-          default: return pass_mode<kBits, 4>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
-        }
+        generic::with_pass_rows<static_cast<int>(kPassRows)>(count, [&](auto rows_per_pass) {
+          pass_mode<kBits, decltype(rows_per_pass)::value>(mode, qr, pf, xv, groups, acc, out, sb, zb, default_zp, xs);
+        });
       });
 }
 

@@ -29,14 +29,8 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
   std::fill(out, out + width, 0.0f);
   size_t next = 0;  // into rows
   for (size_t b = b0; b < b1; ++b) {
-    const size_t r0 = b * p.block, r1 = std::min(p.k, r0 + p.block);
-    size_t begin = r0, end = r1;
-    if (rows) {
-      begin = next;
-      while (next < nrows && static_cast<size_t>(rows[next]) < r1) ++next;
-      end = next;
-      if (begin == end) continue;
-    }
+    size_t begin = 0, end = 0;
+    if (!block_kept_range(p, b, rows, nrows, next, begin, end)) continue;
     std::fill(acc, acc + width, 0.0f);
     float xs = 0.0f;
     for (size_t i = begin; i < end; ++i) {
