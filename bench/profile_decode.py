@@ -1,16 +1,20 @@
 """Where a decode step's time goes: ORT's profiler per op type, dense vs KWTA-rewritten KV export.
 
-usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5]
+usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5] [--warmup 2]
        python bench/profile_decode.py --model GENAI_FOLDER_OR_ONNX --config layers.json [...]
-Each model prefills `--context` corpus tokens, then `--runs` real decode steps (the corpus
-continuation, the cache growing) are profiled. Node times come from ORT's own profiler (it adds
-overhead; compare the two columns, not absolute tokens/s).
+Each model prefills `--context` corpus tokens, then runs `--warmup` + `--runs` real decode steps
+(the corpus continuation, the cache growing); the last `--runs` are profiled: per op type, the sum
+over its nodes of each node's median time. The first steps of a fresh session are slower (its arena
+grows, pages fault in) and not alike across graphs: averaged in, they made GroupQueryAttention look
+~25% slower in a rewritten genai graph, while each node's later steps were alike. Node times come
+from ORT's own profiler (it adds overhead; compare the two columns, not absolute tokens/s).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import statistics
 import tempfile
 
 import onnx
@@ -23,20 +27,29 @@ from ortsparse.harness.models import model_path
 from ortsparse.runtime import KVDecoder, kv_layout, open_session
 
 
-def profile(model, tokens, context: int, runs: int, prefix: str) -> collections.Counter:
+def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2) -> collections.Counter:
     plain = open_session(model, {"intra_op_num_threads": 1})  # the prefill is not what this profiles
     prefill = KVDecoder(plain, kv_layout(plain, model))
     prefill.advance(tokens[:context])
     session = open_session(model, {"intra_op_num_threads": 1, "enable_profiling": True, "profile_file_prefix": prefix})
     decoder = KVDecoder(session, prefill.layout)
     decoder.past, decoder.position = prefill.past, prefill.position  # the cache is a plain CPU value
-    for step in range(runs):
+    for step in range(warmup + runs):
         decoder.advance(tokens[context + step:context + step + 1])
     events = json.load(open(session.end_profiling()))
-    per_op: collections.Counter = collections.Counter()
+    run_starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+    if len(run_starts) != warmup + runs:
+        raise SystemExit(f"profile_decode: expected {warmup + runs} model_run events, found {len(run_starts)}")
+    profiled_from = run_starts[warmup]
+    per_node: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for event in events:
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            per_op[event["args"].get("op_name")] += event["dur"] / runs
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= profiled_from:
+            per_node[event["args"].get("op_name"), event["name"]].append(event["dur"])
+    # A node's median over the profiled steps: one slow step (a page fault, the machine's other load)
+    # moves a mean of 16 by more than the differences this compares.
+    per_op: collections.Counter = collections.Counter()
+    for (op, _), durations in per_node.items():
+        per_op[op] += statistics.median(durations)
     return per_op
 
 
@@ -46,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="both")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="decode steps run before the profiled ones")
     parser.add_argument("--model", help="a KV-cache decoder or onnxruntime-genai folder (default: our SmolLM2 export)")
     parser.add_argument("--config", help="an override file (calibrate / tune) instead of --k / --target")
     args = parser.parse_args(argv)
@@ -59,8 +73,8 @@ def main(argv=None) -> int:
     gated, _ = rewrite_model(dense, config)
     tokens = load_corpus_tokens()
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense"),
-                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta")}
+        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense", args.warmup),
+                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup)}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
     what = args.config or f"k {args.k} on {args.target}"
     print(f"per decode step, context {args.context}, 1 thread, {what} (us of node time)")
