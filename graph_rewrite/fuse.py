@@ -10,6 +10,15 @@ After::
     X -> KwtaBlockMatMul([B1; B2], [scales1; scales2][, [zp1; zp2]], N=N1+N2) -> Y
     Y -> Split(axis=-1, split=[N1, N2]) -> Y1, Y2
 
+When the pair is an MLP's SwiGLU (Y1 and Y2 used only by ``Mul(Y1 * Sigmoid(Y1), Y2)``, or by
+``com.microsoft.QuickGelu(alpha=1)`` in place of ``Y1 * Sigmoid(Y1)``, as ORT's optimizer writes it;
+N1 == N2), the activation moves into the op too — no Split, Sigmoid or Muls::
+
+    X -> KwtaBlockMatMul([B1; B2], ..., N=2*N1, glu="silu") -> silu(Y1) * Y2
+
+(The product's columns are bit-identical; the SwiGLU is the op's own exp, within a few float ulps
+of ORT's Sigmoid/QuickGelu. `rewrite-onnx --no-fuse` keeps one node per layer and ORT's activation.)
+
 The nodes must be KwtaBlockMatMul's quantized form (MatMulNBits' tensors) with the same attributes
 but N and no bias: the gate then keeps the same rows for both (it reads only X), so one call plans
 the rows once, and each kept row is one run of N1 + N2 columns instead of two shorter ones (longer
@@ -21,7 +30,8 @@ FUSED_NAME_SEPARATOR, so the op's per-node metrics can be attributed back to the
 
 Near misses stay unfused and say why in the report: a bias, different gate settings (e.g.
 thresholds calibrated apart), different bits/block_size/zero-point presence, or an opset below 13
-(Split's sizes as an input).
+(Split's sizes as an input). A pair that is fused but not as a SwiGLU says why too (e.g. the gate's
+output has another use).
 """
 from __future__ import annotations
 
@@ -46,6 +56,8 @@ class Fusion:
     layers: tuple[str, ...]
     fused: str | None
     why: str = ""
+    glu: str = ""       # "silu": the MLP's activation moved into the op
+    why_no_glu: str = ""  # fused with a Split: why the SwiGLU form did not apply ("" if not a pair)
 
 
 def _attributes(node: ir.Node) -> dict[str, object]:
@@ -83,6 +95,63 @@ def _why_apart(nodes: Sequence[ir.Node]) -> str:
     return ""
 
 
+@dataclasses.dataclass
+class _SwiGlu:
+    gate: ir.Node              # the layer inside the sigmoid
+    up: ir.Node
+    activation: list[ir.Node]  # Sigmoid + Mul, or QuickGelu
+    product: ir.Node           # Mul(silu(gate), up): its output is what the fused op writes
+
+
+def _sole_consumer(value: ir.Value, outputs: set[int]) -> ir.Node | None:
+    """The one node using ``value`` (once), or None (several uses, or a graph output)."""
+    uses = list(value.uses())
+    if len(uses) != 1 or id(value) in outputs:
+        return None
+    return uses[0].node
+
+
+def _silu_of(gate_out: ir.Value, outputs: set[int]) -> tuple[list[ir.Node], ir.Value] | None:
+    """The nodes computing silu(gate_out) when they are its only uses, and their output."""
+    if id(gate_out) in outputs:
+        return None
+    users = list(gate_out.consumers())
+    if len(gate_out.uses()) == 1 and users[0].op_type == "QuickGelu" and users[0].domain == "com.microsoft":
+        alpha = users[0].attributes.get("alpha")
+        if (alpha.value if alpha is not None else 1.702) == 1.0:
+            return [users[0]], users[0].outputs[0]
+        return None
+    sigmoid = [u for u in users if u.op_type == "Sigmoid" and u.domain in ("", "ai.onnx")]
+    mul = [u for u in users if u.op_type == "Mul" and u.domain in ("", "ai.onnx")]
+    if len(gate_out.uses()) != 2 or len(sigmoid) != 1 or len(mul) != 1:
+        return None
+    if {id(v) for v in mul[0].inputs} != {id(gate_out), id(sigmoid[0].outputs[0])} \
+            or _sole_consumer(sigmoid[0].outputs[0], outputs) is not mul[0]:
+        return None
+    return [sigmoid[0], mul[0]], mul[0].outputs[0]
+
+
+def _swiglu(nodes: Sequence[ir.Node], outputs: set[int]) -> tuple[_SwiGlu | None, str]:
+    """The pair as a SwiGLU (gate, up, activation, product), or None and why not."""
+    if len(nodes) != 2:
+        return None, ""
+    if int(_attributes(nodes[0])["N"]) != int(_attributes(nodes[1])["N"]):
+        return None, "the two layers' N differ (not a gate/up pair)"
+    for gate, up in ((nodes[0], nodes[1]), (nodes[1], nodes[0])):
+        silu = _silu_of(gate.outputs[0], outputs)
+        if silu is None:
+            continue
+        activation, silu_out = silu
+        product = _sole_consumer(silu_out, outputs)
+        if product is None or product.op_type != "Mul" or product.domain not in ("", "ai.onnx"):
+            continue
+        if {id(v) for v in product.inputs} != {id(silu_out), id(up.outputs[0])} \
+                or _sole_consumer(up.outputs[0], outputs) is not product:
+            continue
+        return _SwiGlu(gate, up, activation, product), ""
+    return None, "no Mul(silu(one), other) is the only use of both outputs"
+
+
 def _stacked(arrays: Sequence[np.ndarray], rows: Sequence[int]) -> np.ndarray:
     """The arrays stacked along N (each read as [its N, -1]), in the first one's shape when it had
     more than one dimension, flat otherwise."""
@@ -93,8 +162,8 @@ def _stacked(arrays: Sequence[np.ndarray], rows: Sequence[int]) -> np.ndarray:
 def fuse_shared_input(editor: GraphEditor, preparer: WeightPreparer, opset: int,
                       candidates: Sequence[str]) -> list[Fusion]:
     """Fuse every group of two or more quantized KwtaBlockMatMul nodes among ``candidates`` (the
-    names of the nodes this rewrite emitted) reading the same X with the same settings; returns what
-    was fused and what was left apart (and why)."""
+    names of the nodes this rewrite emitted) reading the same X with the same settings (a SwiGLU
+    pair with its activation); returns what was fused and what was left apart (and why)."""
     graph = editor.graph
     wanted = set(candidates)
     by_input: dict[int, list[ir.Node]] = {}
@@ -112,6 +181,10 @@ def fuse_shared_input(editor: GraphEditor, preparer: WeightPreparer, opset: int,
         if why:
             results.append(Fusion(layer_names, None, why))
             continue
+        glu, why_no_glu = _swiglu(nodes, {id(v) for v in graph.outputs})
+        if glu is not None:
+            nodes = [glu.gate, glu.up]  # the gate's columns first: the op's SwiGLU reads them as gate
+            layer_names = (glu.gate.name, glu.up.name)
         n_cols = [int(_attributes(node)["N"]) for node in nodes]
         inputs = [list(node.inputs) for node in nodes]
         stem = nodes[0].inputs[1].name
@@ -124,12 +197,17 @@ def fuse_shared_input(editor: GraphEditor, preparer: WeightPreparer, opset: int,
         attributes = {**_attributes(nodes[0]), "N": sum(n_cols)}
         fused_name = editor.new_node_name(FUSED_NAME_SEPARATOR.join(layer_names))
         build = NodeBuilder()
+        preparer.replaced_values([v for node in nodes for v in node.inputs[1:] if v is not None])
+        if glu is not None:
+            y = build.op("KwtaBlockMatMul", *fused_inputs, _domain=DOMAIN, _name=fused_name, glu="silu", **attributes)
+            editor.replace([*nodes, *glu.activation, glu.product], build.nodes, glu.product.outputs[0], y, RULE_NAME)
+            results.append(Fusion(layer_names, fused_name, glu="silu"))
+            continue
         y = build.op("KwtaBlockMatMul", *fused_inputs, _domain=DOMAIN, _name=fused_name, **attributes)
         sizes = build.Constant(value=ir.tensor(np.asarray(n_cols, dtype=np.int64), name=f"{fused_name}/split_sizes"),
                                _name=editor.new_node_name(f"{fused_name}/split_sizes"))
         parts = build.op("Split", y, sizes, axis=-1, _outputs=len(nodes), _name=editor.new_node_name(f"{fused_name}/split"))
         old_outputs = [node.outputs[0] for node in nodes]
-        preparer.replaced_values([v for node in nodes for v in node.inputs[1:] if v is not None])
         editor.replace(nodes, build.nodes, old_outputs, list(parts), RULE_NAME)
-        results.append(Fusion(layer_names, fused_name))
+        results.append(Fusion(layer_names, fused_name, why_no_glu=why_no_glu))
     return results

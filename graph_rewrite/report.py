@@ -178,8 +178,12 @@ class RewriteReport:
         fused = [f for f in self.fusions if f.fused]
         if fused:
             layers = sum(len(f.layers) for f in fused)
-            lines.append(f"fused {layers} quantized gated layers into {len(fused)} ops (same input, same settings; exact)")
+            glu = sum(1 for f in fused if f.glu)
+            with_glu = f", {glu} with their SwiGLU activation" if glu else ""
+            lines.append(f"fused {layers} quantized gated layers into {len(fused)} ops (same input, same settings{with_glu})")
         lines.extend(f"  not fused: {' + '.join(f.layers)}: {f.why}" for f in self.fusions if not f.fused)
+        lines.extend(f"  fused with a Split, not as a SwiGLU: {' + '.join(f.layers)}: {f.why_no_glu}"
+                     for f in self.fusions if f.fused and f.why_no_glu)
         lines.extend(self.attention_summary())
         if not self.rewritten and not self.preview and not any(a.rewritten for a in self.attention):
             lines.append("note: no layer matched the selection; the output is the input model unchanged")
@@ -196,7 +200,8 @@ class RewriteReport:
             "attention": [a.to_dict() for a in self.attention],
             "added_initializers": self.added_initializers,
             "removed_initializers": self.removed_initializers,
-            "fusions": [{"layers": list(f.layers), "fused": f.fused, "why": f.why} for f in self.fusions],
+            "fusions": [{"layers": list(f.layers), "fused": f.fused, "why": f.why, "glu": f.glu,
+                         "why_no_glu": f.why_no_glu} for f in self.fusions],
             "notes": self.notes,
             "config": config_dict(self.config),
         }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/scratch.h"
 
 namespace ortsparse::engine {
 namespace {
@@ -95,6 +96,8 @@ GatedMatMul::GatedMatMul(std::unique_ptr<InputGate> gate, std::shared_ptr<const 
   if (!gate_) gate_ = std::make_unique<DenseGate>(BlockPartition(backend_->k(), 1));
   if (gate_->partition().k != backend_->k())
     fail("the input gate covers K=", gate_->partition().k, " inputs but the weights have K=", backend_->k());
+  if (options_.glu != Glu::kNone && backend_->n() % 2 != 0)
+    fail("a GLU epilogue needs an even N (two halves, gate and up), got N=", backend_->n());
   if (options_.fallback && (options_.fallback->k() != backend_->k() || options_.fallback->n() != backend_->n()))
     fail("the fallback weights are [", options_.fallback->k(), ", ", options_.fallback->n(), "], not [",
          backend_->k(), ", ", backend_->n(), "]");
@@ -108,21 +111,32 @@ MatMulStats GatedMatMul::run(const float* x, size_t batch, size_t seq, const flo
   call.batch = batch;
   call.seq = seq;
   call.bias = bias;
-  call.y = y;
   call.reset = reset;
-  const size_t m = call.rows();
+  const size_t m = call.rows(), n_cols = backend_->n();
+  // With an epilogue the product goes to a per-thread buffer first (kept: a decode step allocates nothing).
+  thread_local std::vector<float> product_buffer;
+  const bool epilogue = options_.glu != Glu::kNone;
+  if (epilogue && product_buffer.size() < m * n_cols) product_buffer.resize(m * n_cols);
+  float* const product_out = epilogue ? product_buffer.data() : y;
+  call.y = product_out;
   call.dense = options_.max_gated_rows > 0 && m > static_cast<size_t>(options_.max_gated_rows);
   const BoundProduct product(*backend_, kernels, runner);
   stats.gate = gate_->apply(call, product, kernels);
   stats.backend = product.stats;
-  if (options_.nan_guard && m > 0 && has_nonfinite(y, m * backend_->n()) && !has_nonfinite(x, m * backend_->k())) {
+  if (options_.nan_guard && m > 0 && has_nonfinite(product_out, m * n_cols) && !has_nonfinite(x, m * backend_->k())) {
     if (!options_.fallback)
       fail("output has NaN/Inf while input X is finite: the approximate weights overflow on this input. Rebuild "
            "the layer (e.g. a lower rank) or keep it dense, or keep the dense fallback weight (input W_dense)");
     GatedRows every;
     for (size_t t = 0; t < m; ++t) every.add_dense_token();
-    options_.fallback->run(x, m, every, bias, y, kernels, runner);
+    options_.fallback->run(x, m, every, bias, product_out, kernels, runner);
     stats.nan_fallback = true;
+  }
+  if (epilogue) {
+    const size_t half = n_cols / 2;
+    for (size_t r = 0; r < m; ++r)
+      kernels.matmul->silu_glu(product_out + r * n_cols, product_out + r * n_cols + half, half, y + r * half);
+    release_if_large(product_buffer);  // a prefill's buffer is not kept for the decode steps
   }
   return stats;
 }

@@ -13,6 +13,11 @@
 
 namespace ortsparse::engine {
 
+// An epilogue on the product's columns. kSilu: the weights hold two halves [gate | up] along N and
+// the output is silu(y[:, :N/2]) * y[:, N/2:] (SwiGLU), N/2 columns — an MLP's gate and up
+// projections and their activation in one call.
+enum class Glu { kNone, kSilu };
+
 struct GatedMatMulOptions {
   // > 0: a call with more rows than this runs every row (prefill); gates with state resync on it.
   int64_t max_gated_rows = 0;
@@ -20,6 +25,7 @@ struct GatedMatMulOptions {
   // `fallback` if given, else fail naming the cause.
   bool nan_guard = false;
   std::shared_ptr<const WeightBackend> fallback;
+  Glu glu = Glu::kNone;
 };
 
 struct MatMulStats {
@@ -36,9 +42,10 @@ class GatedMatMul {
   const InputGate& gate() const { return *gate_; }
   const WeightBackend& backend() const { return *backend_; }
   size_t k() const { return backend_->k(); }
-  size_t n() const { return backend_->n(); }
+  size_t n() const { return backend_->n(); }                                       // the product's columns
+  size_t out_n() const { return options_.glu == Glu::kNone ? n() : n() / 2; }  // y's columns
 
-  // y [batch * seq, N] = gated x [batch * seq, K] · W (+ bias). Rows of one batch index are
+  // y [batch * seq, out_n()] = gated x [batch * seq, K] · W (+ bias), then the epilogue. Rows of one batch index are
   // consecutive positions of one sequence (what a gate with state follows). Thread-safe.
   MatMulStats run(const float* x, size_t batch, size_t seq, const float* bias, float* y, bool reset,
                   const kernels::KernelSet& kernels, const TaskRunner& runner) const;

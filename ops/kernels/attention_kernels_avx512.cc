@@ -3,6 +3,7 @@
 
 #include "kernels/attention_kernels.h"
 #include "kernels/exp_generic.h"
+#include "kernels/exp_avx512.h"
 #include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
@@ -58,30 +59,12 @@ void dot_rows_avx512(const float* q, const float* k, size_t ldk, size_t d, const
   }
 }
 
-// exp_generic.h's algorithm on 16 lanes (scalef does the 2^n: exactly ldexp's rounding).
-inline __m512 exp16(__m512 t) {
-  using namespace generic;
-  const __mmask16 small = _mm512_cmp_ps_mask(t, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), t);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC0), r, _mm512_set1_ps(kExpC1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC5));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_max_ps(_mm512_min_ps(n, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-126.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~small), _mm512_scalef_ps(p, e));
-}
-
 double exp_sub_avx512(const float* x, size_t n, float shift, float* out) {
   const __m512 s = _mm512_set1_ps(shift);
   __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
   for (size_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
+    const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s));
     _mm512_mask_storeu_ps(out + i, m, e);
     const __m512 z = _mm512_maskz_mov_ps(m, e);
     acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(z)));

@@ -34,6 +34,13 @@ inline float exp_scalar(float t) {
   return std::ldexp(p, static_cast<int>(std::fmax(std::fmin(n, 127.0f), -126.0f)));
 }
 
+// silu(g) * u, silu(g) = g * sigmoid(g) with sigmoid from e = exp(-|g|): (g >= 0 ? 1 : e) / (1 + e).
+inline float silu_times(float g, float u) {
+  const float e = exp_scalar(-std::fabs(g));
+  const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+  return (g * sigmoid) * u;
+}
+
 inline double exp_sub(const float* x, size_t n, float shift, float* out) {
   double sum = 0.0;
   for (size_t i = 0; i < n; ++i) {

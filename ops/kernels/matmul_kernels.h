@@ -28,6 +28,12 @@ struct MatMulKernels {
   // out[b] = sum over the block's entries of x^2 (sumsq) or |x| (sumabs); the last block may be short.
   void (*block_sumsq)(const float* x, size_t k, size_t block, float* out);
   void (*block_sumabs)(const float* x, size_t k, size_t block, float* out);
+
+  // out[i] = silu(gate[i]) * up[i] (SwiGLU's product), silu(g) = g * sigmoid(g), sigmoid from
+  // e = exp(-|g|) as (g >= 0 ? 1 : e) / (1 + e) (never overflows; exp of exp_generic.h, so 0 for
+  // g < -87, where |silu(g)| < 1e-35). Every step is exactly rounded, so the SIMD variants give the
+  // scalar twin's bits.
+  void (*silu_glu)(const float* gate, const float* up, size_t n, float* out);
 };
 
 // Helpers of the top-k selector (kernels/top_k.h) on order keys (kernels/order_key.h).

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "kernels/exp_avx2.h"
+#include "kernels/exp_generic.h"
 #include "kernels/matmul_kernels.h"
 #include "kernels/order_key.h"
 
@@ -236,10 +238,25 @@ size_t indices_in_range_avx2(const uint32_t* keys, size_t n, uint32_t lo, uint32
   return count;
 }
 
+// generic::silu_times on 8 lanes (-|g| by setting the sign bit, as -fabs); the tail is the scalar twin.
+void silu_glu_avx2(const float* gate, const float* up, size_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = avx2::exp8(_mm256_or_ps(g, sign));
+    const __m256 nonneg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, nonneg), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = generic::silu_times(gate[i], up[i]);
+}
+
 }  // namespace
 
 const MatMulKernels& matmul_kernels_avx2() {
-  static const MatMulKernels table{gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2};
+  static const MatMulKernels table{gemv_rows_avx2, gemm_rows_avx2, block_sumsq_avx2, block_sumabs_avx2,
+                                   silu_glu_avx2};
   return table;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "kernels/exp_avx512.h"
 #include "kernels/matmul_kernels.h"
 #include "kernels/order_key.h"
 
@@ -244,10 +245,25 @@ size_t indices_in_range_avx512(const uint32_t* keys, size_t n, uint32_t lo, uint
   return count;
 }
 
+// generic::silu_times on 16 lanes; -|g| by setting the sign bit (as -fabs: -0 for 0, NaN stays NaN).
+void silu_glu_avx512(const float* gate, const float* up, size_t n, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 e = avx512::exp16(_mm512_castsi512_ps(_mm512_or_epi32(_mm512_castps_si512(g), sign)));
+    const __mmask16 nonneg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(nonneg, e, one), _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
 }  // namespace
 
 const MatMulKernels& matmul_kernels_avx512() {
-  static const MatMulKernels table{gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512, block_sumabs_avx512};
+  static const MatMulKernels table{gemv_rows_avx512, gemm_rows_avx512, block_sumsq_avx512, block_sumabs_avx512,
+                                   silu_glu_avx512};
   return table;
 }
 

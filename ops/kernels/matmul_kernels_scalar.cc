@@ -1,6 +1,7 @@
 // Reference kernels: plain loops, the definition the SIMD variants must match.
 #include <cmath>
 
+#include "kernels/exp_generic.h"
 #include "kernels/matmul_kernels.h"
 #include "kernels/order_key.h"
 
@@ -78,10 +79,15 @@ size_t indices_in_range_scalar(const uint32_t* keys, size_t n, uint32_t lo, uint
   return count;
 }
 
+void silu_glu_scalar(const float* gate, const float* up, size_t n, float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = generic::silu_times(gate[i], up[i]);
+}
+
 }  // namespace
 
 const MatMulKernels& matmul_kernels_scalar() {
-  static const MatMulKernels table{gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar, block_sumabs_scalar};
+  static const MatMulKernels table{gemv_rows_scalar, gemm_rows_scalar, block_sumsq_scalar, block_sumabs_scalar,
+                                   silu_glu_scalar};
   return table;
 }
 

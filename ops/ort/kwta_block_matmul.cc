@@ -1,5 +1,6 @@
 // KwtaBlockMatMul = the composer with the `kwta` gate (behind the `bitmap` gate when pack_mode is
-// set) over one of two weight backends, told apart by the type of input 1:
+// set) and an optional SwiGLU epilogue (glu) over one of two weight backends, told apart by the
+// type of input 1:
 //   float form      (X, W float [K, N], B?)                                   -> dense backend
 //   quantized form  (X, B uint8, scales, zero_points?, bias?) + K, N, bits, block_size, exactly
 //                   com.microsoft.MatMulNBits' weight inputs and attributes   -> quant backend
@@ -52,6 +53,16 @@ engine::BitmapConfig read_bitmap_config(const Attributes& attrs, const engine::K
   return c;
 }
 
+// Attribute glu: "none" (Y = X·W, N columns) or "silu" (W's N columns are [gate | up]; Y =
+// silu(X·W_gate) * (X·W_up), N/2 columns).
+engine::Glu read_glu(const Attributes& attrs, size_t n) {
+  const std::string glu = attrs.get_string("glu", "none");
+  if (glu == "none") return engine::Glu::kNone;
+  if (glu != "silu") fail("attribute glu='", glu, "' is not one of 'none', 'silu'");
+  if (n % 2 != 0) fail("attribute glu='silu' needs an even N (the weight's two halves, gate and up), got N=", n);
+  return engine::Glu::kSilu;
+}
+
 class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
  public:
   static constexpr const char* kOpName = "KwtaBlockMatMul";
@@ -94,6 +105,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     }
     engine::GatedMatMulOptions options;
     options.max_gated_rows = config.max_gated_rows;
+    options.glu = read_glu(attrs, backend->n());
     matmul_ = std::make_unique<engine::GatedMatMul>(std::move(gate), std::move(backend), options);
   }
 

@@ -4,7 +4,7 @@
 
 namespace ortsparse::ort {
 
-MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index) {
+MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index, size_t out_n) {
   MatMulIo io;
   Ort::ConstValue x = context.GetInput(0);
   auto x_info = x.GetTensorTypeAndShapeInfo();
@@ -36,7 +36,7 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
       io.bias = b.GetTensorData<float>();
     }
   }
-  shape.back() = static_cast<int64_t>(n);
+  shape.back() = static_cast<int64_t>(out_n);
   Ort::UnownedValue y = context.GetOutput(0, shape);
   io.y = y.GetTensorMutableData<float>();
   return io;
@@ -45,7 +45,7 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
 engine::MatMulStats run_matmul(OrtKernelContext* raw_context, const engine::GatedMatMul& matmul, size_t bias_index,
                                bool reset) {
   Ort::KernelContext context(raw_context);
-  const MatMulIo io = bind_matmul_io(context, matmul.k(), matmul.n(), bias_index);
+  const MatMulIo io = bind_matmul_io(context, matmul.k(), matmul.n(), bias_index, matmul.out_n());
   const size_t batch = io.seq == 0 ? 0 : io.m / io.seq;
   if (io.m == 0 && !reset) return engine::MatMulStats{};  // nothing to compute, nothing to count
   return matmul.run(io.x, batch, io.seq, io.bias, io.y, reset, kernel_set_or_fail(), OrtTaskRunner(raw_context));

@@ -1,4 +1,4 @@
-// Run-time I/O shared by the matmul ops: X [..., K] -> Y [..., N], optional bias B [N], and the
+// Run-time I/O shared by the matmul ops: X [..., K] -> Y [..., N or N/2 with a GLU epilogue], optional bias B [N], and the
 // call of the engine's composer.
 #pragma once
 
@@ -19,8 +19,8 @@ struct MatMulIo {
 };
 
 // Validates X (float, rank >= 1, last dim == k) and B (float [n], input index bias_index, if
-// present) and allocates Y; throws naming the input and shapes.
-MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index);
+// present) and allocates Y [..., out_n] (out_n < n with an epilogue); throws naming the input and shapes.
+MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index, size_t out_n);
 
 // Binds the I/O and runs the composer on the call's kernels and ORT's intra-op pool. Rows of X
 // along its second-to-last dim are one sequence (what a gate with state follows).

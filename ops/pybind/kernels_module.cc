@@ -101,6 +101,16 @@ FloatArray block_reduce(const std::string& isa, FloatArray x, size_t block, bool
   return out;
 }
 
+// silu(gate) * up on one ISA (gate and up of one length; out pre-filled with NaN, so an unwritten
+// entry shows).
+FloatArray silu_glu(const std::string& isa, FloatArray gate, FloatArray up) {
+  if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())
+    throw py::value_error("gate and up must be 1-D arrays of one length");
+  FloatArray out = bindings::nan_filled(std::vector<size_t>{static_cast<size_t>(gate.size())});
+  table(isa).silu_glu(gate.data(), up.data(), static_cast<size_t>(gate.size()), out.mutable_data());
+  return out;
+}
+
 using KeyArray = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 
 py::tuple order_keys(const std::string& isa, FloatArray values) {
@@ -236,6 +246,7 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("gemm_rows", &gemm_rows, py::arg("isa"), py::arg("w"), py::arg("rows"), py::arg("xv"), py::arg("y_init") = py::none());
   m.def("block_sumsq", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, true); });
   m.def("block_sumabs", [](const std::string& isa, FloatArray x, size_t block) { return block_reduce(isa, x, block, false); });
+  m.def("silu_glu", &silu_glu, py::arg("isa"), py::arg("gate"), py::arg("up"));
   m.def("order_keys", &order_keys, py::arg("isa"), py::arg("values"));
   m.def("count_at_least", [](const std::string& isa, KeyArray keys, uint32_t t) {
     return select_table(isa).count_at_least(keys.data(), keys.size(), t);

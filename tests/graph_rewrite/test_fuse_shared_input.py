@@ -110,3 +110,55 @@ def test_cli_fuses_by_default_and_no_fuse_keeps_the_layers(tmp_path, capsys):
                                   "--kwta-k", "1", "--no-check", *flags]) == 0
         assert len(kwta_nodes(onnx.load(target))) == nodes
     assert "fused 2 quantized gated layers into 1 ops" in capsys.readouterr().out
+
+
+def swiglu_model(form="sigmoid", swap_mul=False, gate_also_output=False, n=72, bits=8, zero_points=False):
+    """An MLP's SwiGLU on MatMulNBits: Mul(silu(gate(X)), up(X)) (or up first), silu as
+    Sigmoid + Mul or as com.microsoft.QuickGelu(alpha=1)."""
+    b = ng.Builder(3)
+    gate = b.nbits("X", K, n, "gate_proj", bits, 32, zero_points, accuracy_level=4)
+    up = b.nbits("X", K, n, "up_proj", bits, 32, zero_points, accuracy_level=4)
+    if form == "quickgelu":
+        act = b.op("QuickGelu", [gate], name="/act/QuickGelu", domain="com.microsoft", alpha=1.0)
+    else:
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], name="/act/Sigmoid")], name="/act/Mul")
+    y = b.op("Mul", [up, act] if swap_mul else [act, up], name="/mlp/Mul")
+    outputs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["m", n])]
+    if gate_also_output:
+        outputs.append(helper.make_tensor_value_info(gate, TensorProto.FLOAT, ["m", n]))
+    return b.model([helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", K])], outputs)
+
+
+@pytest.mark.parametrize("form,swap_mul", [("sigmoid", False), ("sigmoid", True), ("quickgelu", False)])
+@pytest.mark.parametrize("bits,zero_points", [(8, False), (4, True)])
+def test_swiglu_pair_becomes_one_node_with_its_activation(form, swap_mul, bits, zero_points):
+    model = swiglu_model(form, swap_mul, bits=bits, zero_points=zero_points)
+    fused, report = rewrite_model(model, gated())
+    apart, _ = rewrite_model(model, gated(), fuse=False)
+    assert [(f.fused is not None, f.glu) for f in report.fusions] == [(True, "silu")]
+    assert [n.op_type for n in fused.graph.node] == ["KwtaBlockMatMul"]
+    node = fused.graph.node[0]
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attributes["glu"] == b"silu" and attributes["N"] == 144
+    assert node.name == f"/gate_proj/MatMul_Q{bits}{FUSED_NAME_SEPARATOR}/up_proj/MatMul_Q{bits}"  # gate first
+    assert [o.name for o in fused.graph.output] == [o.name for o in model.graph.output]
+    assert "with their SwiGLU activation" in report.summary()
+    rng = np.random.default_rng(4)
+    for m in (1, 2, 8):  # decode rows, a batch, the int8 prefill
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        (got,), (want,) = run(fused, x), run(apart, x)
+        # The products are the same bits; only the activation's rounding differs (ours vs ORT's).
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_swiglu_near_miss_keeps_the_split_form_and_says_why():
+    model = swiglu_model(gate_also_output=True)
+    fused, report = rewrite_model(model, gated())
+    apart, _ = rewrite_model(model, gated(), fuse=False)
+    (fusion,) = report.fusions
+    assert fusion.fused and not fusion.glu and "only use" in fusion.why_no_glu
+    assert "not as a SwiGLU" in report.summary()
+    assert sorted(n.op_type for n in fused.graph.node) == ["Constant", "KwtaBlockMatMul", "Mul", "Mul", "Sigmoid", "Split"]
+    x = np.random.default_rng(5).standard_normal((1, K)).astype(np.float32)
+    for got, want in zip(run(fused, x), run(apart, x)):
+        np.testing.assert_array_equal(got, want)

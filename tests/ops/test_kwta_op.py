@@ -368,3 +368,18 @@ def test_integer_attribute_where_a_float_is_expected_is_accepted():
     x = rng.standard_normal((2, 8)).astype(np.float32)
     session = ort.InferenceSession(kwta_model(w, k_frac=1).SerializeToString(), ortsparse.session_options())
     np.testing.assert_allclose(session.run(None, {"X": x})[0], x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k_frac", [1.0, 0.5])
+def test_glu_silu_on_float_weights(m, k_frac, rng):
+    """The SwiGLU epilogue is the composer's, so the float form has it too: Y [.., N/2] =
+    silu(P[.., :N/2]) * P[.., N/2:] bit for bit, P the product without it (leading dims kept)."""
+    w, b = weights(rng, 40, 2 * 33)
+    x = rng.standard_normal((2, m, 40)).astype(np.float32)
+    product = run(kwta_model(w, b, k_frac=k_frac, x_shape=("b", "s", None)), x)
+    got = run(kwta_model(w, b, k_frac=k_frac, glu="silu", x_shape=("b", "s", None)), x)
+    assert got.shape == (2, m, 33)
+    flat = product.reshape(-1, 66)
+    want = np.stack([_kernels.silu_glu(_kernels.active_isa(), r[:33], r[33:]) for r in flat]).reshape(2, m, 33)
+    np.testing.assert_array_equal(got, want)

@@ -102,3 +102,37 @@ def test_quantized_form_errors_name_the_input(change, message, rng):
                               ir_version=9)
     with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'bad_q': .*{message}"):
         ortsparse.inference_session(model)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k_frac", [1.0, 0.5])
+@pytest.mark.parametrize("m", [1, 3, 9])  # decode rows, a small batch, the int8 prefill (> max_gated_rows)
+def test_glu_silu_is_silu_of_the_gate_half_times_the_up_half(bits, k_frac, m, rng):
+    """glu='silu': Y = silu(P[:, :N/2]) * P[:, N/2:] for the product P the op computes without it —
+    bit for bit (the same kernels), and within float rounding of float64."""
+    from ortsparse import _kernels as K
+
+    k, n, block = 128, 2 * 72, 32
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    bias = rng.standard_normal(n).astype(np.float32)
+    attrs = dict(k_frac=k_frac, max_gated_rows=4)
+    plain = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, bias, **attrs))
+    glu = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, bias, glu="silu", **attrs))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    product = plain.run(None, {"X": x})[0]
+    got = glu.run(None, {"X": x})[0]
+    assert got.shape == (m, n // 2)
+    half = n // 2
+    want_bits = np.stack([K.silu_glu(K.active_isa(), product[t, :half], product[t, half:]) for t in range(m)])
+    np.testing.assert_array_equal(got, want_bits)
+    p = product.astype(np.float64)
+    np.testing.assert_allclose(got, p[:, :half] / (1 + np.exp(-p[:, :half])) * p[:, half:], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n,glu,message", [(64, "relu", "glu='relu' is not one of 'none', 'silu'"),
+                                           (63, "silu", "even N")])
+def test_glu_errors_name_the_value(n, glu, message, rng):
+    k, block, bits = 64, 32, 8
+    b, scales, zp = make_weights(rng, k, n, bits, block, False)
+    with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'kwta_q': .*{message}"):
+        ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, glu=glu))
