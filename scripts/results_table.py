@@ -119,6 +119,19 @@ def technique_rows() -> list[str]:
                               f"dppl {_pct(held['dppl'])} vs {'fp32' if calibration.get('reference') else precision} "
                               "(held-out)",
                               _speed(base["tokens_per_s"], new["tokens_per_s"]), f"bench_genai_{precision}_gated.md"))
+    # The int8 gating above with GroupQueryAttention on our kernel (exact below min_keys = 2048 keys).
+    payload, composed, gated_only = (_load("bench_genai_int8_gated_attn.json"), _load("quality_genai_int8_gated_attn.json"),
+                                     _load("quality_genai_int8_gated.json"))
+    if payload is not None and composed is not None and gated_only is not None:
+        result = composed["result"]
+        quality = (f"dppl {_pct(result['dppl'])} vs fp32 on {result['windows']} x {result['window_len']} unseen tokens "
+                   f"(gating alone {_pct(gated_only['result']['dppl'])}; {_link('quality_genai_int8_gated_attn.json')})")
+        for context, base, new in _bench_pairs(payload, "int8"):
+            found = True
+            lines.append(_row(f"decode at {context} tokens, quality budget 2%", "int8",
+                              "the calibrated gating + `--attn=popcount` (attention exact below 2048 keys, on our kernel)",
+                              quality, _speed(base["tokens_per_s"], new["tokens_per_s"]),
+                              "bench_genai_int8_gated_attn.md"))
     for precision in ("fp32", "int8"):  # the one-command path
         report = _load(f"tune_genai_{precision}.json")
         if report is None or not report.get("written"):
