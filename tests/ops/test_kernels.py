@@ -175,8 +175,11 @@ def test_silu_glu_matches_scalar_bits_and_float64(isa, n, rng):
     special = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.5, -87.5, 100.0, -100.0, np.inf, -np.inf, np.nan]
     gate = np.concatenate([rng.standard_normal(n) * 4, special]).astype(np.float32)
     up = rng.standard_normal(gate.size).astype(np.float32)
-    got = K.silu_glu(isa, gate, up)
-    assert np.array_equal(got.view(np.uint32), K.silu_glu("scalar", gate, up).view(np.uint32))
+    got, ref = K.silu_glu(isa, gate, up), K.silu_glu("scalar", gate, up)
+    # Bits, except a NaN's sign and payload: x86 returns the first operand's NaN, and which operand
+    # comes first in g * sigmoid(g) is the compiler's choice (it differs between -O2 and -O3 builds).
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
     g = gate.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         want = g / (1.0 + np.exp(-g)) * up
