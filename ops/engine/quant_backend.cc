@@ -209,7 +209,13 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   float* const partial = partial_buffer.data();
   float* const acc = acc_buffer.data();
   const Task* const task_list = tasks.data();
-  runner.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
+  size_t stream_bytes = 0;
+  for (const Task& task : tasks)
+    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) * width * p.bits / 8;
+  const SerialTaskRunner serial;
+  const TaskRunner& dispatch = stream_bytes < tuning_.decode_parallel_min_bytes ? static_cast<const TaskRunner&>(serial)
+                                                                                : runner;
+  dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
     const Task& task = task_list[i];
     for (size_t panel = 0; panel < p.num_panels; ++panel)
       kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,

@@ -79,6 +79,10 @@ struct QuantTuning {
   // decode_min_chunk_rows kept rows (partial sums added at the end; every task streams full rows).
   size_t decode_row_chunks = 4;
   size_t decode_min_chunk_rows = 128;
+  // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread: waking
+  // a pool thread (ORT's pool, spinning off) costs more than half of a small layer's ~10-40 us. Only
+  // the dispatch changes — the same tasks, partial sums and reduction order — so results do not.
+  size_t decode_parallel_min_bytes = size_t{1} << 20;
   // Dense tokens go through the int8 GEMM when a call has at least this many of them.
   size_t prefill_min_tokens = 4;
   // The GEMM's column chunks are split into at most this many tasks.

@@ -78,6 +78,20 @@ def test_quantized_form_metrics_and_threads(rng):
     assert metrics["kwta.keep_ratio"] == 0.5 and metrics["calls"] == 2
 
 
+@pytest.mark.parametrize("k_frac", [1.0, 0.6])
+def test_a_layer_large_enough_for_the_pool_gives_the_one_thread_result(k_frac, rng):
+    """A decode call streaming >= 1 MiB of weights runs its row chunks on ORT's pool (smaller ones
+    on the calling thread): 1 and 2 threads give the same bits."""
+    k, n, block = 1536, 1024, 32  # int8: 1.5 MiB
+    b, scales, zp = make_weights(rng, k, n, 8, block, True)
+    model = quantized_kwta_model(b, scales, zp, k, n, 8, block, k_frac=k_frac)
+    one = ortsparse.inference_session(model, intra_op_num_threads=1)
+    two = ortsparse.inference_session(model, intra_op_num_threads=2)
+    for m in (1, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        np.testing.assert_array_equal(one.run(None, {"X": x})[0], two.run(None, {"X": x})[0])
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(attrs=dict(K=0)), "needs attributes K, N, bits and block_size"),
     (dict(attrs=dict(bits=3)), "bits"),

@@ -251,11 +251,14 @@ def test_mixed_call_dense_tokens_prefill_gated_tokens_decode(isa, rng):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 6, 40])
-def test_two_threads_give_the_serial_result(isa, m, rng):
-    # Tasks write disjoint partial sums that are added in a fixed order: bit-identical results.
+@pytest.mark.parametrize("parallel_min_bytes", [0, 1 << 20])  # decode tasks on two threads / on the caller (small)
+def test_two_threads_give_the_serial_result(isa, m, parallel_min_bytes, rng):
+    # Tasks write disjoint partial sums that are added in a fixed order: bit-identical results,
+    # whichever thread runs them.
     k, n, bits, block = 1100, 700, 4, 32
     b, scales, zp = make_weights(rng, k, n, bits, block, True)
-    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64)
+    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64,
+                      decode_parallel_min_bytes=parallel_min_bytes)
     x = rng.standard_normal((m, k)).astype(np.float32)
     rows = [None if t % 3 == 0 else np.flatnonzero(rng.random(k) < 0.6).astype(np.int32) for t in range(m)]
     for r in (None, rows):
