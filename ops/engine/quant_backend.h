@@ -80,7 +80,7 @@ struct QuantTuning {
   size_t decode_row_chunks = 4;
   size_t decode_min_chunk_rows = 128;
   // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread: waking
-  // a pool thread (ORT's pool, spinning off) costs more than half of a small layer's ~10-40 us. Only
+  // a pool thread (ORT's pool, spinning off) cost more than a small layer's second task saved. Only
   // the dispatch changes — the same tasks, partial sums and reduction order — so results do not.
   size_t decode_parallel_min_bytes = size_t{1} << 20;
   // Dense tokens go through the int8 GEMM when a call has at least this many of them.
