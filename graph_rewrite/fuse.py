@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from .graph_utils import MS_DOMAIN, is_onnx_op, is_op, single_consumer
 from .replace import GraphEditor, NodeBuilder, WeightPreparer
 from .rules import DOMAIN
 
@@ -103,52 +104,40 @@ class _SwiGlu:
     product: ir.Node           # Mul(silu(gate), up): its output is what the fused op writes
 
 
-def _sole_consumer(value: ir.Value, outputs: set[int]) -> ir.Node | None:
-    """The one node using ``value`` (once), or None (several uses, or a graph output)."""
-    uses = list(value.uses())
-    if len(uses) != 1 or id(value) in outputs:
-        return None
-    return uses[0].node
-
-
-def _silu_of(gate_out: ir.Value, outputs: set[int]) -> tuple[list[ir.Node], ir.Value] | None:
+def _silu_of(gate_out: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
     """The nodes computing silu(gate_out) when they are its only uses, and their output."""
-    if id(gate_out) in outputs:
+    if gate_out.is_graph_output():
         return None
+    quick_gelu = single_consumer(gate_out)
+    if is_op(quick_gelu, {f"{MS_DOMAIN}.QuickGelu"}):
+        alpha = quick_gelu.attributes.get("alpha")
+        return ([quick_gelu], quick_gelu.outputs[0]) if (alpha.value if alpha is not None else 1.702) == 1.0 else None
     users = list(gate_out.consumers())
-    if len(gate_out.uses()) == 1 and users[0].op_type == "QuickGelu" and users[0].domain == "com.microsoft":
-        alpha = users[0].attributes.get("alpha")
-        if (alpha.value if alpha is not None else 1.702) == 1.0:
-            return [users[0]], users[0].outputs[0]
-        return None
-    sigmoid = [u for u in users if u.op_type == "Sigmoid" and u.domain in ("", "ai.onnx")]
-    mul = [u for u in users if u.op_type == "Mul" and u.domain in ("", "ai.onnx")]
+    sigmoid = [u for u in users if is_onnx_op(u, "Sigmoid")]
+    mul = [u for u in users if is_onnx_op(u, "Mul")]
     if len(gate_out.uses()) != 2 or len(sigmoid) != 1 or len(mul) != 1:
         return None
     if {id(v) for v in mul[0].inputs} != {id(gate_out), id(sigmoid[0].outputs[0])} \
-            or _sole_consumer(sigmoid[0].outputs[0], outputs) is not mul[0]:
+            or single_consumer(sigmoid[0].outputs[0]) is not mul[0]:
         return None
     return [sigmoid[0], mul[0]], mul[0].outputs[0]
 
 
-def _swiglu(nodes: Sequence[ir.Node], outputs: set[int]) -> tuple[_SwiGlu | None, str]:
+def _swiglu(nodes: Sequence[ir.Node]) -> tuple[_SwiGlu | None, str]:
     """The pair as a SwiGLU (gate, up, activation, product), or None and why not."""
     if len(nodes) != 2:
         return None, ""
     if int(_attributes(nodes[0])["N"]) != int(_attributes(nodes[1])["N"]):
         return None, "the two layers' N differ (not a gate/up pair)"
     for gate, up in ((nodes[0], nodes[1]), (nodes[1], nodes[0])):
-        silu = _silu_of(gate.outputs[0], outputs)
+        silu = _silu_of(gate.outputs[0])
         if silu is None:
             continue
         activation, silu_out = silu
-        product = _sole_consumer(silu_out, outputs)
-        if product is None or product.op_type != "Mul" or product.domain not in ("", "ai.onnx"):
-            continue
-        if {id(v) for v in product.inputs} != {id(silu_out), id(up.outputs[0])} \
-                or _sole_consumer(up.outputs[0], outputs) is not product:
-            continue
-        return _SwiGlu(gate, up, activation, product), ""
+        product = single_consumer(silu_out)
+        if is_onnx_op(product, "Mul") and {id(v) for v in product.inputs} == {id(silu_out), id(up.outputs[0])} \
+                and single_consumer(up.outputs[0]) is product:
+            return _SwiGlu(gate, up, activation, product), ""
     return None, "no Mul(silu(one), other) is the only use of both outputs"
 
 
@@ -181,7 +170,7 @@ def fuse_shared_input(editor: GraphEditor, preparer: WeightPreparer, opset: int,
         if why:
             results.append(Fusion(layer_names, None, why))
             continue
-        glu, why_no_glu = _swiglu(nodes, {id(v) for v in graph.outputs})
+        glu, why_no_glu = _swiglu(nodes)
         if glu is not None:
             nodes = [glu.gate, glu.up]  # the gate's columns first: the op's SwiGLU reads them as gate
             layer_names = (glu.gate.name, glu.up.name)
