@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                           "rows": quality(candidates, tokens, args.windows, args.window_len)}
     payload["speed"] = speed.bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
                                    warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
-                                   runs=args.runs)
+                                   rounds=args.rounds, neighbour=args.neighbour)
     payload["seconds"] = round(time.perf_counter() - started)
     command = command_line("python bench/baselines.py", argv if argv is not None else sys.argv[1:])
     payload["command"] = command
