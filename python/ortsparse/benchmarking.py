@@ -291,3 +291,14 @@ def ratio_summary(values: Sequence[float]) -> dict[str, float]:
     """A ratio measured in several rounds: its minimum (the claim), median and maximum."""
     ordered = sorted(float(v) for v in values)
     return {"min": ordered[0], "median": float(statistics.median(ordered)), "max": ordered[-1], "rounds": len(ordered)}
+
+
+def neighbour_line(info: Mapping[str, Any] | None) -> str:
+    """What ran beside the benchmark, in one sentence."""
+    if not info or info.get("kind", "none") == "none":
+        return "Neighbour: none (nothing of ours ran beside the benchmark; other programs on the machine may have)."
+    text = (f"Neighbour: `--neighbour stream` — a process on CPU {info.get('cpu')} summing a "
+            f"{info.get('buffer_mb', 0):.0f} MB buffer in a loop for the whole run")
+    if "read_gbs" in info:
+        text += f" ({info['read_gbs']:.1f} GB/s over {info.get('seconds', 0):.0f} s)"
+    return text + "."

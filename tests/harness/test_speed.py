@@ -147,3 +147,48 @@ def test_stream_neighbour_streams_and_stops():
 def test_bench_refuses_zero_rounds():
     with pytest.raises(ValueError, match="rounds"):
         speed.bench([speed.Candidate("genai", GENAI, ("og",))], TOKENS, contexts=(8,), threads=(1,), rounds=0)
+
+
+def test_request_shapes_parse_and_refuse():
+    from ortsparse.harness.request import RequestShape, parse_requests
+
+    assert parse_requests("512:64, 4096:256") == [RequestShape(512, 64), RequestShape(4096, 256)]
+    for bad in ("512", "512:0", "0:5", "a:b", "512:64,", "-3:4"):
+        with pytest.raises(ValueError, match="PROMPT:ANSWER|no request"):
+            parse_requests(bad)
+
+
+def test_request_bench_times_prompt_and_answer(tmp_path):
+    """A whole request per model: the first token's time plus the answer's steps make the total; the
+    same model twice agrees on every answer token and its ratios sit around 1."""
+    from ortsparse.harness.request import RequestShape, request_bench, request_markdown
+
+    candidates = [speed.Candidate("genai", GENAI, ("og", "ort")), speed.Candidate("copy", GENAI, ("og",))]
+    payload = request_bench(candidates, TOKENS, [RequestShape(20, 6), RequestShape(40, 1)], rounds=2,
+                            log=lambda *_: None)
+    rows = payload["rows"]
+    assert len(rows) == 2 * 2 * 3  # rounds x requests x (model, runner)
+    for r in rows:
+        assert r["total_s"] == pytest.approx(r["ttft_s"] + r["decode_s"])
+        assert r["answer_agreement"] == 1.0  # same weights, same tokens
+        if r["answer"] == 1:
+            assert r["decode_s"] == 0 and np.isnan(r["decode_speedup"])
+    reference = [r for r in rows if (r["model"], r["runner"]) == ("genai", "og")]
+    assert all(r["total_speedup"] == 1.0 for r in reference)
+    assert {(r["request"], r["model"], r["runner"]) for r in payload["ratios"]} == {
+        (q, m, k) for q in ("20+6", "40+1") for m, k in [("genai", "og"), ("genai", "ort"), ("copy", "og")]}
+    text = request_markdown(payload, "cmd")
+    assert text.count("\n| 1 | ") == 6 and "first token" in text
+    with pytest.raises(ValueError, match="does not fit"):
+        request_bench(candidates, TOKENS, [RequestShape(120, 20)], rounds=1, log=lambda *_: None)
+
+
+def test_cli_bench_request_writes_the_report(tmp_path):
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, TOKENS)
+    stem = tmp_path / "req"
+    assert main(["bench", f"genai={GENAI}", "--runners", "og", "--threads", "1", "--corpus", str(corpus),
+                 "--request", "16:4", "--rounds", "1", "-o", str(stem)]) == 0
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert payload["requests"] == ["16+4"] and len(payload["rows"]) == 1
+    assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "16", "-o", str(stem)]) == 2

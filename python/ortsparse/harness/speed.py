@@ -33,8 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..benchmarking import (NEIGHBOURS, check_report, machine_info, ratio_summary, read_bandwidth_gbs, report_header,
-                            write_report)
+from ..benchmarking import (NEIGHBOURS, check_report, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs,
+                            report_header, write_report)
 from ..benchmarking import neighbour as neighbour_process
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
@@ -45,6 +45,7 @@ from .corpus import load_corpus_tokens
 from .decode import decode_loop, open_stepper, plan
 from .models import genai_folder_path, model_path
 from .op_metrics import keep_ratios
+from .request import RequestShape, parse_requests, request_bench, request_markdown
 
 LINEAR_OPS = {"MatMul", "Gemm", "KwtaBlockMatMul", "MatMulNBits"}
 RUNNERS = ("ort", "og")
@@ -333,17 +334,6 @@ def markdown_body(payload: dict) -> list[str]:
     return lines
 
 
-def neighbour_line(info: Mapping[str, Any] | None) -> str:
-    """What ran beside the benchmark, in one sentence."""
-    if not info or info.get("kind", "none") == "none":
-        return "Neighbour: none (nothing of ours ran beside the benchmark; other programs on the machine may have)."
-    text = (f"Neighbour: `--neighbour stream` — a process on CPU {info.get('cpu')} summing a "
-            f"{info.get('buffer_mb', 0):.0f} MB buffer in a loop for the whole run")
-    if "read_gbs" in info:
-        text += f" ({info['read_gbs']:.1f} GB/s over {info.get('seconds', 0):.0f} s)"
-    return text + "."
-
-
 def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] = DEFAULT_CONTEXTS) -> None:
     """The decode loop's flags (``ortsparse bench``, bench/baselines.py)."""
     loop = parser.add_argument_group("decode loop")
@@ -376,6 +366,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewrite", metavar="NAME", help="the model the technique flags rewrite (default the first)")
     parser.add_argument("--reference", metavar="NAME", help="the model the others are compared with (default the first)")
     add_loop_arguments(parser)
+    parser.add_argument("--request", type=_requests, metavar="PROMPT:ANSWER[,...]",
+                        help="measure whole requests instead of decode steps: each prompt in one call (time to first "
+                             "token), then the answer's decode steps; e.g. 512:64,4096:256 (--contexts, --steps, "
+                             "--warmup and --prefill-chunk do not apply)")
     parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
     add_technique_arguments(parser)
     # A rewrite is added only when a technique flag is given: its default stays off the namespace
@@ -388,6 +382,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _TECHNIQUE_DEFAULTS: dict[str, Any] = {}
+
+
+def _requests(text: str) -> list[RequestShape]:
+    try:
+        return parse_requests(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def technique_requested(args: argparse.Namespace) -> bool:
@@ -434,9 +435,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if target not in names:
                 parser.error(f"--rewrite {target}: not one of the models ({', '.join(names)})")
             candidates.append(rewritten_candidate(candidates[names.index(target)], config, Path(workdir)))
-        payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
-                        warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
-                        rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
+        if args.request:
+            payload = request_bench(candidates, tokens, args.request, threads=args.threads, rounds=args.rounds,
+                                    offset=args.offset, reference=args.reference, neighbour=args.neighbour)
+        else:
+            payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
+                            warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
+                            rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
     payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
@@ -445,8 +450,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
                              "techniques": {name: dataclasses.asdict(choice)
                                             for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, "Decode speed, real loop"),
-                         protected=inputs)
+    text = request_markdown(payload, command) if args.request else markdown(payload, command, "Decode speed, real loop")
+    paths = write_report(args.output, payload, text, protected=inputs)
     print("wrote", *paths)
     return 0
 
