@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ._library import DOMAIN, plain_session_options
+from ._library import DOMAIN, plain_session_options, session_source
 from ._library import session_options as library_session_options
 
 # --------------------------------------------------------------------------- model sources
@@ -141,13 +141,7 @@ def open_session(model: Any, session_options: Any = None) -> ort.InferenceSessio
     ``SessionOptions`` attribute) or a ready ``onnxruntime.SessionOptions`` (used as given). The op
     library is registered only when the model uses the ``ai.ortsparse`` domain."""
     options = options_for(model, session_options)
-    if hasattr(model, "SerializeToString"):
-        model = model.SerializeToString()
-    elif isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    elif isinstance(model, bytearray):
-        model = bytes(model)
-    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(session_source(model), sess_options=options, providers=["CPUExecutionProvider"])
 
 
 # --------------------------------------------------------------------------- feeds

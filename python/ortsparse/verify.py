@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import operator
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from .runtime import load_proto, open_session
 
 DEFAULT_BUDGET = 0.5  # relative L2 error allowed when layers are approximate
 EXACT_BUDGET = 1e-4  # relative L2 error allowed when every rewritten layer is exact
@@ -174,20 +175,9 @@ def _resolve_shape(name: str, dims: Sequence[Any], overrides: Mapping[str, Any],
     return tuple(shape)
 
 
-def _model_proto(model_source: Any):
-    """The ModelProto of a path / bytes / proto, without loading external weights."""
-    import onnx
-
-    if isinstance(model_source, onnx.ModelProto):
-        return model_source
-    if isinstance(model_source, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model_source))
-    return onnx.load(os.fspath(model_source), load_external_data=False)
-
-
 def _embedding_sizes(model_source: Any) -> dict[str, int]:
     """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
-    proto = _model_proto(model_source)
+    proto = load_proto(model_source)
     graph = proto.graph
     rows = {init.name: int(init.dims[0]) for init in graph.initializer if len(init.dims) >= 1}
     consumers: dict[str, list] = {}
@@ -260,25 +250,6 @@ def compare(expected: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
     return float(np.abs(diff).max()), (error / norm if norm > 0 else error)
 
 
-def _uses_ortsparse(model_source: Any) -> bool:
-    proto = _model_proto(model_source)
-    return any(o.domain == "ai.ortsparse" for o in proto.opset_import)
-
-
-def _session(model_source: Any, with_library: bool):
-    import onnxruntime as ort
-
-    from . import inference_session
-
-    if with_library:
-        return inference_session(model_source)
-    if hasattr(model_source, "SerializeToString"):
-        model_source = model_source.SerializeToString()
-    elif isinstance(model_source, os.PathLike):
-        model_source = os.fspath(model_source)
-    return ort.InferenceSession(model_source, providers=["CPUExecutionProvider"])
-
-
 def verify_models(
     original: Any,
     rewritten: Any,
@@ -297,8 +268,8 @@ def verify_models(
 
     if runs < 1:
         raise VerifyInputError("verify needs at least one input set")
-    reference = _session(original, _uses_ortsparse(original))
-    candidate = _session(rewritten, True)
+    reference = open_session(original)  # the op library registered when the model uses it
+    candidate = open_session(rewritten)
     overrides = dict(shapes or {})
     vocab = _embedding_sizes(original)
     output_names = [o.name for o in reference.get_outputs()]

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .._library import metrics, reset_metrics
+from .._library import DOMAIN, metrics, reset_metrics
 from ..graph_rewrite import RewriteConfig
 from ..graph_rewrite.techniques import EventSettings, KwtaSettings, TechniqueChoice
 from ..runtime import open_session
@@ -48,7 +48,7 @@ def add_reset_input(model: Any, name: str = RESET_INPUT):
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    nodes = [n for n in out.graph.node if n.op_type == "EventDrivenMatMul" and n.domain == "ai.ortsparse"]
+    nodes = [n for n in out.graph.node if n.op_type == "EventDrivenMatMul" and n.domain == DOMAIN]
     if not nodes:
         raise ValueError("the model has no EventDrivenMatMul node")
     for node in nodes:
