@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from . import flag_types
 from .rewrite_flags import add_technique_arguments, config_from_args
 
 EXIT_OK = 0
@@ -37,25 +38,6 @@ def _version() -> str:
     return f"ortsparse {__version__}"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
-
-
-def _budget(text: str) -> float:
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return value
-
-
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", metavar="IN.onnx",
                         help="model to rewrite (never modified); an onnxruntime-genai folder (or its model.onnx "
@@ -64,14 +46,15 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     add_technique_arguments(parser)
 
     check = parser.add_argument_group("checking")
-    check.add_argument("--verify", type=_positive_int, default=0, metavar="N",
+    check.add_argument("--verify", type=flag_types.non_negative_int, default=0, metavar="N",
                        help="run original and rewritten in onnxruntime on N generated input sets")
     check.add_argument("--verify-shape", action="append", metavar="SPEC",
                        help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
-    check.add_argument("--verify-budget", type=_budget, default=None, metavar="REL",
+    check.add_argument("--verify-budget", type=flag_types.non_negative_float, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
-    check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
+    check.add_argument("--verify-seed", type=flag_types.seed, default=0, metavar="SEED",
+                       help="seed of the generated inputs")
     check.add_argument("--no-check", action="store_true",
                        help="skip onnx.checker.check_model(full_check=True) on the output")
     check.add_argument("--no-fuse", action="store_true",
@@ -306,17 +289,22 @@ def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
     return _execute(parser, argv, lambda args: run_rewrite(args, parser))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``ortsparse <command> ...``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ortsparse`` parser with one subparser per entry of ``SUBCOMMANDS``."""
     parser = _Parser(prog="ortsparse", description="ortsparse tools",
-                                     epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
+                     epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(_run=command.run, _parser=sub)
-    return _execute(parser, argv, lambda args: args._run(args, args._parser))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ortsparse <command> ...``."""
+    return _execute(build_parser(), argv, lambda args: args._run(args, args._parser))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 import onnx
 
+from .. import flag_types
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import ModelFileError, rewrite_model
 from ..graph_rewrite.genai import model_input
@@ -79,22 +80,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument("--text", metavar="FILE", help="a UTF-8 text to score instead of --corpus (tokenized with "
                     "--tokenizer, else the tokenizer.json beside MODEL)")
     lm.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
-    lm.add_argument("--windows", type=int, default=8, help="number of windows (default 8)")
-    lm.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
-    lm.add_argument("--offset", type=int, default=0, help="first token of the first window (default 0)")
-    lm.add_argument("--max-dppl", type=float, metavar="FRAC", help="exit 1 when dppl exceeds this")
+    lm.add_argument("--windows", type=flag_types.positive_int, default=8, help="number of windows (default 8)")
+    lm.add_argument("--window-len", type=flag_types.window_len, default=512, help="tokens per window (default 512)")
+    lm.add_argument("--offset", type=flag_types.non_negative_int, default=0,
+                    help="first token of the first window (default 0)")
+    lm.add_argument("--max-dppl", type=flag_types.any_finite, metavar="FRAC",
+                    help="exit 1 when dppl exceeds this")
     emb = parser.add_argument_group("embedding")
     emb.add_argument("--sentences", metavar="FILE.npz",
                      help="input_ids/attention_mask[/token_type_ids] (default: the cache's minilm/sentences.npz)")
-    emb.add_argument("--batch-size", type=int, default=32)
-    emb.add_argument("--min-cosine", type=float, metavar="COS", help="exit 1 when the mean cosine is below this")
+    emb.add_argument("--batch-size", type=flag_types.positive_int, default=32)
+    emb.add_argument("--min-cosine", type=flag_types.finite_float(-1.0, 1.0), metavar="COS",
+                     help="exit 1 when the mean cosine is below this")
     gen = parser.add_argument_group("generic")
-    gen.add_argument("--runs", type=int, default=4, help="generated input sets (default 4)")
+    gen.add_argument("--runs", type=flag_types.positive_int, default=4, help="generated input sets (default 4)")
     gen.add_argument("--shape", action="append", metavar="SPEC", help="dynamic dims: dim=INT or input=AxBxC")
-    gen.add_argument("--budget", type=float, help="relative L2 budget (default 1e-4 if exact, else 0.5)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--budget", type=flag_types.non_negative_float,
+                     help="relative L2 budget (default 1e-4 if exact, else 0.5)")
+    gen.add_argument("--seed", type=flag_types.seed, default=0)
     add_technique_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ORT's)")
+    parser.add_argument("--threads", type=flag_types.threads, default=None, help="intra-op threads (default: ORT's)")
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
