@@ -193,7 +193,7 @@ def run_genai_config(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         return EXIT_OK
     ok = state["present"] and state["current"] and bool(state["configured"])
     if args.check:
-        hint = "" if ok else f"; `ortsparse genai-config {args.folder}` refreshes it"
+        hint = "" if ok else f" ({state['problem']}); `ortsparse genai-config {args.folder}` refreshes it"
         print(f"{state['folder']}: op library {'up to date' if ok else 'missing or out of date'} "
               f"(installed: {state['installed']}){hint}")
         return EXIT_OK if ok else EXIT_VERIFY_FAILED
