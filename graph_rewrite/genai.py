@@ -43,8 +43,8 @@ from pathlib import Path
 import onnx_ir as ir
 
 from .._library import get_library_path
-from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, open_session,
-                       uses_ortsparse)
+from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, is_onnx_file,
+                       open_session, uses_ortsparse)
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
@@ -77,9 +77,15 @@ def read_genai_folder(path: str | os.PathLike) -> GenaiDecoder:
 
 
 def model_input(path: str | os.PathLike) -> Path:
-    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder."""
+    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder.
+    A file that is not an ONNX model (a text, a tokenizer) is a ModelFileError; a missing path is
+    returned as is (the caller says it does not exist)."""
     path = Path(path)
-    return read_genai_folder(path).model_file if path.is_dir() else path
+    if path.is_dir():
+        return read_genai_folder(path).model_file
+    if path.is_file() and not is_onnx_file(path):
+        raise ModelFileError(f"{path} is not an ONNX model or genai folder")
+    return path
 
 
 def is_folder_rewrite(source: str | os.PathLike, output: str | os.PathLike | None) -> bool:

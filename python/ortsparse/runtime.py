@@ -60,15 +60,16 @@ def _varint(data: Any, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _file_opset_domains(path: str) -> set[str]:
-    """The opset domains of an ONNX file from the top level of its protobuf: the graph (field 7) is
-    skipped over, so this costs microseconds on a 600 MB model. Raises ValueError / IndexError /
-    OSError when the file is not a plain protobuf."""
+def _scan_model_file(path: str) -> tuple[set[str], set[int]]:
+    """(opset domains, top-level field numbers) of an ONNX file from the top level of its protobuf:
+    the graph (field 7) is skipped over, so this costs microseconds on a 600 MB model. Raises
+    ValueError / IndexError / OSError when the file is not a plain protobuf."""
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        domains, pos = set(), 0
+        domains, fields, pos = set(), set(), 0
         while pos < len(data):
             key, pos = _varint(data, pos)
             field, wire = key >> 3, key & 7
+            fields.add(field)
             if wire == 0:
                 _, pos = _varint(data, pos)
             elif wire == 1:
@@ -86,7 +87,21 @@ def _file_opset_domains(path: str) -> set[str]:
                 raise ValueError(f"wire type {wire}")
         if pos != len(data):
             raise ValueError("truncated")
-        return domains
+        return domains, fields
+
+
+def _file_opset_domains(path: str) -> set[str]:
+    """The opset domains of an ONNX file (:func:`_scan_model_file`)."""
+    return _scan_model_file(path)[0]
+
+
+def is_onnx_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file whose top level parses as an ONNX ModelProto holding a graph
+    (a text, a tokenizer or a weights file does not); the graph itself is not read."""
+    try:
+        return 7 in _scan_model_file(os.fspath(path))[1]  # ModelProto.graph
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def opset_domains(model: Any) -> set[str]:

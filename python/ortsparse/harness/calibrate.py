@@ -30,9 +30,9 @@ from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
-from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
+from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from . import allocation
-from .corpus import SPLITS, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
+from .corpus import SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
@@ -285,6 +285,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
     eval_tokens, calib_tokens = split_held_out(tokens, args.window_len, args.split)
+    source = args.text or args.tokens or "the default corpus"
+    for part, flag, count in ((eval_tokens, "--eval-windows", args.eval_windows),
+                              (calib_tokens, "--calib-windows", args.calib_windows)):
+        check_windows(part.size, count, args.window_len, windows_flag=flag, max_positions=context_length(model_file),
+                      source=f"the {'held-out' if part is eval_tokens else 'calibration'} part of {source} "
+                             f"(--split {args.split})")
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,

@@ -30,8 +30,8 @@ from ..benchmarking import json_default, versions
 from ..graph_rewrite import ModelFileError, rewrite_model
 from ..graph_rewrite.genai import model_input
 from ..rewrite_flags import add_technique_arguments, config_from_args
-from ..runtime import load_proto, vocab_size
-from .corpus import default_corpus, default_sentences, load_corpus_tokens
+from ..runtime import context_length, load_proto, vocab_size
+from .corpus import check_windows, default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .output_error import compare_outputs
 from .perplexity import compare_lm
@@ -146,17 +146,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     kind = detect_kind(args.model) if args.kind == "auto" else args.kind
     options = {"intra_op_num_threads": args.threads} if args.threads else None
-    report = None
-    if args.rewritten:
-        if not Path(args.rewritten).is_file():
-            parser.error(f"rewritten model {args.rewritten} does not exist")
-        rewritten: Any = args.rewritten
-    else:
-        rewritten, report = rewrite_in_memory(args.model, config_from_args(args))
-        say(report.summary())
-    progress = not args.quiet and sys.stderr.isatty()
-    code = EXIT_OK
-    if kind == "lm" and args.text:
+    if args.rewritten and not Path(args.rewritten).is_file():
+        parser.error(f"rewritten model {args.rewritten} does not exist")
+    if kind == "lm" and args.text:  # the text and its windows are checked before the rewrite
         if args.corpus:
             parser.error("give --text or --corpus, not both")
         corpus = Path(args.text)
@@ -168,8 +160,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
         tokens = load_corpus_tokens(corpus)
     if kind == "lm":
-        result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
-                            session_options=options, progress=progress)
+        check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
+                      max_positions=context_length(args.model))
+    report = None
+    if args.rewritten:
+        rewritten: Any = args.rewritten
+    else:
+        rewritten, report = rewrite_in_memory(args.model, config_from_args(args))
+        say(report.summary())
+    progress = not args.quiet and sys.stderr.isatty()
+    code = EXIT_OK
+    if kind == "lm":
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(4)  # a failing run is reported below, in one line
+        try:
+            result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
+                                session_options=options, progress=progress)
+        except Exception as error:
+            if not type(error).__module__.startswith("onnxruntime"):
+                raise
+            reason = str(error).splitlines()[0].split("Status Message:")[-1].strip()
+            parser.error(f"onnxruntime could not score windows of {args.window_len} tokens on {args.model}: "
+                         f"{reason} (a --window-len longer than the model's context does this)")
+        finally:
+            onnxruntime.set_default_logger_severity(2)
         result["corpus"] = str(corpus)
         if args.max_dppl is not None and result["dppl"] > args.max_dppl:
             code = EXIT_OVER_BUDGET
