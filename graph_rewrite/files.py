@@ -339,8 +339,10 @@ def rewrite_file(
     from tqdm.auto import tqdm
 
     in_path, out_path = Path(in_path), Path(out_path)
+    if not in_path.exists():
+        raise ModelFileError(f"input model {in_path} does not exist")
     if not in_path.is_file():
-        raise ModelFileError(f"input model {in_path} does not exist or is not a file")
+        raise ModelFileError(f"input model {in_path} is neither an ONNX file nor an onnxruntime-genai folder")
     early = _read_files(in_path, None, inputs)
     check_output_path(out_path, what="output", protected=early)  # fail before the slow part
     if report_path is not None:

@@ -43,8 +43,8 @@ from pathlib import Path
 import onnx_ir as ir
 
 from .._library import get_library_path
-from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, open_session,
-                       uses_ortsparse)
+from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, is_onnx_file,
+                       open_session, uses_ortsparse)
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
@@ -77,9 +77,15 @@ def read_genai_folder(path: str | os.PathLike) -> GenaiDecoder:
 
 
 def model_input(path: str | os.PathLike) -> Path:
-    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder."""
+    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder.
+    A file that is not an ONNX model (a text, a tokenizer) is a ModelFileError; a missing path is
+    returned as is (the caller says it does not exist)."""
     path = Path(path)
-    return read_genai_folder(path).model_file if path.is_dir() else path
+    if path.is_dir():
+        return read_genai_folder(path).model_file
+    if path.is_file() and not is_onnx_file(path):
+        raise ModelFileError(f"{path} is not an ONNX model or genai folder")
+    return path
 
 
 def is_folder_rewrite(source: str | os.PathLike, output: str | os.PathLike | None) -> bool:
@@ -253,41 +259,89 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
                         output / LIBRARY_FILE if uses_library else None, report)
 
 
+def _loaded_library(folder: Path, configured: str | None) -> tuple[Path | None, str | None]:
+    """(the file onnxruntime-genai loads for ``custom_ops_library = configured``, or None; why it
+    loads none). genai resolves a relative name against the model folder and refuses a path that
+    leaves it (an absolute path elsewhere, ``..``)."""
+    if not configured:
+        return None, "not configured"
+    path = Path(configured) if os.path.isabs(configured) else folder / configured
+    inside = Path(os.path.normpath(path.absolute())).is_relative_to(Path(os.path.normpath(folder.absolute())))
+    if not inside or ".." in Path(configured).parts:
+        return None, f"custom_ops_library {configured!r} lies outside the folder (onnxruntime-genai refuses it)"
+    if not path.is_file():
+        return None, f"custom_ops_library {configured!r} is missing (or not a file)"
+    return path, None
+
+
+def _same_file_content(path: Path, installed: Path) -> bool:
+    return (path.is_file() and path.stat().st_size == installed.stat().st_size
+            and _sha256(path) == _sha256(installed))
+
+
 def library_state(folder: str | os.PathLike) -> dict:
-    """How a genai folder's op library relates to the installed one: ``needs_library`` (its decoder
-    uses ortsparse ops), ``configured`` (the config's custom_ops_library), ``present`` (the copy
-    exists), ``current`` (the copy is byte-identical to the installed library)."""
+    """How a genai folder's op library relates to the installed one, judged on the file
+    onnxruntime-genai will load: ``needs_library`` (its decoder uses ortsparse ops),
+    ``configured`` (the config's custom_ops_library), ``loads`` (the file that name resolves to
+    inside the folder, or None), ``present`` (it exists), ``current`` (it is byte-identical to the
+    installed library), ``problem`` (why not, in words), ``copy_current`` (the folder's
+    libortsparse_ops.so is identical to the installed library)."""
     info = read_genai_folder(folder)
     needs = uses_ortsparse(info.model_file)
     configured = info.session_options.get("custom_ops_library")
-    copy = info.folder / LIBRARY_FILE
     installed = Path(get_library_path())
+    loads, problem = _loaded_library(info.folder, configured)
+    current = loads is not None and _same_file_content(loads, installed)
+    if loads is not None and not current:
+        problem = f"{loads.name} differs from the installed library"
     return {"folder": str(info.folder), "needs_library": needs, "configured": configured,
-            "present": copy.is_file(),
-            "current": copy.is_file() and copy.stat().st_size == installed.stat().st_size
-            and _sha256(copy) == _sha256(installed),
+            "loads": str(loads) if loads is not None else None, "present": loads is not None, "current": current,
+            "problem": problem, "copy_current": _same_file_content(info.folder / LIBRARY_FILE, installed),
             "installed": str(installed)}
+
+
+def _check_refreshable(info: GenaiDecoder) -> dict | None:
+    """Everything :func:`refresh_genai_library` may change, checked before it changes anything: the
+    library copy's place holds no folder or special file, the record (when present) is a JSON
+    object, the folder is writable. Returns the record (None when there is none)."""
+    copy = info.folder / LIBRARY_FILE
+    if copy.is_symlink() or (copy.exists() and not copy.is_file()):
+        raise ModelFileError(f"{copy} is not a regular file (a folder, link or device); remove it, then run "
+                             "genai-config again")
+    if not os.access(info.folder, os.W_OK | os.X_OK):
+        raise ModelFileError(f"{info.folder} is not writable")
+    record_path = info.folder / RECORD_FILE
+    if not record_path.exists():
+        return None
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except RecursionError:
+        record = None
+    except (OSError, ValueError):
+        raise ModelFileError(f"{record_path} cannot be read as JSON; fix or remove it, then run genai-config "
+                             "again") from None
+    if not isinstance(record, dict):
+        raise ModelFileError(f"{record_path} is not a JSON object (as ortsparse writes it); fix or remove it, "
+                             "then run genai-config again")
+    return record
 
 
 def refresh_genai_library(folder: str | os.PathLike) -> dict:
     """Bring a genai folder's op library up to date with the installed package: copy the installed
     library in (when the decoder uses ortsparse ops) and point ``custom_ops_library`` at it, or drop
-    an entry of ours that is no longer needed. Each file is replaced atomically. Returns
+    an entry of ours that is no longer needed. Everything is checked before anything changes
+    (:func:`_check_refreshable`); each file is then replaced atomically. Returns
     :func:`library_state` after the change, with ``changed``."""
     before = library_state(folder)
     info = read_genai_folder(folder)
+    record = _check_refreshable(info)
     changed = False
-    if before["needs_library"] and not before["current"]:
+    if before["needs_library"] and not before["copy_current"]:
         sha = _copy_library(info.folder)
         changed = True
-        record_path = info.folder / RECORD_FILE
-        if record_path.is_file():
-            try:
-                record = json.loads(record_path.read_text(encoding="utf-8"))
-            except ValueError:
-                record = {}
+        if record is not None:
             record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")
-            _write_json(record_path, record, indent=1)
+            _write_json(info.folder / RECORD_FILE, record, indent=1)
     wanted = LIBRARY_FILE if before["needs_library"] else None
     if before["configured"] != wanted and (wanted or before["configured"] == LIBRARY_FILE):
         config = json.loads(info.config_path.read_text(encoding="utf-8"))
@@ -297,4 +351,3 @@ def refresh_genai_library(folder: str | os.PathLike) -> dict:
     after = library_state(folder)
     after["changed"] = changed
     return after
-

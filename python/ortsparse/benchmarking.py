@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from . import __version__, _kernels
+from . import __version__, _kernels, flag_types
 from .graph_rewrite.output_paths import check_outputs, write_text_files
 from .runtime import open_session, thread_options
 
@@ -148,10 +148,10 @@ def kernel_bench_parser(description: str, default_output: str, quick_help: str):
     --shapes KxN..., --repeats, -o. Returns the parser; :func:`kernel_bench_shapes` reads --shapes."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
+    parser.add_argument("--threads", type=flag_types.threads, nargs="+", default=[1, 2])
+    parser.add_argument("--ms", type=flag_types.positive_int, nargs="+", default=[1, 128])
     parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=flag_types.positive_int, default=None)
     parser.add_argument("-o", "--output", default=default_output)
     return parser
 

@@ -39,6 +39,16 @@ class OutputError:
     shape: tuple[int, ...]
     max_abs: float
     rel_l2: float
+    top1: float | None = None  # logits outputs: share of positions whose argmax token agrees
+
+
+def top1_agreement(expected: np.ndarray, actual: np.ndarray) -> float | None:
+    """Share of positions (all axes but the last) whose argmax over the last axis agrees; None for
+    an output that is not [..., vocab] logits or whose shapes differ."""
+    expected, actual = np.asarray(expected), np.asarray(actual)
+    if expected.shape != actual.shape or expected.ndim < 2 or expected.shape[-1] < 2 or expected.size == 0:
+        return None
+    return float(np.mean(np.argmax(expected, axis=-1) == np.argmax(actual, axis=-1)))
 
 
 @dataclasses.dataclass
@@ -61,7 +71,8 @@ class VerifyResult:
         lines.append(f"  {'output'.ljust(width)}  {'max_abs':>10}  {'rel_l2':>10}  status")
         for o in self.outputs:
             status = "ok" if o.rel_l2 <= self.budget else "OVER BUDGET"
-            lines.append(f"  {o.name.ljust(width)}  {o.max_abs:10.3e}  {o.rel_l2:10.3e}  {status}")
+            top1 = f"  (top-1 agreement {o.top1:.3f})" if o.top1 is not None else ""
+            lines.append(f"  {o.name.ljust(width)}  {o.max_abs:10.3e}  {o.rel_l2:10.3e}  {status}{top1}")
         lines.append("verify: PASSED" if self.passed else "verify: FAILED (relative L2 error over budget)")
         return "\n".join(lines)
 
@@ -286,9 +297,11 @@ def verify_models(
         actual = candidate.run(output_names, feeds)
         for name, e, a in zip(output_names, expected, actual):
             max_abs, rel = compare(e, a)
+            top1 = top1_agreement(e, a) if "logits" in name else None
             previous = worst.get(name)
             if previous is not None:
                 max_abs, rel = max(max_abs, previous.max_abs), max(rel, previous.rel_l2)
-            worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel)
+                top1 = None if top1 is None or previous.top1 is None else min(top1, previous.top1)
+            worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel, top1)
     return VerifyResult(outputs=[worst[n] for n in output_names], budget=budget, budget_reason=budget_reason,
                         runs=runs, input_shapes=input_shapes)

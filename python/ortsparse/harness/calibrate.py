@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .. import tt
+from .. import flag_types, tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
-from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
+from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from . import allocation
-from .corpus import SPLITS, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
+from .corpus import SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
@@ -230,8 +230,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="LM export (default: cached SmolLM2 full.torchscript; a KV-cache "
                         "decoder or an onnxruntime-genai folder is scored with an empty past) or an encoder")
     parser.add_argument("-o", "--output", required=True, help="override file to write (JSON)")
-    parser.add_argument("--max-dppl", type=float, default=0.02, help="LM budget: ppl_rewritten/ppl_dense - 1")
-    parser.add_argument("--min-cosine", type=float, default=None,
+    parser.add_argument("--max-dppl", type=flag_types.positive_float, default=0.02,
+                        help="LM budget: ppl_rewritten/ppl_dense - 1")
+    parser.add_argument("--min-cosine", type=flag_types.finite_float(-1.0, 1.0), default=None,
                         help="encoder budget: mean embedding cosine floor (switches to the encoder mode)")
     parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder", "all"],
                         help="layers to calibrate (all-decoder = mlp + attn; the head stays dense; all = with the head)")
@@ -245,17 +246,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
                         "else the tokenizer.json beside MODEL); split as --tokens is")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
-    parser.add_argument("--margin", type=float, default=0.75,
+    parser.add_argument("--margin", type=flag_types.fraction, default=0.75,
                         help="calibration windows must stay within margin x budget, so the held-out result "
                              "has room to differ (default 0.75)")
     parser.add_argument("--split", choices=SPLITS, default="halves",
                         help="held-out vs calibration tokens: halves (first half held out; default) or interleaved "
                              "(alternate windows: both see the same mix of the text)")
-    parser.add_argument("--calib-windows", type=int, default=4)
-    parser.add_argument("--eval-windows", type=int, default=8)
-    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--calib-windows", type=flag_types.positive_int, default=4)
+    parser.add_argument("--eval-windows", type=flag_types.positive_int, default=8)
+    parser.add_argument("--window-len", type=flag_types.window_len, default=512)
     parser.add_argument("--greedy", action="store_true", help="per-role greedy refinement after the uniform search")
-    parser.add_argument("--greedy-rounds", type=int, default=8, help="at most this many greedy steps (default 8)")
+    parser.add_argument("--greedy-rounds", type=flag_types.non_negative_int, default=8,
+                        help="at most this many greedy steps (default 8)")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model (e.g. the fp32 model "
                         "of a quantized MODEL: the budget then covers quantization and gating together)")
     parser.add_argument("--bench", action="store_true", help="also measure decode tokens/s (KV export)")
@@ -283,6 +285,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
     eval_tokens, calib_tokens = split_held_out(tokens, args.window_len, args.split)
+    source = args.text or args.tokens or "the default corpus"
+    for part, flag, count in ((eval_tokens, "--eval-windows", args.eval_windows),
+                              (calib_tokens, "--calib-windows", args.calib_windows)):
+        check_windows(part.size, count, args.window_len, windows_flag=flag, max_positions=context_length(model_file),
+                      source=f"the {'held-out' if part is eval_tokens else 'calibration'} part of {source} "
+                             f"(--split {args.split})")
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,

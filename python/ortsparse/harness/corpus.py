@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..graph_rewrite.errors import ModelFileError
 from .cache import models_dir
 from .models import cached_file
 
@@ -72,6 +73,23 @@ def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: 
         raise ValueError(f"{windows} windows of {window_len} tokens from offset {offset} need {needed} tokens; "
                          f"the token array has {tokens.size}")
     return tokens[offset:needed].astype(np.int64).reshape(windows, window_len)
+
+
+def check_windows(available: int, windows: int, window_len: int, *, offset: int = 0, source: str = "the tokens",
+                  max_positions: int | None = None, windows_flag: str = "--windows") -> None:
+    """A one-line :class:`ModelFileError` (CLI exit 2), before any model runs, when ``windows`` windows
+    of ``window_len`` tokens from ``offset`` need more than the ``available`` tokens of ``source``, or
+    a window is longer than the model's ``max_positions`` (its longest sequence, when known)."""
+    if max_positions is not None and window_len > max_positions:
+        raise ModelFileError(f"--window-len {window_len} is longer than the model's context of {max_positions} "
+                             f"tokens; give --window-len {max_positions} or less")
+    needed = offset + windows * window_len
+    if needed > available:
+        fit = max(0, (available - offset) // window_len)
+        start = f" from --offset {offset}" if offset else ""
+        raise ModelFileError(f"{windows_flag} {windows} x --window-len {window_len}{start} need {needed} tokens; "
+                             f"{source} has {available} (room for {fit} such window(s): fewer or shorter "
+                             "windows, or a longer text)")
 
 
 def load_sentences(sentences: Any) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .cache import ModelBuildError
-from .export_smollm2 import GREEDY_TOKENS, PROMPT, load
+from .export_smollm2 import GREEDY_TOKENS, PROMPT, load, torch_greedy
 
 Log = Callable[[str], None]
 
@@ -184,7 +184,8 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
           reference: list[int] | None) -> dict:
     """The ``genai`` entry of ``ortsparse models``: the HF folder, then one builder folder per
     precision in ``genai_dirs``, each checked by a greedy continuation against ``reference``
-    (torch's greedy tokens; fp32 must equal them). Returns what goes into the manifest."""
+    (torch's greedy tokens, computed here from the GGUF model when None; fp32 must equal them).
+    Returns what goes into the manifest."""
     import onnxruntime_genai as og  # the models extra
 
     started = time.perf_counter()
@@ -196,6 +197,8 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
     log(f"  loading {gguf_path.name} (dequantizing Q4_1 to fp32) ...")
     model, tokenizer = load(gguf_path)
     seconds["load"] = round(time.perf_counter() - started, 1)
+    if reference is None:  # the entry stands alone: no smollm2 exports needed for the check
+        reference = torch_greedy(model, tokenizer)
     t0 = time.perf_counter()
     write_folder(hf_dir, lambda tmp, m=model: save_hf_folder(m, tokenizer, tmp))
     seconds["hf folder"] = round(time.perf_counter() - t0, 1)

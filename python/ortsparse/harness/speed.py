@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .. import flag_types
 from ..benchmarking import (NEIGHBOURS, check_report, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs,
                             report_header, write_report)
 from ..benchmarking import neighbour as neighbour_process
@@ -337,22 +338,26 @@ def markdown_body(payload: dict) -> list[str]:
 def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] = DEFAULT_CONTEXTS) -> None:
     """The decode loop's flags (``ortsparse bench``, bench/baselines.py)."""
     loop = parser.add_argument_group("decode loop")
-    loop.add_argument("--contexts", type=int, nargs="+", default=list(contexts),
+    loop.add_argument("--contexts", type=flag_types.positive_int, nargs="+", default=list(contexts),
                       help=f"prompt lengths before the decode steps (default {' '.join(map(str, contexts))}; "
                            "shortened to fit the models' longest sequence)")
-    loop.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+    loop.add_argument("--threads", type=flag_types.threads, nargs="+", default=[1, 2],
                       help="intra-op threads (default 1 2; above 1 with allow_spinning=0)")
-    loop.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
-    loop.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
-    loop.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
-    loop.add_argument("--rounds", "--runs", dest="rounds", type=int, default=3,
+    loop.add_argument("--steps", type=flag_types.positive_int, default=64,
+                      help="timed decode steps per context (default 64)")
+    loop.add_argument("--warmup", type=flag_types.non_negative_int, default=4,
+                      help="untimed decode steps first (default 4)")
+    loop.add_argument("--prefill-chunk", type=flag_types.positive_int, default=512,
+                      help="prefill chunk in tokens (default 512)")
+    loop.add_argument("--rounds", "--runs", dest="rounds", type=flag_types.positive_int, default=3,
                       help="rounds spread over the run, every setting once per round; ratios are reported as "
                            "their minimum and median over the rounds (default 3; --runs is the old name)")
     loop.add_argument("--neighbour", "--neighbor", choices=NEIGHBOURS, default="none",
                       help="what runs beside the benchmark: none, or stream (a process on another core summing a "
                            "buffer larger than the L3, as a user's other programs would; default none)")
     loop.add_argument("--corpus", metavar="TOKENS.npy", help="token ids (default: the cache's britannica corpus)")
-    loop.add_argument("--offset", type=int, default=0, help="first corpus token of the prompt (default 0)")
+    loop.add_argument("--offset", type=flag_types.non_negative_int, default=0,
+                      help="first corpus token of the prompt (default 0)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

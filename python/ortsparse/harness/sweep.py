@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .. import flag_types
 from ..benchmarking import check_report, machine_info, write_report
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..graph_rewrite.output_paths import write_files
@@ -114,14 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", help="full-sequence export (default: cached SmolLM2)")
     parser.add_argument("--kv", help="KV-cache export (default: cached SmolLM2)")
     parser.add_argument("--scopes", nargs="+", default=["mlp", "down", "both"])
-    parser.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 32, 64])
+    parser.add_argument("--keeps", type=flag_types.fraction, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
+    parser.add_argument("--blocks", type=flag_types.positive_int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--scores", nargs="+", default=["l2"], choices=["l2", "mean_abs", "l2_weighted"])
     parser.add_argument("--tokens", help="token ids (.npy) for perplexity (default: the cached britannica corpus)")
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--window-len", type=int, default=512)
-    parser.add_argument("--context", type=int, default=128, help="prompt length before the timed decode steps")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps of the real loop (default 32)")
+    parser.add_argument("--windows", type=flag_types.positive_int, default=4)
+    parser.add_argument("--window-len", type=flag_types.window_len, default=512)
+    parser.add_argument("--context", type=flag_types.positive_int, default=128,
+                        help="prompt length before the timed decode steps")
+    parser.add_argument("--steps", type=flag_types.positive_int, default=32,
+                        help="timed decode steps of the real loop (default 32)")
     parser.add_argument("-o", "--output", default="reports/sweep_kwta", help="report stem (.json .md .png)")
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .. import flag_types
 from ..benchmarking import machine_info, versions
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ..graph_rewrite.config import parse_overrides
@@ -315,17 +316,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder); default: beside MODEL")
     parser.add_argument("-o", "--output", metavar="OUT", required=True,
                         help="the tuned model (.onnx), or a new folder for a genai MODEL")
-    parser.add_argument("--max-dppl", type=float, default=0.02, help="held-out perplexity budget (default 0.02)")
-    parser.add_argument("--margin", type=float, default=0.75,
+    parser.add_argument("--max-dppl", type=flag_types.finite_float(0.0, 10.0, min_open=True, max_open=True),
+                        default=0.02, help="held-out perplexity budget (default 0.02)")
+    parser.add_argument("--margin", type=flag_types.fraction, default=0.75,
                         help="the search on calibration windows stays within margin x budget (default 0.75)")
-    parser.add_argument("--context", type=int, default=None,
+    parser.add_argument("--context", type=flag_types.positive_int, default=None,
                         help="the context the model will run at; >= 2048 also tunes attention selection")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
                         "a quantized MODEL (the budget then covers quantization and gating together)")
     parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",
                         help="per-layer sparsities from measured sensitivities (default), or one for every layer")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the speed check (default 1)")
-    parser.add_argument("--windows", type=int, default=8, metavar="N",
+    parser.add_argument("--threads", type=flag_types.threads, default=1,
+                        help="intra-op threads of the speed check (default 1)")
+    parser.add_argument("--windows", type=flag_types.int_in(1, 64), default=8, metavar="N",
                         help="calibration windows, and as many held-out ones, of up to 512 tokens (default 8)")
     parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
 

@@ -47,6 +47,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import flag_types
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import load_model, rewrite_model
 from ..graph_rewrite.output_paths import check_outputs, write_text_files
@@ -502,16 +503,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(= --zoo fast: tiny + generated)")
     parser.add_argument("--list", action="store_true", help="list the models and exit")
     check = parser.add_argument_group("checking")
-    check.add_argument("--runs", type=int, default=2, help="generated input sets per model (default 2)")
+    check.add_argument("--runs", type=flag_types.positive_int, default=2,
+                       help="generated input sets per model (default 2)")
     check.add_argument("--shape", action="append", metavar="SPEC",
                        help="dynamic dim sizes: dim=INT or input=AxBxC (as rewrite-onnx --verify-shape)")
-    check.add_argument("--budget", type=float, default=None, metavar="REL",
+    check.add_argument("--budget", type=flag_types.non_negative_float, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
-    check.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
-    check.add_argument("--timing-runs", type=int, default=5,
+    check.add_argument("--seed", type=flag_types.seed, default=0, help="seed of the generated inputs")
+    check.add_argument("--timing-runs", type=flag_types.non_negative_int, default=5,
                        help="alternated timed runs per model and side, medians (default 5; 0: no timing)")
-    check.add_argument("--threads", type=int, default=1, help="intra-op threads, spinning off (default 1)")
+    check.add_argument("--threads", type=flag_types.threads, default=1,
+                       help="intra-op threads, spinning off (default 1)")
     add_technique_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")
