@@ -36,6 +36,7 @@ from onnx import helper
 from ..benchmarking import check_report, machine_info, read_bandwidth_gbs, report_header, write_report
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
+from ..graph_rewrite.output_paths import Inputs
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_decoder, load_proto
@@ -308,7 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewrite", metavar="NAME", help="the model the technique flags rewrite (default the first)")
     parser.add_argument("--reference", metavar="NAME", help="the model the others are compared with (default the first)")
     add_loop_arguments(parser)
-    parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
+    parser.add_argument("-o", "--output", metavar="STEM",
+                        help="also write the report as STEM.json and STEM.md (default: print the table only)")
     add_technique_arguments(parser)
     # A rewrite is added only when a technique flag is given: its default stays off the namespace
     # (argparse.SUPPRESS) so that run() can tell, and is filled in there.
@@ -350,8 +352,13 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     requested = technique_requested(args)
-    inputs = [args.config, args.corpus, *(m for m in (args.models or []) if Path(m).exists())]  # never overwritten
-    check_report(args.output, inputs)
+    inputs = Inputs().add(args.config, "the config file").add(args.corpus, "the corpus")  # never overwritten
+    for spec in args.models or []:
+        path = spec.split("=", 1)[1] if "=" in spec else spec
+        if path and Path(path).exists():
+            inputs.add_model(path, f"the model {spec}")
+    if args.output:
+        check_report(args.output, inputs)
     config = config_from_args(args)
     specs = args.models or ["ours", "ours-int4", "ours-int8"]
     try:
@@ -377,8 +384,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
                              "techniques": {name: dataclasses.asdict(choice)
                                             for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, "Decode speed, real loop"),
-                         protected=inputs)
+    table = markdown(payload, command, "Decode speed, real loop")
+    if not args.output:  # reports only where the user names them
+        print(table)
+        return 0
+    paths = write_report(args.output, payload, table, protected=inputs)
     print("wrote", *paths)
     return 0
 

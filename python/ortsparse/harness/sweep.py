@@ -15,7 +15,7 @@ import onnx
 
 from ..benchmarking import check_report, machine_info, write_report
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..graph_rewrite.output_paths import write_files
+from ..graph_rewrite.output_paths import Inputs, write_files
 from .corpus import load_corpus_tokens
 from .models import model_path
 from .perplexity import perplexity
@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=128, help="prompt length before the timed decode steps")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps of the real loop (default 32)")
-    parser.add_argument("-o", "--output", default="reports/sweep_kwta", help="report stem (.json .md .png)")
+    parser.add_argument("-o", "--output", required=True, metavar="STEM",
+                        help="report stem: STEM.json, STEM.md and STEM.png (e.g. reports/sweep_kwta)")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -130,7 +131,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         full_path, kv_path = Path(args.full), Path(args.kv)
     else:
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
-    inputs = [full_path, kv_path, args.tokens]  # never overwritten by the report
+    inputs = (Inputs().add_model(full_path, "the full-sequence model").add_model(kv_path, "the KV-cache model")
+              .add(args.tokens, "the tokens"))  # never overwritten by the report
     check_report(args.output, inputs, ".png")
     full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
     tokens = load_corpus_tokens(args.tokens)
