@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for spec in args.models or []:
         path = spec.split("=", 1)[1] if "=" in spec else spec
         if path and Path(path).exists():
-            inputs.add_model(path, f"the model {spec}")
+            inputs.add_model(path, f"the input model {spec}")
     if args.output:
         check_report(args.output, inputs)
     config = config_from_args(args)

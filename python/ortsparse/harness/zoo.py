@@ -537,9 +537,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = config_from_args(args)
     inputs = Inputs().add(args.config, "the config file")  # never overwritten
     for item in args.models:  # a folder named here is an input folder: nothing is written into it
-        inputs.add_model(item, f"the model {item}" if not Path(item).is_dir() else f"the model folder {item}")
+        inputs.add_model(item, f"the input model {item}" if not Path(item).is_dir() else f"the input folder {item}")
     for entry in entries:
-        inputs.add_model(entry.path, f"the model {entry.path}")
+        inputs.add_model(entry.path, f"the input model {entry.path}")
     outputs = {args.markdown: "markdown table", args.json: "JSON results"}
     check_outputs([(args.markdown, "markdown table"), (args.json, "JSON results")], inputs)  # before the long run
 
