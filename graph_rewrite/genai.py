@@ -270,29 +270,42 @@ def library_state(folder: str | os.PathLike) -> dict:
 def refresh_genai_library(folder: str | os.PathLike) -> dict:
     """Bring a genai folder's op library up to date with the installed package: copy the installed
     library in (when the decoder uses ortsparse ops) and point ``custom_ops_library`` at it, or drop
-    an entry of ours that is no longer needed. Each file is replaced atomically. Returns
+    an entry of ours that is no longer needed. The folder is edited in place (the command's
+    purpose); the changed files are staged and moved into place together (library first), under
+    graph_rewrite/output_paths.py's rules (the installed library is an input). Returns
     :func:`library_state` after the change, with ``changed``."""
     before = library_state(folder)
     info = read_genai_folder(folder)
+    installed = Path(get_library_path())
     changed = False
-    if before["needs_library"] and not before["current"]:
-        sha = _copy_library(info.folder)
-        changed = True
-        record_path = info.folder / RECORD_FILE
-        if record_path.is_file():
-            try:
-                record = json.loads(record_path.read_text(encoding="utf-8"))
-            except ValueError:
-                record = {}
-            record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")
-            _write_json(record_path, record, indent=1)
-    wanted = LIBRARY_FILE if before["needs_library"] else None
-    if before["configured"] != wanted and (wanted or before["configured"] == LIBRARY_FILE):
-        config = json.loads(info.config_path.read_text(encoding="utf-8"))
-        _set_library(config, bool(wanted))
-        _write_json(info.config_path, config)
-        changed = True
+    with OutputFiles(Inputs().add_file(installed, "the installed op library")) as outputs:
+        if before["needs_library"] and not before["current"]:
+            copy = outputs.add(info.folder / LIBRARY_FILE, "op library copy")
+
+            def write_copy(staged: Path) -> None:
+                shutil.copyfile(installed, staged)
+                os.chmod(staged, 0o755)
+
+            outputs.write(copy, write_copy)
+            sha = _sha256(outputs.staged(copy))
+            changed = True
+            record_path = info.folder / RECORD_FILE
+            if record_path.is_file():
+                try:
+                    record = json.loads(record_path.read_text(encoding="utf-8"))
+                except ValueError:
+                    record = {}
+                record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")
+                outputs.write_text(outputs.add(record_path, "record"),
+                                   json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+        wanted = LIBRARY_FILE if before["needs_library"] else None
+        if before["configured"] != wanted and (wanted or before["configured"] == LIBRARY_FILE):
+            config = json.loads(info.config_path.read_text(encoding="utf-8"))
+            _set_library(config, bool(wanted))
+            outputs.write_text(outputs.add(info.config_path, "genai config"),
+                               json.dumps(config, indent=4, ensure_ascii=False) + "\n")
+            changed = True
+        outputs.commit()
     after = library_state(folder)
     after["changed"] = changed
     return after
-

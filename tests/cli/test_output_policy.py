@@ -375,3 +375,14 @@ def test_no_command_writes_over_what_it_reads(command, flag, target, inputs_tree
     refused(capsys, entry(argv), "only read")
     assert tree_hash(inputs_tree.parent) == before
     assert not list(tmp_path.iterdir())
+
+
+def test_genai_config_refuses_a_library_copy_that_is_a_folder(src, tmp_path, capsys):
+    out = tmp_path / "o"
+    rewrite_genai_folder(src, out, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5),
+                                                                                     enabled=True, target="mlp")}))
+    (out / "libortsparse_ops.so").unlink()
+    (out / "libortsparse_ops.so").mkdir()
+    before = tree_hash(tmp_path)
+    refused(capsys, main(["genai-config", str(out)]), "is a directory")
+    assert tree_hash(tmp_path) == before
