@@ -130,14 +130,15 @@ def external_data_files(model_file: str | os.PathLike) -> list[Path]:
         proto = onnx.load(os.fspath(model_file), load_external_data=False)
     except Exception:  # noqa: BLE001 - protobuf raises many types; the command's own load reports it
         return []
-    folder = Path(model_file).absolute().parent
+    # Beside the model, and beside its target when it is a symlink (the Hugging Face cache layout).
+    folders = dict.fromkeys([Path(model_file).absolute().parent, Path(os.path.realpath(model_file)).parent])
     found: list[Path] = []
 
     def tensor(t) -> None:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             location = next((e.value for e in t.external_data if e.key == "location"), "")
             if location:
-                found.append(folder / location)
+                found.extend(folder / location for folder in folders)
 
     def graph(g) -> None:
         for t in g.initializer:

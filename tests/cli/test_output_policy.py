@@ -386,3 +386,13 @@ def test_genai_config_refuses_a_library_copy_that_is_a_folder(src, tmp_path, cap
     before = tree_hash(tmp_path)
     refused(capsys, main(["genai-config", str(out)]), "is a directory")
     assert tree_hash(tmp_path) == before
+
+
+def test_sweep_writes_its_report_and_plot_together(tmp_path, capsys):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, size=512))
+    stem = tmp_path / "new" / "sweep"
+    assert main(["sweep", "--full", str(FULL), "--kv", str(KV), "--tokens", str(tokens), "--scopes", "mlp", "--keeps",
+                 "0.5", "--blocks", "1", "--windows", "1", "--window-len", "32", "--context", "8", "--steps", "2",
+                 "-o", str(stem)]) == EXIT_OK
+    assert sorted(p.name for p in stem.parent.iterdir()) == ["sweep.json", "sweep.md", "sweep.png"]
