@@ -196,6 +196,8 @@ class Inputs:
 
     def add_model(self, path: str | os.PathLike | None, description: str = "the input model") -> Inputs:
         """A model file with its external data, or a model folder (a genai folder): :meth:`add`."""
+        if path is not None and os.fspath(path) != "" and os.path.isdir(path):
+            return self.add_folder(path, description if description.endswith("folder") else f"{description} folder")
         return self.add(path, description)
 
     def add_file(self, path: str | os.PathLike, description: str) -> Inputs:
