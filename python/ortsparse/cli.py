@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from . import flag_types
 from .rewrite_flags import add_technique_arguments, config_from_args
@@ -87,9 +88,15 @@ def _print_rules() -> None:
         print(f"  {name:26s} {before_after}")
 
 
-def _read_by_flags(args: argparse.Namespace) -> dict[str, str]:
-    """Files the rewrite reads besides the model (no output may replace them)."""
-    return {args.config: "the config file"} if getattr(args, "config", None) else {}
+def _read_by_flags(args: argparse.Namespace):
+    """What the rewrite reads besides the model file (no output may be, hold or lie in one of
+    them): the config file, and the folder when the model was named by its genai folder."""
+    from .graph_rewrite.output_paths import Inputs
+
+    inputs = Inputs().add(getattr(args, "config", None), "the config file")
+    if args.input and Path(args.input).is_dir():
+        inputs.add_folder(args.input, "the source folder")
+    return inputs
 
 
 def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes,
@@ -155,18 +162,24 @@ def _genai_shapes(folder, shapes) -> dict:
 
 def _rewrite_genai_folder(args: argparse.Namespace, config, say: Callable[[str], None], progress: bool,
                           shapes) -> int:
-    """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder."""
-    from .graph_rewrite.genai import model_input, rewrite_genai_folder
+    """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder, and the report,
+    moved into place together after every check."""
+    from .graph_rewrite.genai import model_input, read_genai_folder, rewrite_genai_folder, written_by_ortsparse
+    from .graph_rewrite.output_paths import OutputFiles
 
-    result = rewrite_genai_folder(args.input, args.output, config, check=not args.no_check, fuse=not args.no_fuse)
+    source = read_genai_folder(args.input).folder
+    with OutputFiles(_read_by_flags(args)) as outputs:
+        outputs.read(source, "the source folder")
+        outputs.add_folder(args.output, "output", replaceable=written_by_ortsparse)
+        report_target = outputs.add(args.report, "report") if args.report else None
+        result = rewrite_genai_folder(source, args.output, config, check=not args.no_check, fuse=not args.no_fuse,
+                                      outputs=outputs)
+        if report_target is not None:
+            outputs.write_text(report_target, json.dumps(result.report.to_dict(), indent=2) + "\n")
+        outputs.commit()
     library = ", op library copied in" if result.library else ""
     say(f"wrote {result.folder} (onnxruntime-genai folder, decoder {result.model_file.name}{library})")
     say(result.report.summary())
-    if args.report:
-        from .graph_rewrite.output_paths import write_text_files
-
-        write_text_files({args.report: ("report", json.dumps(result.report.to_dict(), indent=2) + "\n")},
-                         {model_input(args.input): "the input model", **_read_by_flags(args)})
     if not args.verify:
         _self_check(args, result.report, say, model_input(args.input), result.model_file,
                     _genai_shapes(result.folder, shapes))

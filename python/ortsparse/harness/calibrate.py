@@ -29,7 +29,7 @@ from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_l
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
-from ..graph_rewrite.output_paths import check_outputs, write_text_files
+from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from . import allocation
 from .corpus import SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
@@ -37,7 +37,7 @@ from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, perplexity
 from .speed import decode_speed
-from .text import text_tokens
+from .text import text_tokens, tokenizer_read
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -265,15 +265,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
+    staged: dict[str, tuple[str, str]] = {}
+    code = _calibrate(args, lambda path, what, text: staged.__setitem__(path, (what, text)))
+    write_text_files(staged, _inputs(args))  # the override file and its report together, after every check
+    return code
+
+
+def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None]) -> int:
     target = "both" if args.target == "all-decoder" else args.target
     log = print
-    check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
     if args.min_cosine is not None and args.method == "allocated":
-        return allocation.run(args, target, lambda path, what, text: _write(args, path, what, text), _report_path(args), log)
+        return allocation.run(args, target, write, _report_path(args), log)
     if args.min_cosine is not None:
         if not args.model:
             args.model = str(model_path("minilm", "torchscript"))
-        return _run_encoder(args, target, log)
+        return _run_encoder(args, target, log, write)
     model_file = args.model
     if not model_file:
         model_file = str(model_path("smollm2", "full.torchscript"))
@@ -297,7 +304,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                    greedy_rounds=args.greedy_rounds, reference=reference, method=args.method,
                                    score=args.score, log=log)
     best, history = found["sparsity"], found["history"]
-    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
+    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len)
     report = {
@@ -314,7 +321,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench:
         report["bench"] = _bench_with(model_file, entries, log)
     report_path = _report_path(args)
-    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
+    write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
         f"{held_out.get('top1_agreement', float('nan')):.3f}, skipped {report['skipped_weight_fraction_of_targeted']:.1%} "
         f"of targeted weight bytes; report {report_path}")
@@ -325,16 +332,15 @@ def _report_path(args) -> str:
     return args.report or str(Path(args.output).with_suffix(".report.json"))
 
 
-def _inputs(args) -> list:
+def _inputs(args) -> Inputs:
     """What calibrate reads (never overwritten by its outputs)."""
-    return [args.model, args.tokens, args.text, args.reference]
+    inputs = Inputs().add_model(args.model).add(args.tokens, "the tokens").add(args.text, "the text")
+    if args.text:
+        inputs.add(tokenizer_read(args.model, args.tokenizer), "the tokenizer")
+    return inputs.add_model(args.reference, "the reference model")
 
 
-def _write(args, path: str, what: str, text: str) -> None:
-    write_text_files({path: (what, text)}, _inputs(args))
-
-
-def _run_encoder(args, target: str, log) -> int:
+def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None]) -> int:
     model = onnx.load(args.model)
     layers = target_layers(model, target)
     batches = encoder_batches()
@@ -348,13 +354,13 @@ def _run_encoder(args, target: str, log) -> int:
     best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log,
                            max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
-    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
+    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     final = compare_embeddings(model, rewritten_with(model, entries))
     report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": args.model,
               "min_cosine": args.min_cosine, "sparsity": best, "history": history,
               "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
     report_path = _report_path(args)
-    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
+    write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; cosine mean {final['cosine_mean']:.4f} min {final['cosine_min']:.4f}")
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 

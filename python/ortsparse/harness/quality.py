@@ -131,10 +131,15 @@ def _format(result: Mapping[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..graph_rewrite.output_paths import check_outputs, write_text_files
+    from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
+    from .text import tokenizer_read
 
     say = (lambda text: None) if args.quiet else print
-    inputs = [args.model, args.rewritten, args.corpus, args.text, args.sentences, args.config]  # never overwritten
+    inputs = (Inputs().add_model(args.model).add_model(args.rewritten, "the rewritten model")  # never overwritten
+              .add(args.corpus, "the corpus").add(args.text, "the text").add(args.sentences, "the sentence set")
+              .add(args.config, "the config file"))
+    if args.text:
+        inputs.add(tokenizer_read(args.model, args.tokenizer), "the tokenizer")
     check_outputs([(args.json, "JSON report")], inputs)  # before the long run
     if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")

@@ -39,6 +39,7 @@ from ..benchmarking import (NEIGHBOURS, check_report, machine_info, neighbour_li
 from ..benchmarking import neighbour as neighbour_process
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
+from ..graph_rewrite.output_paths import Inputs
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_decoder, load_proto
@@ -375,7 +376,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure whole requests instead of decode steps: each prompt in one call (time to first "
                              "token), then the answer's decode steps; e.g. 512:64,4096:256 (--contexts, --steps, "
                              "--warmup and --prefill-chunk do not apply)")
-    parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
+    parser.add_argument("-o", "--output", metavar="STEM",
+                        help="also write the report as STEM.json and STEM.md (default: print the table only)")
     add_technique_arguments(parser)
     # A rewrite is added only when a technique flag is given: its default stays off the namespace
     # (argparse.SUPPRESS) so that run() can tell, and is filled in there.
@@ -424,8 +426,13 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     requested = technique_requested(args)
-    inputs = [args.config, args.corpus, *(m for m in (args.models or []) if Path(m).exists())]  # never overwritten
-    check_report(args.output, inputs)
+    inputs = Inputs().add(args.config, "the config file").add(args.corpus, "the corpus")  # never overwritten
+    for spec in args.models or []:
+        path = spec.split("=", 1)[1] if "=" in spec else spec
+        if path and Path(path).exists():
+            inputs.add_model(path, f"the input model {spec}")
+    if args.output:
+        check_report(args.output, inputs)
     config = config_from_args(args)
     specs = args.models or ["ours", "ours-int4", "ours-int8"]
     try:
@@ -455,8 +462,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
                              "techniques": {name: dataclasses.asdict(choice)
                                             for name, choice in config.techniques.items()}}
-    text = request_markdown(payload, command) if args.request else markdown(payload, command, "Decode speed, real loop")
-    paths = write_report(args.output, payload, text, protected=inputs)
+    table = request_markdown(payload, command) if args.request else markdown(payload, command,
+                                                                                 "Decode speed, real loop")
+    if not args.output:  # reports only where the user names them
+        print(table)
+        return 0
+    paths = write_report(args.output, payload, table, protected=inputs)
     print("wrote", *paths)
     return 0
 

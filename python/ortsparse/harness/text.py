@@ -36,6 +36,15 @@ def find_tokenizer(model: str | os.PathLike | None, tokenizer: str | os.PathLike
     raise ModelFileError(f"no tokenizer: give --tokenizer PATH (a {TOKENIZER_FILE} or the folder holding it)")
 
 
+def tokenizer_read(model: str | os.PathLike | None, tokenizer: str | os.PathLike | None) -> Path | None:
+    """The tokenizer file a ``--text`` run would read (an input no output may replace), or None
+    when there is none (the run then says so)."""
+    try:
+        return find_tokenizer(model, tokenizer)
+    except ModelFileError:
+        return None
+
+
 def tokenize_file(text: str | os.PathLike, tokenizer: str | os.PathLike) -> np.ndarray:
     """The int64 token ids of the UTF-8 text file ``text`` (no special tokens added)."""
     from tokenizers import Tokenizer  # a Rust wheel; imported only when text comes in

@@ -38,8 +38,8 @@ from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
-from ..graph_rewrite.genai import check_folder_output, model_input, rewrite_genai_folder
-from ..graph_rewrite.output_paths import OutputFiles, check_output_path
+from ..graph_rewrite.genai import model_input, rewrite_genai_folder, written_by_ortsparse
+from ..graph_rewrite.output_paths import Inputs, OutputFiles
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..runtime import genai_decoder, genai_folder, vocab_size
 from .calibrate import gating_search
@@ -118,14 +118,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     folder = genai_folder(source) if source.is_dir() else None
     decoder = model_input(source)
     out = Path(output)
-    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
-    reads = {decoder: "the input model", **(protected or {})}
-    if folder is None:
-        check_output_path(out, what="output", protected=reads)
-    else:
-        check_folder_output(folder, out)  # before the long part
-    for suffix, what in ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot")):
-        check_output_path(f"{stem}{suffix}", what=what, protected=reads)
+    outputs, targets = tune_outputs(source, out, report_stem, protected, reference)  # checked before the long part
     graph = onnx.load(str(decoder))
     baseline = graph if reference is None else str(model_input(reference))
     max_positions = genai_decoder(folder).context_length if folder is not None else None
@@ -192,7 +185,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     # 4. Speed in the real loop, 5. the outputs (written together).
     config = _gating_config(entries, attention, DEPLOY_MAX_GATED_ROWS)  # what is written (prompts dense)
     report["max_gated_rows"] = DEPLOY_MAX_GATED_ROWS
-    with tempfile.TemporaryDirectory(prefix="ortsparse-tune-") as workdir, OutputFiles(reads) as outputs:
+    with tempfile.TemporaryDirectory(prefix="ortsparse-tune-") as workdir, outputs:
         if folder is not None:
             staged = rewrite_genai_folder(folder, Path(workdir) / "tuned", config).folder
             candidates = {"input": folder, "tuned": staged}
@@ -209,22 +202,44 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
         except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
             report["speed"] = {"error": f"decode loop not run: {str(error).splitlines()[0]}"}
         step("speed measured")
-        targets = {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in
-                   ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))}
         report["written"] = True
         report["seconds"] = round(time.perf_counter() - started, 1)
         outputs.write_text(targets[".json"], json.dumps(report, indent=1, default=float) + "\n")
         outputs.write_text(targets[".md"], markdown(report))
         outputs.write(targets[".png"], lambda path: plot(report, path))
         if folder is not None:
-            rewrite_genai_folder(folder, out, config)
+            rewrite_genai_folder(folder, out, config, outputs=outputs)
         else:
-            rewrite_file(decoder, out, config, progress=False, inputs=protected or {})
-        outputs.commit()
+            rewrite_file(decoder, out, config, progress=False, outputs=outputs)
+        outputs.commit()  # the model and its reports together
     step("written")
     bar.close()
     log(summary(report))
     return report
+
+
+REPORT_FILES = ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))
+
+
+def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path | None = None,
+                 protected: dict | None = None, reference: str | Path | None = None
+                 ) -> tuple[OutputFiles, dict[str, Path]]:
+    """What tune reads (``model`` and its data or folder, ``reference``, ``protected``: the text and
+    tokenizer) and writes (``output``, a file or, for a genai folder, a folder; the report files
+    ``<stem>.json/.md/.png``), declared and checked (graph_rewrite/output_paths.py): the
+    OutputFiles to stage them in, and the report destinations by suffix. Nothing is written."""
+    source = Path(model)
+    folder = genai_folder(source) if source.is_dir() else None
+    reads = Inputs(protected or {}).add_model(folder or source, "the source folder" if folder else "the input model")
+    reads.add_model(reference, "the reference model")
+    outputs = OutputFiles(reads)
+    out = Path(output)
+    if folder is None:
+        outputs.add(out, "output")
+    else:
+        outputs.add_folder(out, "output", replaceable=written_by_ortsparse)
+    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
+    return outputs, {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in REPORT_FILES}
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -344,10 +359,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"model {args.model} does not exist")
     decoder = model_input(args.model)
     tokenizer = find_tokenizer(args.model, args.tokenizer)
+    protected = {Path(args.text): "the text", tokenizer: "the tokenizer"}
+    tune_outputs(args.model, args.output, args.report, protected, args.reference)  # before reading the text
     tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
                   reference=args.reference, method=args.method, windows=args.windows,
-                  protected={Path(args.text): "the text", tokenizer: "the tokenizer",
-                             **({model_input(args.reference): "the reference model"} if args.reference else {})})
+                  protected=protected)
     return 0 if report["written"] else 1

@@ -50,7 +50,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import flag_types
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import load_model, rewrite_model
-from ..graph_rewrite.output_paths import check_outputs, write_text_files
+from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import open_session
 from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs,
@@ -538,7 +538,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("validate: no models to validate", file=sys.stderr)
         return EXIT_USAGE
     config = config_from_args(args)
-    inputs = [*(entry.path for entry in entries if entry.path), args.config]  # never overwritten
+    inputs = Inputs().add(args.config, "the config file")  # never overwritten
+    for item in args.models:  # a folder named here is an input folder: nothing is written into it
+        inputs.add_model(item, f"the input model {item}" if not Path(item).is_dir() else f"the input folder {item}")
+    for entry in entries:
+        inputs.add_model(entry.path, f"the input model {entry.path}")
     outputs = {args.markdown: "markdown table", args.json: "JSON results"}
     check_outputs([(args.markdown, "markdown table"), (args.json, "JSON results")], inputs)  # before the long run
 
