@@ -384,7 +384,7 @@ def test_genai_config_refuses_a_library_copy_that_is_a_folder(src, tmp_path, cap
     (out / "libortsparse_ops.so").unlink()
     (out / "libortsparse_ops.so").mkdir()
     before = tree_hash(tmp_path)
-    refused(capsys, main(["genai-config", str(out)]), "is a directory")
+    refused(capsys, main(["genai-config", str(out)]), "libortsparse_ops.so is not a regular file")
     assert tree_hash(tmp_path) == before
 
 
