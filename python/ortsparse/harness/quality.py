@@ -33,8 +33,8 @@ from ..runtime import load_proto, vocab_size
 from .corpus import default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .output_error import compare_outputs
-from .perplexity import compare_lm
-from .text import text_tokens
+from .perplexity import compare_lm, describe_spread
+from .text import resolve_bos, text_tokens
 
 EXIT_OK, EXIT_OVER_BUDGET, EXIT_USAGE = 0, 1, 2
 KINDS = ("auto", "lm", "embedding", "generic")
@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument("--text", metavar="FILE", help="a UTF-8 text to score instead of --corpus (tokenized with "
                     "--tokenizer, else the tokenizer.json beside MODEL)")
     lm.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
+    lm.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                    help="the token every window starts with: auto (default) = BOS when the model's tokenizer adds "
+                         "one (tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
     lm.add_argument("--windows", type=int, default=8, help="number of windows (default 8)")
     lm.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     lm.add_argument("--offset", type=int, default=0, help="first token of the first window (default 0)")
@@ -103,12 +106,11 @@ def _format(result: Mapping[str, Any]) -> str:
     kind = result["kind"]
     lines = []
     if kind == "lm":
-        lines.append(f"perplexity: {result['windows']} windows x {result['window_len']} tokens from offset "
-                     f"{result['offset']} ({result['tokens']} scored tokens)")
+        lines.append(f"perplexity: {result['window_construction']}")
         lines.append(f"  {'model':10s} {'ppl':>10s} {'nll':>8s}")
         lines.append(f"  {'dense':10s} {result['ppl_dense']:10.4f} {result['nll_dense']:8.4f}")
         lines.append(f"  {'rewritten':10s} {result['ppl_rewritten']:10.4f} {result['nll_rewritten']:8.4f}")
-        lines.append(f"  dppl {result['dppl']:+.4%}   top-1 agreement {result['top1_agreement']:.4f}")
+        lines.append(f"  {describe_spread(result)}   top-1 agreement {result['top1_agreement']:.4f}")
     elif kind == "embedding":
         lines.append(f"embedding cosine over {result['sentences']} sentences: mean {result['cosine_mean']:.6f}  "
                      f"min {result['cosine_min']:.6f} (sentence {result['cosine_min_index']})")
@@ -163,8 +165,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
         tokens = load_corpus_tokens(corpus)
     if kind == "lm":
+        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
         result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
-                            session_options=options, progress=progress)
+                            session_options=options, progress=progress, bos=bos)
         result["corpus"] = str(corpus)
         if args.max_dppl is not None and result["dppl"] > args.max_dppl:
             code = EXIT_OVER_BUDGET
