@@ -43,8 +43,15 @@ def test_single_node_graph_computes_the_head(quantized):
 def test_time_head_measures_both_and_keeps_the_faster(quantized):
     timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.2)
     assert timing.runs >= 5 and timing.matmulnbits_us > 0 and timing.ours_us > 0
-    assert timing.on_ours == (timing.ours_us < timing.matmulnbits_us)
-    assert "median of" in timing.describe()
+    assert 0 <= timing.ours_wins <= timing.runs and timing.ratio > 0
+    assert timing.on_ours == (head_placement.sign_test(timing.ours_wins, timing.runs) < head_placement.SIGNIFICANCE)
+    assert "sign test" in timing.describe()
+
+
+def test_sign_test():
+    assert head_placement.sign_test(0, 10) == 1.0
+    assert head_placement.sign_test(10, 10) == pytest.approx(1 / 1024)
+    assert head_placement.sign_test(15, 21) < 0.05 < head_placement.sign_test(14, 21)
 
 
 def test_a_head_that_cannot_be_measured_stays(quantized):
@@ -55,7 +62,9 @@ def test_a_head_that_cannot_be_measured_stays(quantized):
 @pytest.mark.parametrize("ours_faster", [True, False])
 def test_gating_search_writes_the_head_where_it_measured_faster(quantized, monkeypatch, ours_faster):
     def fake(model, name, **_):
-        return head_placement.HeadTiming(name, 64, 256, 10.0, 9.0 if ours_faster else 11.0, 5, ours_faster, "fake")
+        ratio, wins = (0.9, 18) if ours_faster else (1.1, 2)
+        return head_placement.HeadTiming(name, 64, 256, 10.0, 10.0 * ratio, 20, ours_faster, "fake", ratio, wins,
+                                         head_placement.sign_test(wins, 20))
 
     monkeypatch.setattr(head_placement, "time_head", fake)
     tokens = np.random.default_rng(0).integers(3, 256, 600)

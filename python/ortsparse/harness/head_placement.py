@@ -2,15 +2,21 @@
 (``MatMulNBits``) or on our kernel keeping every row (``KwtaBlockMatMul`` with :data:`DENSE_ON_OURS`).
 
 At one decode token the head is the widest layer. On SmolLM2's 576 x 49152 int8 head our kernel was
-faster; on Gemma-3's 640 x 262144 head it was slower (0.94x decode, issue 29). So each candidate
+faster; on Gemma-3's 640 x 262144 head it was slower (issue 29). So each candidate
 head is timed: a single-node graph holding the head's real weights, as MatMulNBits and as its
 rewrite, fed one decode row ``[1, 1, K]``, both sessions in this process with the same threads,
-alternating, medians of a few seconds of runs. The faster median wins; a tie keeps MatMulNBits (the
-graph as it was). A head our rewrite does not take, or whose inputs are not constant, stays as it is.
+alternating for a second or two (session set-up included, 4-12 s for a 640 x 262144 int8 head on
+this 2-core machine under load, ~4 s for SmolLM2's). Each alternation is a pair of runs back to back
+(the same load on both). Ours is kept only when it is faster in more pairs than chance explains
+(one-sided sign test, p < :data:`SIGNIFICANCE`): under load the two medians of the same 640 x 262144
+head came out 1.08x one way and 0.92x the other in two runs, so a plain "faster median" flipped.
+Otherwise — slower, a tie, or within the noise — MatMulNBits stays (the graph as it was). A head our
+rewrite does not take, or whose inputs are not constant, stays as it is.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +32,7 @@ from ..runtime import open_session, thread_options
 # KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
 DENSE_ON_OURS = {"k_frac": 1.0, "block": 1}
 OURS_OP = "KwtaBlockMatMul"
+SIGNIFICANCE = 0.05  # of the sign test that ours wins more pairs than chance
 
 
 def glob_escape(name: str) -> str:
@@ -35,7 +42,8 @@ def glob_escape(name: str) -> str:
 
 @dataclasses.dataclass
 class HeadTiming:
-    """One head's measurement: microseconds per decode-row call, medians over ``runs`` alternations."""
+    """One head's measurement: microseconds per decode-row call (medians over ``runs`` alternations),
+    the median of the paired ratios ours / MatMulNBits, and the sign test on the pairs that decides."""
 
     name: str
     k: int
@@ -45,6 +53,9 @@ class HeadTiming:
     runs: int
     on_ours: bool
     note: str
+    ratio: float | None = None
+    ours_wins: int | None = None  # pairs in which ours was faster
+    p_value: float | None = None  # one-sided sign test: ours faster in this many pairs by chance
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -54,7 +65,9 @@ class HeadTiming:
             return f"{self.name}: stays MatMulNBits ({self.note})"
         where = "dense on our kernel" if self.on_ours else "stays MatMulNBits"
         return (f"{self.name} ({self.k} x {self.n}): MatMulNBits {self.matmulnbits_us:.0f} us, ours dense "
-                f"{self.ours_us:.0f} us per decode row (median of {self.runs}, alternating, this machine): {where}")
+                f"{self.ours_us:.0f} us per decode row, paired ratio {self.ratio:.3f}, ours faster in "
+                f"{self.ours_wins}/{self.runs} pairs (sign test p {self.p_value:.2g}; alternating, this machine): "
+                f"{where}")
 
 
 def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int, int]:
@@ -85,7 +98,12 @@ def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProt
     return head, k, n
 
 
-def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 3.0,
+def sign_test(wins: int, pairs: int) -> float:
+    """P(at least ``wins`` of ``pairs`` fair coin flips): one-sided sign test."""
+    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2.0 ** pairs
+
+
+def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5,
               max_runs: int = 400) -> HeadTiming:
     """MatMulNBits vs our dense form of the head ``name`` of ``model`` (weights loaded), alternating
     for about ``seconds`` (at least 5 runs each, after one warm-up run each)."""
@@ -112,11 +130,18 @@ def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: f
             session.run(None, feed)
             times[key].append(time.perf_counter() - start)
     nbits_us, ours_us = (1e6 * float(np.median(times[key])) for key in ("matmulnbits", "ours"))
-    return HeadTiming(name, k, n, nbits_us, ours_us, len(times["ours"]), ours_us < nbits_us,
-                      f"ours/MatMulNBits time {ours_us / nbits_us:.2f}")
+    ratio = float(np.median(np.divide(times["ours"], times["matmulnbits"])))
+    pairs = len(times["ours"])
+    wins = int(np.sum(np.less(times["ours"], times["matmulnbits"])))
+    p_value = sign_test(wins, pairs)
+    on_ours = p_value < SIGNIFICANCE
+    verdict = "faster on ours" if on_ours else "not shown faster on ours"
+    return HeadTiming(name, k, n, nbits_us, ours_us, pairs, on_ours,
+                      f"ours/MatMulNBits time {ratio:.3f} (median of paired runs), ours faster in {wins}/{pairs} "
+                      f"pairs: {verdict}", ratio, wins, p_value)
 
 
-def place_heads(model: onnx.ModelProto, candidates: Sequence[str], *, threads: int = 1, seconds: float = 3.0,
+def place_heads(model: onnx.ModelProto, candidates: Sequence[str], *, threads: int = 1, seconds: float = 1.5,
                 log: Callable[[str], None] = print) -> tuple[list[str], list[dict[str, Any]]]:
     """(the ``candidates`` — ungated MatMulNBits heads — that are faster dense on our kernel, one
     measurement record per candidate)."""
