@@ -283,8 +283,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Held-out {describe_spread(held)}: the budget check reads the mean; a difference smaller "
                   "than the spread is within window-to-window noise."]
     placement = report["gating"].get("allocation", {}).get("head_placement") or []
-    lines += [f"LM head: {record['name']}: {record['note']}; " + ("dense on our kernel" if record["on_ours"]
-              else "MatMulNBits kept") + " (measured here, alternating, medians)" for record in placement]
+    lines += [f"LM head {record['name']}: {record['note']} (timed on this machine, sessions alternating): "
+              + ("dense on our kernel" if record["on_ours"] else "MatMulNBits kept") + "." for record in placement]
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
