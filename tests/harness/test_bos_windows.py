@@ -176,3 +176,15 @@ def test_quality_report_says_what_was_used(tmp_path, text, adds_bos, capsys):
     assert len(result["dppl_windows"]) == 3 and result["dppl_stderr"] is not None
     assert result["window_construction"] in printed and "std error over 3 windows" in printed
     assert ("BOS <1> (id 1)" in printed) == adds_bos and ("no BOS" in printed) != adds_bos
+
+
+@pytest.mark.parametrize("command", ["quality", "calibrate", "tune"])
+def test_a_bad_bos_is_a_one_line_error(tmp_path, text, capsys, command):
+    from ortsparse.cli import EXIT_USAGE
+
+    extra = {"quality": [], "calibrate": ["-o", tmp_path / "c.json"], "tune": ["-o", tmp_path / "t"]}[command]
+    argv = [command, GENAI, "--text", text, "--bos", "999", *extra]
+    assert main([str(a) for a in argv]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bos 999 is outside the model's vocabulary of 256" in err[0], err
+    assert not list(tmp_path.glob("c*.json")) and not (tmp_path / "t").exists()
