@@ -31,13 +31,14 @@ from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
-from . import allocation
-from .corpus import SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
+from . import allocation, head_placement
+from .corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out,
+                     text_per_window)
 from .embeddings import compare_embeddings
 from .models import model_path
-from .perplexity import compare_lm, perplexity
+from .perplexity import compare_lm, describe_spread, perplexity
 from .speed import decode_speed
-from .text import text_tokens, tokenizer_read
+from .text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -177,8 +178,8 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 
 def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
                   target: str = "both", greedy: bool = False, greedy_rounds: int = 8, reference: Any = None,
-                  method: str = "uniform", score: str = "l2",
-                  log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                  method: str = "uniform", score: str = "l2", bos: BosChoice | int | None = None,
+                  threads: int = 1, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
     the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
     override entries and the search: ``history`` (each tried point: sparsity, loss = dppl,
@@ -188,30 +189,37 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
     the total loss of quantization and gating); default ``model`` itself. ``method``: ``uniform`` (one
     sparsity for every layer, then optional ``greedy`` per-role steps) or ``allocated`` (per-layer
     sparsities from measured sensitivities, :mod:`ortsparse.harness.allocation`; ``score`` l2 or
-    l2_weighted)."""
+    l2_weighted). ``bos``: the token every window starts with (see perplexity.perplexity). An ungated
+    quantized LM head is put dense on our kernel only when a measurement with ``threads`` threads finds
+    it faster there (head_placement; the record is under ``allocation.head_placement``)."""
+    bos = as_bos(bos)
     if method == "allocated":
         result = allocation.allocate_lm(model, calib_tokens, budget, margin=1.0, target=target, score=score,
-                                        windows=windows, window_len=window_len, reference=reference, log=log)
+                                        windows=windows, window_len=window_len, reference=reference, bos=bos.id,
+                                        log=log)
+        result.dense_on_ours, placement = head_placement.place_heads(model, result.dense_on_ours, threads=threads,
+                                                                     log=log)
         history = [{"stage": "allocated", "mu": h["mu"], "loss": h["loss"], "skipped_fraction": h["skipped"]}
                    for h in result.history]
         return result.entries(), {
             "method": "allocated", "score": score, "history": history, "sparsity": result.sparsity(),
             "budget": budget, "skipped_fraction": result.skipped_fraction(),
             "calibration_dppl": result.calibration_loss, "layers": len(result.layers), "target": target,
-            "allocation": result.report(),
+            "allocation": {**result.report(), "head_placement": placement}, "bos": bos.to_dict(),
         }
     if method != "uniform":
         raise ValueError(f"unknown calibration method {method!r} (uniform, allocated)")
-    calib = lm_windows(calib_tokens, windows, window_len)
+    calib = lm_windows(calib_tokens, windows, window_len, bos=bos.id)
     layers = target_layers(model, target)
-    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}")
+    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}; "
+        f"{bos.describe()}")
     capture_quantiles(model, layers, calib, log=log)
-    dense = perplexity(model if reference is None else reference, calib_tokens, windows, window_len)["ppl"]
+    dense = perplexity(model if reference is None else reference, calib_tokens, windows, window_len, bos=bos)["ppl"]
     total = sum(layer.weight_bytes for layer in layers) or 1
 
     def evaluate(sparsity: dict[str, float]) -> float:
         rewritten = rewritten_with(model, overrides_for(layers, sparsity))
-        return perplexity(rewritten, calib_tokens, windows, window_len)["ppl"] / dense - 1.0
+        return perplexity(rewritten, calib_tokens, windows, window_len, bos=bos)["ppl"] / dense - 1.0
 
     best, history = search(layers, evaluate, budget, greedy, log=log, max_rounds=greedy_rounds)
     for step in history:
@@ -222,7 +230,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
         "method": "uniform", "history": history, "sparsity": best, "budget": budget,
         "skipped_fraction": skipped_bytes(layers, best) / total,
         "calibration_dppl": max(accepted) if accepted else 0.0,
-        "layers": len(layers), "target": target,
+        "layers": len(layers), "target": target, "bos": bos.to_dict(),
     }
 
 
@@ -246,6 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
                         "else the tokenizer.json beside MODEL); split as --tokens is")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
+    parser.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                        help="the token every window starts with: auto (default) = BOS when the model's tokenizer "
+                             "adds one (tokenizer_config.json add_bos_token, else tokenizer.json's template), "
+                             "none, or a token id")
     parser.add_argument("--margin", type=flag_types.fraction, default=0.75,
                         help="calibration windows must stay within margin x budget, so the held-out result "
                              "has room to differ (default 0.75)")
@@ -291,7 +303,8 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
     tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
-    eval_tokens, calib_tokens = split_held_out(tokens, args.window_len, args.split)
+    bos = resolve_bos(args.bos, args.model or model_file, args.tokenizer, vocab_size(model, default=None))
+    eval_tokens, calib_tokens = split_held_out(tokens, text_per_window(args.window_len, bos.id), args.split)
     source = args.text or args.tokens or "the default corpus"
     for part, flag, count in ((eval_tokens, "--eval-windows", args.eval_windows),
                               (calib_tokens, "--calib-windows", args.calib_windows)):
@@ -302,14 +315,15 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
                                    greedy_rounds=args.greedy_rounds, reference=reference, method=args.method,
-                                   score=args.score, log=log)
+                                   score=args.score, bos=bos, log=log)
     best, history = found["sparsity"], found["history"]
     write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
-                          window_len=args.window_len)
+                          window_len=args.window_len, bos=bos)
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
-        "model": model_file, "reference": reference, "split": args.split, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
+        "model": model_file, "reference": reference, "split": args.split, "bos": bos.to_dict(),
+        "windows": held_out["window_construction"], "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "method": args.method, "sparsity": best, "history": history,
         "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
         **({"allocation": found["allocation"]} if "allocation" in found else {}),
@@ -322,7 +336,8 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
         report["bench"] = _bench_with(model_file, entries, log)
     report_path = _report_path(args)
     write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
-    log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
+    log(f"calibrate: held-out windows: {held_out['window_construction']}")
+    log(f"calibrate: wrote {args.output}; held-out {describe_spread(held_out)}, top-1 agreement "
         f"{held_out.get('top1_agreement', float('nan')):.3f}, skipped {report['skipped_weight_fraction_of_targeted']:.1%} "
         f"of targeted weight bytes; report {report_path}")
     return 0 if held_out["dppl"] <= args.max_dppl else 1

@@ -34,8 +34,8 @@ from ..runtime import context_length, load_proto, vocab_size
 from .corpus import check_windows, default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .output_error import compare_outputs
-from .perplexity import compare_lm
-from .text import text_tokens
+from .perplexity import compare_lm, describe_spread
+from .text import resolve_bos, text_tokens
 
 EXIT_OK, EXIT_OVER_BUDGET, EXIT_USAGE = 0, 1, 2
 KINDS = ("auto", "lm", "embedding", "generic")
@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument("--text", metavar="FILE", help="a UTF-8 text to score instead of --corpus (tokenized with "
                     "--tokenizer, else the tokenizer.json beside MODEL)")
     lm.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
+    lm.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                    help="the token every window starts with: auto (default) = BOS when the model's tokenizer adds "
+                         "one (tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
     lm.add_argument("--windows", type=flag_types.positive_int, default=8, help="number of windows (default 8)")
     lm.add_argument("--window-len", type=flag_types.window_len, default=512, help="tokens per window (default 512)")
     lm.add_argument("--offset", type=flag_types.non_negative_int, default=0,
@@ -108,12 +111,11 @@ def _format(result: Mapping[str, Any]) -> str:
     kind = result["kind"]
     lines = []
     if kind == "lm":
-        lines.append(f"perplexity: {result['windows']} windows x {result['window_len']} tokens from offset "
-                     f"{result['offset']} ({result['tokens']} scored tokens)")
+        lines.append(f"perplexity: {result['window_construction']}")
         lines.append(f"  {'model':10s} {'ppl':>10s} {'nll':>8s}")
         lines.append(f"  {'dense':10s} {result['ppl_dense']:10.4f} {result['nll_dense']:8.4f}")
         lines.append(f"  {'rewritten':10s} {result['ppl_rewritten']:10.4f} {result['nll_rewritten']:8.4f}")
-        lines.append(f"  dppl {result['dppl']:+.4%}   top-1 agreement {result['top1_agreement']:.4f}")
+        lines.append(f"  {describe_spread(result)}   top-1 agreement {result['top1_agreement']:.4f}")
     elif kind == "embedding":
         lines.append(f"embedding cosine over {result['sentences']} sentences: mean {result['cosine_mean']:.6f}  "
                      f"min {result['cosine_min']:.6f} (sentence {result['cosine_min_index']})")
@@ -167,6 +169,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if kind == "lm":
         check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
                       max_positions=context_length(args.model))
+        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
     report = None
     if args.rewritten:
         rewritten: Any = args.rewritten
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         onnxruntime.set_default_logger_severity(4)  # a failing run is reported below, in one line
         try:
             result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
-                                session_options=options, progress=progress)
+                                session_options=options, progress=progress, bos=bos)
         except Exception as error:
             if not type(error).__module__.startswith("onnxruntime"):
                 raise

@@ -43,10 +43,10 @@ from ..graph_rewrite.output_paths import Inputs, OutputFiles
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..runtime import genai_decoder, genai_folder, vocab_size
 from .calibrate import gating_search
-from .corpus import split_held_out
-from .perplexity import compare_lm
+from .corpus import split_held_out, text_per_window
+from .perplexity import compare_lm, describe_spread
 from .speed import decode_speed
-from .text import find_tokenizer, text_tokens
+from .text import BosChoice, as_bos, find_tokenizer, resolve_bos, text_tokens
 
 LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
 MIN_WINDOW = 128
@@ -62,10 +62,12 @@ class TextSplit:
     window_len: int
 
 
-def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, context: int | None = None) -> TextSplit:
+def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, context: int | None = None,
+               bos: int | None = None) -> TextSplit:
     """The text cut into windows, alternately held out and calibrating (both see the same mix of the
     text: corpus.split_held_out), ``windows`` of each; windows shrink (to 128 tokens) and then
-    become fewer (down to 1) when the text is short; too short even for that is a ModelFileError."""
+    become fewer (down to 1) when the text is short; too short even for that is a ModelFileError.
+    With a ``bos`` each window holds one text token fewer (corpus.lm_windows)."""
     half = tokens.size // 2
     while window_len > MIN_WINDOW and windows * window_len > half:
         window_len //= 2
@@ -75,10 +77,11 @@ def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, cont
                              f"(a {MIN_WINDOW}-token calibration window and a held-out one)")
     # Alternate pieces of one window, or of the long context when one is checked (whole multiples of
     # the window, so the long check reads contiguous text and every window lies inside one piece).
-    piece = window_len * max(1, -(-(context or 0) // window_len))
+    text = text_per_window(window_len, bos)
+    piece = text * max(1, -(-text_per_window(context or 0, bos) // text))
     held_out, calibration = split_held_out(tokens, piece, "interleaved")
-    if min(held_out.size, calibration.size) < windows * window_len:  # too short for long pieces: the long
-        held_out, calibration = split_held_out(tokens, window_len, "interleaved")  # check then says so
+    if min(held_out.size, calibration.size) < windows * text:  # too short for long pieces: the long
+        held_out, calibration = split_held_out(tokens, text, "interleaved")  # check then says so
     return TextSplit(calibration, held_out, windows, window_len)
 
 
@@ -98,13 +101,14 @@ def _gating_config(entries: list[dict[str, Any]], attention=None, max_gated_rows
 def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02, margin: float = 0.75,
          context: int | None = None, threads: int = 1, speed_steps: int = 32, report_stem: str | Path | None = None,
          protected: dict | None = None, reference: str | Path | None = None, method: str = "allocated", log=print,
-         progress: bool = False, windows: int = 8) -> dict[str, Any]:
+         progress: bool = False, windows: int = 8, bos: BosChoice | int | None = None) -> dict[str, Any]:
     """Tune ``model`` on ``tokens`` within ``max_dppl`` (held-out); write ``output`` and the report.
     Returns the report; ``report["written"]`` is False when the budget was missed (nothing written).
     ``progress``: a bar over the steps (and the held-out windows) on stderr. ``reference``: measure
     dppl against this model (the fp32 model of a quantized ``model``: the budget is then the total
     loss), default ``model``. ``windows``: calibration windows and as many held-out ones (8: with 4,
-    SmolLM2's calibration dppl varied by +/-1% between neighbouring settings, too noisy to search on)."""
+    SmolLM2's calibration dppl varied by +/-1% between neighbouring settings, too noisy to search on).
+    ``bos``: the token every window starts with (run() asks the model's tokenizer: text.resolve_bos)."""
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -122,17 +126,18 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     graph = onnx.load(str(decoder))
     baseline = graph if reference is None else str(model_input(reference))
     max_positions = genai_decoder(folder).context_length if folder is not None else None
+    bos = as_bos(bos)
     split = split_text(tokens, windows, window_len=min(512, max_positions or 512),
-                       context=context if context is not None and context >= LONG_CONTEXT else None)
+                       context=context if context is not None and context >= LONG_CONTEXT else None, bos=bos.id)
     if context is not None and max_positions is not None and context > max_positions:
         raise ModelFileError(f"--context {context} is longer than the model's {max_positions} positions")
     log(f"tune: {tokens.size} tokens -> {split.windows} calibration and {split.windows} held-out windows of "
-        f"{split.window_len}")
+        f"{split.window_len}; {bos.describe()}")
 
     # 1. Gating thresholds, searched on the calibration windows.
     entries, search = gating_search(graph, split.calibration, max_dppl * margin, windows=split.windows,
                                     window_len=split.window_len, reference=None if reference is None else baseline,
-                                    method=method, log=log)
+                                    method=method, bos=bos, threads=threads, log=log)
 
     step("calibrated")
     # 2. Attention selection, when the context is long and the text can check it.
@@ -153,15 +158,17 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
 
     tuned_graph, rewrite_report = rewrite_model(graph, config)
     held_out = compare_lm(baseline, tuned_graph, split.held_out, windows=split.windows, window_len=split.window_len,
-                          progress=progress)
+                          progress=progress, bos=bos)
     long_check = None
     if attention is not None:
-        long_check = compare_lm(baseline, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress)
+        long_check = compare_lm(baseline, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress,
+                                bos=bos)
     worst = max(held_out["dppl"], long_check["dppl"] if long_check else -1.0)
     report: dict[str, Any] = {
         "command": "ortsparse tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None,
         "model": str(source), "reference": None if reference is None else str(reference), "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context,
-        "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len,
+        "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len, "bos": bos.to_dict(),
+        "window_construction": held_out["window_construction"],
         "gating": search, "attention": attention.attributes() if attention else None,
         "attention_note": attention_note, "rewrite": rewrite_report.to_dict()["counts"],
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
@@ -250,8 +257,9 @@ def summary(report: dict[str, Any]) -> str:
              f"  layers gated: {gated}; gated weight bytes skipped (calibration): "
              f"{100 * report['gating']['skipped_fraction']:.1f}%"
              + (f"; dense on our kernel: {', '.join(dense)}" if dense else ""),
-             f"  held-out: dppl {100 * held['dppl']:+.2f}% (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
+             f"  held-out: {describe_spread(held)} (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
              f"{held['top1_agreement']:.3f} on {report['windows']} x {report['window_len']} tokens",
+             f"  windows: {report.get('window_construction', '')}",
              f"  attention: {report['attention_note']}"]
     if report.get("max_gated_rows"):
         lines.append(f"  calls of more than {report['max_gated_rows']} rows (prompts) run dense in the written model")
@@ -274,6 +282,7 @@ def markdown(report: dict[str, Any]) -> str:
     against = f" vs {Path(report['reference']).name}" if report.get("reference") else ""
     lines += [f"Text: {report['tokens']} tokens; {report['windows']} calibration + {report['windows']} held-out "
               f"windows of {report['window_len']}; budget {100 * report['max_dppl']:.1f}% dppl{against} (held-out)", "",
+              f"Held-out windows: {report.get('window_construction', '')}.", "",
               "| | dppl (held-out) | top-1 agreement | gated bytes skipped | decode tok/s |", "|---|---|---|---|---|"]
     speed = report.get("speed") or {}
     base = speed.get("input", {}).get("tokens_per_s")
@@ -287,6 +296,11 @@ def markdown(report: dict[str, Any]) -> str:
     if base and tuned:
         lines += ["", f"Decode: real loop at context {report['speed_context']}, {report.get('speed_runner', 'ORT')}, "
                       f"models alternating."]
+    lines += ["", f"Held-out {describe_spread(held)}: the budget check reads the mean; a difference smaller "
+                  "than the spread is within window-to-window noise."]
+    placement = report["gating"].get("allocation", {}).get("head_placement") or []
+    lines += [f"LM head {record['name']}: {record['note']} (timed on this machine, sessions alternating): "
+              + ("dense on our kernel" if record["on_ours"] else "MatMulNBits kept") + "." for record in placement]
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
@@ -329,6 +343,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="an ONNX decoder (.onnx) or an onnxruntime-genai folder")
     parser.add_argument("--text", metavar="FILE", required=True, help="a UTF-8 text like the model's real inputs")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder); default: beside MODEL")
+    parser.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                        help="the token every window starts with: auto (default) = BOS when the tokenizer adds one "
+                             "(tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
     parser.add_argument("-o", "--output", metavar="OUT", required=True,
                         help="the tuned model (.onnx), or a new folder for a genai MODEL")
     parser.add_argument("--max-dppl", type=flag_types.finite_float(0.0, 10.0, min_open=True, max_open=True),
@@ -362,8 +379,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     protected = {Path(args.text): "the text", tokenizer: "the tokenizer"}
     tune_outputs(args.model, args.output, args.report, protected, args.reference)  # before reading the text
     tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
+    bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
-                  reference=args.reference, method=args.method, windows=args.windows,
+                  reference=args.reference, method=args.method, windows=args.windows, bos=bos,
                   protected=protected)
     return 0 if report["written"] else 1
