@@ -167,9 +167,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
         tokens = load_corpus_tokens(corpus)
     if kind == "lm":
+        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
         check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
                       max_positions=context_length(args.model))
-        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
     report = None
     if args.rewritten:
         rewritten: Any = args.rewritten
