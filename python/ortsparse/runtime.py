@@ -383,7 +383,8 @@ class KVLayout:
     def empty(self, batch: int = 1) -> list[np.ndarray]:
         """The K/V of a new sequence: no rows for growing buffers, zeroed window-sized ones (their
         GroupQueryAttention refuses a buffer smaller than its window)."""
-        return [np.zeros((batch, self.kv_heads, self.rows(i), self.head_dim), self.dtype) for i in range(len(self.past))]
+        return [np.zeros((batch, self.kv_heads, self.rows(i), self.head_dim), self.dtype)
+                for i in range(len(self.past))]
 
     def bytes_per_position(self) -> int:
         """Bytes the cache adds per token position (every growing layer's K and V; window-sized

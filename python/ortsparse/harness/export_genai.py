@@ -289,11 +289,12 @@ def build_tiny_gemma3(out: Path, *, window: int = 8, seed: int = 0, log: Log = p
 
         def writer(folder: Path) -> None:
             built = Path(tmp) / "genai"
-            done = subprocess.run([sys.executable, "-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache")],
-                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            command = [sys.executable, "-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache")]
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if done.returncode != 0:
                 lines = (done.stderr or done.stdout).strip().splitlines()
-                raise ModelBuildError(f"onnxruntime-genai builder (tiny Gemma-3) failed: {lines[-1] if lines else done.returncode}")
+                last = lines[-1] if lines else done.returncode
+                raise ModelBuildError(f"onnxruntime-genai builder (tiny Gemma-3) failed: {last}")
             for name in GENAI_FILES:
                 shutil.copy2(built / name, folder / name)
 
