@@ -146,3 +146,24 @@ def test_bad_window_buffers_are_refused_with_the_values(capacity, past, message,
     with pytest.raises(Exception) as info:
         stepper.step(q, k, v, [1], 2)
     assert "PopcountGroupQueryAttention node 'gqa'" in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_key_summaries_reused_across_compactions_select_as_fresh_ones(shared, rng):
+    """The key cache reuses the summaries of rows unchanged since the last call; rows moved by a
+    compaction (or a staged chunk) are summarised anew: with selection on, reuse (pack_cache=1, by
+    provenance) gives bit-identical outputs to summarising every row every call (pack_cache=0)."""
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, local_window=40, rotary=True)
+    selecting = {"select": "pages", "topk": 8, "min_keys": 16, "keep_first": 0, "keep_recent": 4, "page_size": 4,
+                 "candidates": 1.0, "verify_keys": 0}
+    cos, sin = G.rotary_tables(rng, 512, cfg.half)
+    steppers = [G.Stepper(G.session(cfg, ours=True, sliding_window_cache=1, pack_cache=cache, **selecting), cfg,
+                          batch=1, buffer=48, shared=True, cos=cos, sin=sin) for cache in (1, 0)]
+    for stepper in steppers:
+        stepper.shared = shared
+    total = 0
+    for s in [30] + [1] * 60 + [12, 1, 1, 50] + [1] * 30:
+        q, k, v = new_rows(rng, cfg, 1, s)
+        total += s
+        reused, fresh = (stepper.step(q, k, v, [total - 1], total) for stepper in steppers)
+        assert np.array_equal(reused, fresh), total
