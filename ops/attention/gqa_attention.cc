@@ -38,6 +38,8 @@ GroupQueryAttention::GroupQueryAttention(const GqaConfig& config, const kernels:
     fail("attribute local_window_size=", config.local_window_size, " must be -1 (none) or >= 0");
   if (!config.causal && config.local_window_size >= 0)
     fail("attribute local_window_size=", config.local_window_size, " needs causal=1");
+  if (config.sliding_window_cache && config.local_window_size <= 0)
+    fail("attribute sliding_window_cache=1 needs local_window_size > 0, got ", config.local_window_size);
 }
 
 GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
@@ -128,7 +130,8 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   p.rotary_position.resize(p.b * p.s);
   for (size_t b = 0; b < p.b; ++b) {
     const int64_t sk = in.seqlens_k.data[b];
-    if (sk < 0 || sk >= static_cast<int64_t>(p.present_rows))
+    // A window-sized buffer holds the last rows of a longer sequence (plan_window checks it).
+    if (sk < 0 || (!config_.sliding_window_cache && sk >= static_cast<int64_t>(p.present_rows)))
       fail("seqlens_k[", b, "]=", sk, " is outside the KV buffer: it must be in [0, ", p.present_rows,
            ") (present rows = max(total_sequence_length=", total, ", past buffer=", p.past_rows, "))");
     if (sk + 1 > total)
@@ -138,7 +141,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     if (!p.first_prompt) {
       if (keys < p.s) fail("seqlens_k[", b, "]=", sk, " is too small for ", p.s, " new rows (seqlens_k + 1 >= S)");
       past = keys - p.s;
-      if (past > p.past_rows)
+      if (past > p.past_rows && !config_.sliding_window_cache)
         fail("seqlens_k[", b, "]=", sk, " needs ", past, " past rows but past_key holds ", p.past_rows,
              p.past_rows ? "" : " (no past_key/past_value given)");
     }
@@ -166,6 +169,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   }
   if (in.head_sink.present() && (in.head_sink.shape.size() != 1 || in.head_sink.shape[0] != static_cast<int64_t>(h)))
     fail("input head_sink ", shape_string(in.head_sink.shape), " must be [num_heads] = [", h, "]");
+  if (config_.sliding_window_cache) plan_window(in, p);
   p.output_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(p.s), static_cast<int64_t>(h * p.d)};
   p.present_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(hkv), static_cast<int64_t>(p.present_rows),
                      static_cast<int64_t>(p.d)};
@@ -174,6 +178,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
 
 AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, const GqaOutputs& out,
                                         const TaskRunner& runner) const {
+  if (p.windowed) return run_windowed(in, p, out, runner);
   const size_t B = p.b, S = p.s, H = p.h, Hkv = p.hkv, D = p.d, R = p.present_rows, P = p.past_rows;
   if (B * S * H * D == 0 && B * Hkv * R * D == 0) return AttentionStats{};
   const bool shared_k = in.past_key.present() && out.present_key == in.past_key.data;
@@ -273,7 +278,7 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
   provenance.previous_rows = shared_k ? R : P;
   provenance.current = out.present_key;
   provenance.current_rows = R;
-  provenance.unchanged = p.past;
+  provenance.unchanged = p.unchanged.empty() ? p.past : p.unchanged;
   if (config_.scale > 0.0f || D == 0) return attention_.run(call, runner, &provenance);
   // scale 0: onnxruntime's 1/sqrt(D) in float; the engine takes it per call.
   return attention_.run(call, runner, &provenance, 1.0f / std::sqrt(static_cast<float>(D)));

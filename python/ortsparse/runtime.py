@@ -15,8 +15,9 @@ One place for what every measurement, benchmark and offline builder needs:
   :func:`kv_step_feeds` (one real decode step: new ids, their positions and the past K/V);
 - KV-cache decoders: :func:`kv_layout` (past/present names, heads, head size — a symbolic head
   size, as onnxruntime-genai's graphs declare it, is read from the folder's ``genai_config.json``
-  or from the graph), :func:`genai_decoder` (what a genai model folder's config says about its
-  decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
+  or from the graph; window-sized buffers of sliding-window layers, GroupQueryAttention's
+  ``sliding_window_cache=1``, from the graph), :func:`genai_decoder` (what a genai model folder's
+  config says about its decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
   present K/V kept as ONNX Runtime values (IOBinding: the cache is never copied through numpy).
 """
 from __future__ import annotations
@@ -234,6 +235,7 @@ def decode_feeds(source: Any, *, new_tokens: int, past: int, vocab: int = 1000, 
     feeds: dict[str, np.ndarray] = {}
     has_past = any("past" in i.name for i in proto.graph.input)
     total = past + new_tokens if has_past else new_tokens
+    windows = window_capacities(proto)
     for graph_input in proto.graph.input:
         if graph_input.name in initializers:
             continue
@@ -248,7 +250,8 @@ def decode_feeds(source: Any, *, new_tokens: int, past: int, vocab: int = 1000, 
             feeds[name] = np.zeros((1, new_tokens), dtype=np.int64)
         elif "past" in name:
             dims = _shape_of(graph_input)
-            shape = [1, int(dims[1]), past, int(dims[3])]
+            rows = windows[name] if name in windows else past  # a window-sized buffer: its capacity
+            shape = [1, int(dims[1]), rows, int(dims[3])]
             feeds[name] = rng.standard_normal(shape).astype(np.float32)
         else:
             raise ValueError(f"speed: do not know how to feed input {name!r} of shape {_shape_of(graph_input)}")
@@ -424,13 +427,24 @@ class KVLayout:
     logits: str
     has_position_ids: bool
     max_positions: int | None = None  # the model's longest sequence when it has one (genai config)
+    # Per past input: 0 (the buffer grows with the sequence) or the rows of a window-sized buffer
+    # (a sliding-window layer's GroupQueryAttention with sliding_window_cache=1); empty: all grow.
+    capacity: tuple[int, ...] = ()
+
+    def rows(self, index: int) -> int:
+        return self.capacity[index] if self.capacity else 0
 
     def empty(self, batch: int = 1) -> list[np.ndarray]:
-        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype) for _ in self.past]
+        """The K/V of a new sequence: no rows for growing buffers, zeroed window-sized ones (their
+        GroupQueryAttention refuses a buffer smaller than its window)."""
+        return [np.zeros((batch, self.kv_heads, self.rows(i), self.head_dim), self.dtype)
+                for i in range(len(self.past))]
 
     def bytes_per_position(self) -> int:
-        """Bytes the cache holds per token position (every layer's K and V)."""
-        return len(self.past) * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+        """Bytes the cache adds per token position (every growing layer's K and V; window-sized
+        buffers do not grow)."""
+        growing = sum(1 for i in range(len(self.past)) if not self.rows(i))
+        return growing * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
 
 _NUMPY_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -456,6 +470,35 @@ def _graph_head_size(model: Any, past_name: str) -> int | None:
             if k and k % heads == 0:
                 return k // heads
     return None
+
+
+# onnxruntime-genai's CPU default of sliding_window.cache_slack: a window-sized buffer holds the window
+# plus these rows, so its GroupQueryAttention compacts once every slack + 1 decode steps.
+GENAI_CPU_WINDOW_SLACK = 16
+
+
+def window_capacities(model: Any, slack: int = GENAI_CPU_WINDOW_SLACK) -> dict[str, int]:
+    """Past K/V inputs of window-sized buffers -> the rows to give them: for each
+    ``com.microsoft.GroupQueryAttention`` with ``sliding_window_cache=1``, its ``local_window_size``
+    plus ``slack``, as onnxruntime-genai's Generator sizes them on CPU (any size >= the window gives
+    the same attention)."""
+    capacities = {}
+    for node in load_proto(model).graph.node:
+        attributes = {a.name: a for a in node.attribute}
+        if node.op_type not in ("GroupQueryAttention", "PopcountGroupQueryAttention") or \
+                "sliding_window_cache" not in attributes or attributes["sliding_window_cache"].i != 1:
+            continue
+        window = attributes["local_window_size"].i if "local_window_size" in attributes else -1
+        for name in node.input[3:5]:
+            if name and window > 0:
+                capacities[name] = window + max(0, slack)
+    return capacities
+
+
+def _genai_window_slack(genai: GenaiDecoder | None) -> int:
+    window = genai.config["model"]["decoder"].get("sliding_window") if genai is not None else None
+    slack = window.get("cache_slack", 0) if isinstance(window, dict) else 0
+    return int(slack) if isinstance(slack, int) and slack > 0 else GENAI_CPU_WINDOW_SLACK
 
 
 def kv_layout(session: Any, model: Any = None) -> KVLayout | None:
@@ -490,9 +533,20 @@ def kv_layout(session: Any, model: Any = None) -> KVLayout | None:
                          "(give the model's path inside its genai folder, or a graph with numeric K/V dims)")
     inputs = {i.name for i in session.get_inputs()}
     logits = "logits" if "logits" in outputs else outputs[0]
+    capacities: dict[str, int] = {}
+    # Window-sized buffers: onnxruntime-genai's builder names their length *_sliding_*; the graph
+    # says which inputs and how large.
+    if (genai is not None and genai.config["model"]["decoder"].get("sliding_window")) or \
+            any("sliding" in str(dim) for i in past for dim in i.shape):
+        if model is None:
+            raise ValueError(f"KV input {spec.name!r}: window-sized KV buffers need the model (path or proto) to "
+                             "tell their size")
+        source = genai.model_file if genai is not None and Path(os.fspath(model)).is_dir() else model
+        capacities = window_capacities(source, _genai_window_slack(genai))
     return KVLayout(tuple(i.name for i in past), tuple(present), int(heads), int(head_dim),
                     _NUMPY_FLOATS.get(spec.type, np.float32), logits, "position_ids" in inputs,
-                    genai.context_length if genai is not None else None)
+                    genai.context_length if genai is not None else None,
+                    tuple(capacities.get(i.name, 0) for i in past) if capacities else ())
 
 
 class KVDecoder:
