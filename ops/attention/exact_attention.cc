@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace ortsparse::attention {
 
@@ -24,8 +25,10 @@ void add_mask(const MaskRow& m, size_t lo, float* s, size_t n) {
       for (size_t j = 0; j < n; ++j) s[j] += add[j * m.stride];
     }
   } else if (m.keep) {
+    // A masked-out key's NaN score stays NaN, as with the additive -inf mask (NaN + -inf) and in
+    // onnxruntime's Attention, which adds -inf for false.
     const uint8_t* keep = m.keep + lo * m.stride;
-    for (size_t j = 0; j < n; ++j) s[j] = keep[j * m.stride] ? s[j] : kNegInf;
+    for (size_t j = 0; j < n; ++j) s[j] = keep[j * m.stride] || std::isnan(s[j]) ? s[j] : kNegInf;
   }
 }
 
@@ -49,7 +52,10 @@ void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead,
   float mx = kNegInf;
   for (size_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   if (n == 0 || mx == kNegInf) {
-    std::fill(y, y + dv, 0.0f);
+    // std::max skips NaN: scores that are all NaN or -inf with a NaN (a NaN q, an all-NaN bias row)
+    // give NaN, as onnxruntime's softmax does; only a row with no key or every key -inf gives 0.
+    const bool nan = std::any_of(s, s + n, [](float v) { return std::isnan(v); });
+    std::fill(y, y + dv, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
     return;
   }
   mx = std::max(mx, sink);
