@@ -48,6 +48,7 @@ from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decod
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
+from .load_check import check_nodes_load
 from .report import RewriteReport
 from .rewrite import rewrite_model
 from .rules import DOMAIN
@@ -224,6 +225,8 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
     model = load_model(info.model_file)
     input_data = _external_files(model, info.model_file.resolve().parent)
     _, report = rewrite_model(model, config, fuse=fuse)
+    if check:
+        check_nodes_load(model)  # a node the op library refuses: exit 2 before anything is staged
     with _staging_folder(output.resolve().parent) as staging:
         _copy_folder(folder, staging, skip={info.model_file.resolve(), *input_data, (folder / RECORD_FILE).resolve()})
         model_file = staging / info.model_file.relative_to(folder)
