@@ -537,7 +537,11 @@ void merge_parts(size_t parts, const float* maxes, const double* sums, size_t st
   for (size_t t = 0; t < parts; ++t)
     if (used(t)) top = std::max(top, maxes[t * stat_stride]);
   if (top == kNegInf) {
-    std::fill(y, y + dv, 0.0f);
+    // Every score -inf (or no key): the keys' weights are 0, y = 0·V (the parts' outputs, computed
+    // with zero weights; 0 for an empty part), so a NaN/Inf V entry gives NaN as in onnxruntime.
+    std::fill(y, y + dv, !(sink < kPosInf) ? std::numeric_limits<float>::quiet_NaN() : 0.0f);  // NaN / +inf sink
+    for (size_t t = 0; t < parts; ++t)
+      for (size_t j = 0; j < dv; ++j) y[j] += outs[t * out_stride + j];
     return;
   }
   const double base = std::max(top, sink);
@@ -561,7 +565,7 @@ void merge_parts(size_t parts, const float* maxes, const double* sums, size_t st
 // a query does not attend (causal future, outside the local window) being 0: a NaN or Inf in such a
 // row makes that output column NaN (0·Inf) for every query of the KV head. Exact attention reads only
 // [lo, hi); this pass, for calls computed exactly, adds the rest so NaN propagates as there. Rows
-// with no attendable key (Y = 0 by contract) are left alone.
+// with no key in their range (Y = 0 by contract) are left alone.
 void poison_unread_value_columns(const CallPlan& p, const TaskRunner& runner) {
   const AttentionCall& c = *p.call;
   const AttentionDims& dd = c.dims;
@@ -596,10 +600,6 @@ void poison_unread_value_columns(const CallPlan& p, const TaskRunner& runner) {
         if (r.lo == r.hi) continue;
         for (size_t g = 0; g < G; ++g) {
           const size_t h = hv * G + g;
-          const MaskRow m = mask_row(c.mask, b, h, i);
-          bool open = !m.any();
-          for (size_t j = r.lo; j < r.hi && !open; ++j) open = m.value(j) != kNegInf;
-          if (!open) continue;  // every key masked out: Y = 0
           float* y = c.y + c.y_rows.at(b, h, i);
           for (size_t d = 0; d < dd.dv; ++d)
             if (first[d] < r.lo || (first[d] < keys && last[d] >= r.hi)) y[d] = std::numeric_limits<float>::quiet_NaN();

@@ -16,6 +16,7 @@ never read (test_nonfinite.py). Compared: NaN positions, +-Inf positions, finite
 1e-5 of the output scale. Every ISA (a child process per ORTSPARSE_ISA)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -278,3 +279,41 @@ def test_every_isa_propagates_nan_the_same_way(isa):
                            "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_gqa_without_sink_gives_nan_where_onnxruntime_plain_softmax_gives_zero():
+    """Without head_sink and smooth_softmax, onnxruntime 1.32's softmax (MLAS) returns 0 for some rows
+    holding a NaN score — which ones depends on where the NaN falls (here: a row whose only key, or
+    last key, scores NaN). The op gives NaN there, as onnxruntime's sink path does on the same
+    softmax (head_sink = -inf adds exp(-inf) = 0): a 0 would be the silent wrong answer of issue 23."""
+    cfg = G.Gqa(num_heads=2, kv_num_heads=2, head_size=8, past=False)
+    sink_cfg = dataclasses.replace(cfg, extra=("head_sink",))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 6, 16), dtype=np.float32) for _ in range(3))
+    q[0, 0, 4] = np.nan  # row 0, head 0: its only key scores NaN
+    k[0, 1, 4] = np.nan  # key 1, head 0: the last key of row 1, inside rows 2..5
+    feeds = {"query": q, "key": k, "value": v, "seqlens_k": np.array([5], np.int32),
+             "total_sequence_length": np.array([6], np.int32)}
+    plain = G.session(cfg, ours=False).run(None, feeds)[0].reshape(6, 2, 8)
+    sink = G.session(sink_cfg, ours=False).run(None, {**feeds, "head_sink": np.full(2, -np.inf, np.float32)})[0]
+    ours = G.session(cfg, ours=True, select="none").run(None, feeds)[0]
+    assert (plain[:2, 0] == 0).all() and np.isnan(plain[2:, 0]).all()  # the MLAS behaviour deviated from
+    assert np.isnan(ours.reshape(6, 2, 8)[:, 0]).all()
+    assert_same_nonfinite(ours, sink, "no sink vs onnxruntime's sink path")
+
+
+@pytest.mark.parametrize("phase", ["prompt", "decode"])
+@pytest.mark.parametrize("sink", [0.5, np.inf, np.nan])
+def test_gqa_all_masked_row_with_a_sink_is_zero_weights_times_v(phase, sink):
+    """Every key of a row masked by attention_bias = -inf: with a finite sink the keys' weights are 0,
+    so y = 0·V — NaN in the column of a NaN V entry, 0 elsewhere; a +inf or NaN sink gives NaN."""
+    feeds = gqa_feeds(phase)
+    s = feeds["query"].shape[1]
+    feeds["attention_bias"][0, 1, s - 1, :] = -np.inf
+    feeds["head_sink"][1] = sink
+    feeds["value"][0, 0, 5] = np.nan  # KV head 0 (query heads 0, 1), column 5
+    theirs = gqa_session(-1, False).run(None, feeds)[0]
+    ours = gqa_session(-1, True).run(None, feeds)[0]
+    assert_same_nonfinite(ours, theirs, f"sink={sink} {phase}")
+    row = ours.reshape(1, s, H, D)[0, s - 1, 1]
+    assert np.isnan(row).all() if not np.isfinite(sink) else (np.isnan(row[5]) and (np.delete(row, 5) == 0).all())
