@@ -587,6 +587,12 @@ void poison_unread_value_columns(const CallPlan& p, const TaskRunner& runner) {
       bool bad = false;
       for (size_t j = 0; j < keys; ++j) {
         const float* row = c.v + c.v_rows.at(b, hv, j);
+        // Exponent bits all set <=> NaN or Inf; an OR over integer compares vectorises (the pass
+        // reads all of V, as onnxruntime's P·V does).
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+        uint32_t any = 0;
+        for (size_t d = 0; d < dd.dv; ++d) any |= static_cast<uint32_t>((bits[d] & 0x7f800000u) == 0x7f800000u);
+        if (!any) continue;
         for (size_t d = 0; d < dd.dv; ++d) {
           if (std::isfinite(row[d])) continue;
           first[d] = std::min(first[d], j);
