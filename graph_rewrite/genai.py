@@ -48,7 +48,7 @@ from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decod
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
-from .load_check import check_nodes_load
+from .load_check import UnloadableOutputError, check_nodes_load
 from .report import RewriteReport
 from .rewrite import rewrite_model
 from .rules import DOMAIN
@@ -243,8 +243,9 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
             try:
                 open_session(model_file)
             except Exception as error:  # onnxruntime raises its own types
-                raise RuntimeError(f"ortsparse wrote a decoder ONNX Runtime cannot load (a bug): "
-                                   f"{str(error).splitlines()[0]}") from None
+                raise UnloadableOutputError(f"the rewritten decoder would not load in ONNX Runtime: "
+                                            f"{str(error).splitlines()[0]}; nothing was written. This is a "
+                                            f"rewriter bug (please report it)") from None
         record = {"written_by": f"ortsparse {_package_version()}", "source": str(folder.resolve()),
                   "decoder": info.model_file.name, "library": LIBRARY_FILE if uses_library else None,
                   "library_sha256": library_sha, "rewrite": report.to_dict()["counts"]}
