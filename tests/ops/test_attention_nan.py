@@ -8,7 +8,10 @@ masking, whose alignment differs). Found empirically on onnxruntime 1.32 (the ca
 - a non-finite V entry (V, past_value) of any key in [0, keys) reaches that output column of every
   query of the KV head: the attended ones through p·v, the causally masked or out-of-window ones
   through 0·NaN (onnxruntime multiplies the probabilities with all of V);
-- K rows outside a query's causal range / local window are not read for it.
+- K rows outside a query's causal range / local window are not read for it;
+- a row whose scores are all -inf gets 0·V; a NaN or +inf head_sink gives NaN.
+onnxruntime's plain softmax (no head_sink, no smooth_softmax: MLAS) returns 0 for some rows holding a
+NaN score; the op gives NaN there, as onnxruntime's sink path does (the test at the end shows both).
 
 With a selector (select != none) the same holds for q, K, the bias and head_sink: a NaN score is kept
 (or the row computed exactly), never dropped from the top-k. V rows of keys outside the selection are
