@@ -8,6 +8,7 @@ fused attention ops of ONNX and onnxruntime (``FUSED_ATTENTION``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import onnx_ir as ir
 
@@ -144,6 +145,11 @@ def _analyze(core: AttentionCore, opset: int) -> None:
         if not rule.takes(core.anchor):
             continue
         result, operands = rule.analyze(core.anchor, opset)
+        if result and not (math.isfinite(operands.scale) and operands.scale >= 0):
+            # onnxruntime runs a negative scale; PopcountAttention refuses it (a node written with it
+            # would not load), so the core stays as it is.
+            core.near_misses.append((rule.rule_name, f"scale={operands.scale:g}: the op takes a finite scale >= 0"))
+            continue
         if result:
             core.rule, core.operands = rule, operands
             return

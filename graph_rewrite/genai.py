@@ -50,6 +50,7 @@ from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decod
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
+from .load_check import UnloadableOutputError, check_nodes_load
 from .output_paths import _OLD_STAGING_PREFIXES, Inputs, OutputFiles
 from .report import RewriteReport
 from .rewrite import rewrite_model
@@ -223,6 +224,8 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
         model = load_model(info.model_file)
         input_data = _external_files(model, info.model_file.resolve().parent)
         _, report = rewrite_model(model, config, fuse=fuse)
+        if check:
+            check_nodes_load(model)  # a node the op library refuses: exit 2 before anything is staged
         staging = staging_outputs.staged(destination)
         _copy_folder(folder, staging, skip={info.model_file.resolve(), *input_data, (folder / RECORD_FILE).resolve()})
         model_file = staging / info.model_file.relative_to(folder)
@@ -239,8 +242,9 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
             try:
                 open_session(model_file)
             except Exception as error:  # onnxruntime raises its own types
-                raise RuntimeError(f"ortsparse wrote a decoder ONNX Runtime cannot load (a bug): "
-                                   f"{str(error).splitlines()[0]}") from None
+                raise UnloadableOutputError(f"the rewritten decoder would not load in ONNX Runtime: "
+                                            f"{str(error).splitlines()[0]}; nothing was written. This is a "
+                                            f"rewriter bug (please report it)") from None
         record = {"written_by": f"ortsparse {_package_version()}", "source": str(folder.resolve()),
                   "decoder": info.model_file.name, "library": LIBRARY_FILE if uses_library else None,
                   "library_sha256": library_sha, "rewrite": report.to_dict()["counts"]}

@@ -21,9 +21,14 @@ time). Declined (near-misses), because the op does not implement them: the later
 (quantized-KV scales, Q/K norm weights, query_seqlens); ``qk_output`` (or an output_qk in use); a
 quantized KV cache (k/v_quant_type, kv_cache_bit_width); a float16 (or any non-float32) query;
 ``do_rotary=1`` without cos/sin caches; ``sliding_window_cache=1`` without past inputs or without a
-``local_window_size`` > 0.
+``local_window_size`` > 0; values onnxruntime runs but the op refuses (a negative or NaN scale,
+softcap=inf, num_heads not a multiple of kv_num_heads, a window without causal). Values onnxruntime
+1.32 runs as "off" are written as the op's "off" (:func:`_as_onnxruntime_runs_them`), so the node
+written always loads.
 """
 from __future__ import annotations
+
+import math
 
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
@@ -67,9 +72,44 @@ def _refusal(anchor: ir.Node) -> str | None:
         return "has its output_qk in use (not implemented)"
     if len(anchor.outputs) < 3 or any(out.name == "" for out in anchor.outputs[1:3]):
         return "has no present_key / present_value outputs"
-    if attributes.get_int("do_rotary", 0) and (len(inputs) < 9 or inputs[7] is None or inputs[8] is None):
+    if attributes.get_int("do_rotary", 0) == 1 and (len(inputs) < 9 or inputs[7] is None or inputs[8] is None):
         return "has do_rotary=1 but no cos_cache / sin_cache"
+    return _refused_value(attributes)
+
+
+def _refused_value(attributes) -> str | None:
+    """Attribute values onnxruntime runs (or refuses itself) that PopcountGroupQueryAttention refuses."""
+    heads, kv_heads = attributes.get_int("num_heads", 0), attributes.get_int("kv_num_heads", 0)
+    if heads % kv_heads:
+        return f"has num_heads={heads}, not a multiple of kv_num_heads={kv_heads}"
+    scale = attributes.get_float("scale", 0.0)
+    if not math.isfinite(scale) or scale < 0:
+        return f"has scale={scale:g} (the op takes a finite scale >= 0; 0: 1/sqrt(head_size))"
+    if attributes.get_float("softcap", 0.0) == math.inf:
+        return "has softcap=inf (onnxruntime's output is NaN; the op takes a finite soft-cap)"
+    causal = attributes.get_int("causal", 1)
+    if causal not in (0, 1):
+        return f"has causal={causal} (must be 0 or 1)"
+    window = attributes.get_int("local_window_size", -1)
+    if causal == 0 and window >= 0:
+        return f"has local_window_size={window} with causal=0 (the op's window needs causal=1)"
     return None
+
+
+def _as_onnxruntime_runs_them(attributes: dict) -> dict:
+    """The passed attributes with what onnxruntime 1.32 runs as "off" written as the op's "off":
+    softcap <= 0 or NaN (its test is softcap > 0) -> 0; local_window_size < 0 -> -1; do_rotary,
+    rotary_interleaved, smooth_softmax other than 1 (its test is == 1) -> 0. The op refuses the
+    other spellings, so copying them would write a model that does not load."""
+    normal = dict(attributes)
+    if "softcap" in normal and not normal["softcap"] > 0:
+        normal["softcap"] = 0.0
+    if normal.get("local_window_size", -1) < 0:
+        normal["local_window_size"] = -1
+    for flag in ("do_rotary", "rotary_interleaved", "smooth_softmax"):
+        if flag in normal and normal[flag] != 1:
+            normal[flag] = 0
+    return normal
 
 
 class MsGroupQueryAttention(AttentionRule):
@@ -104,8 +144,8 @@ class MsGroupQueryAttention(AttentionRule):
                     scale=attributes.get_float("scale", 0.0), is_causal=attributes.get_int("causal", 1),
                     nodes=[anchor], name_hint=anchor.name or "")
         core.notes.append("packed QKV" if packed else "separate Q, K, V")
-        if attributes.get_int("do_rotary", 0):
-            core.notes.append("rotary" + (" (interleaved)" if attributes.get_int("rotary_interleaved", 0) else ""))
+        if attributes.get_int("do_rotary", 0) == 1:
+            core.notes.append("rotary" + (" (interleaved)" if attributes.get_int("rotary_interleaved", 0) == 1 else ""))
         if attributes.get_int("local_window_size", -1) > 0:
             core.notes.append(f"local window {attributes.get_int('local_window_size', -1)}"
                               + (" (window-sized KV buffers)" if attributes.get_int("sliding_window_cache", 0) else ""))
@@ -123,6 +163,7 @@ class MsGroupQueryAttention(AttentionRule):
             inputs[1], inputs[2] = core.k.value, core.v.value
         while inputs and inputs[-1] is None:
             inputs.pop()
-        attributes = {attr.name: attr.value for attr in anchor.attributes.values() if attr.name in PASSED_ATTRIBUTES}
+        attributes = _as_onnxruntime_runs_them(
+            {attr.name: attr.value for attr in anchor.attributes.values() if attr.name in PASSED_ATTRIBUTES})
         return list(op.op(GQA_OP_TYPE, *inputs, _domain=DOMAIN, _version=DOMAIN_VERSION, _outputs=3, _name=name,
                           **attributes, **settings.gqa_attributes()))

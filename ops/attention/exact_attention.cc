@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace ortsparse::attention {
 
@@ -24,8 +25,10 @@ void add_mask(const MaskRow& m, size_t lo, float* s, size_t n) {
       for (size_t j = 0; j < n; ++j) s[j] += add[j * m.stride];
     }
   } else if (m.keep) {
+    // False adds -inf, as the additive mask and onnxruntime's Attention (which converts it so): a
+    // masked-out key's NaN or +inf score gives NaN, not -inf.
     const uint8_t* keep = m.keep + lo * m.stride;
-    for (size_t j = 0; j < n; ++j) s[j] = keep[j * m.stride] ? s[j] : kNegInf;
+    for (size_t j = 0; j < n; ++j) s[j] = keep[j * m.stride] ? s[j] : s[j] + kNegInf;
   }
 }
 
@@ -49,7 +52,16 @@ void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead,
   float mx = kNegInf;
   for (size_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   if (n == 0 || mx == kNegInf) {
-    std::fill(y, y + dv, 0.0f);
+    // std::max skips NaN: scores that are all NaN or -inf with a NaN (a NaN q, an all-NaN bias row)
+    // give NaN, as onnxruntime's softmax does. Every score -inf: the keys' weights are 0, y = 0·V
+    // (0, or NaN in a column holding a NaN/Inf V entry: onnxruntime multiplies them); no key: 0.
+    // A NaN or +inf sink: exp(inf - inf) in the normaliser, NaN as on the path with a key.
+    const bool nan = !(sink < kPosInf) || std::any_of(s, s + n, [](float v) { return std::isnan(v); });
+    std::fill(y, y + dv, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+    if (!nan && n > 0) {
+      std::fill(s, s + n, 0.0f);
+      kernels.matmul->gemv_rows(vhead + lo * ldv, ldv, rows, s, n, y, dv, false);
+    }
     return;
   }
   mx = std::max(mx, sink);

@@ -40,7 +40,8 @@ void exact_scores(const kernels::KernelSet& kernels, const ScoreParams& p, const
 
 // y[0:dv] = softmax(s) · V[lo + rows] (rows == nullptr: V[lo .. lo + n - 1]); s is overwritten by the
 // probabilities. sink > -inf: the logit of one more key whose V row is zero (smooth softmax / an
-// attention sink: it takes part in the normaliser only). No key or all -inf: y = 0.
+// attention sink: it takes part in the normaliser only). No key: y = 0; every score -inf: y = 0·V (NaN
+// where V is not finite); a NaN score: y = NaN.
 void softmax_pv(const kernels::KernelSet& kernels, float* s, const float* vhead, size_t ldv, size_t dv, size_t lo,
                 const int32_t* rows, size_t n, float* y, float sink = kNegInf);
 

@@ -189,8 +189,8 @@ float bound_slack(size_t d, float q_abs_sum) {
 // - candidates > 0 (budget): the ceil(candidates·topk / page_size) best-bound pages are scored
 //   exactly and their topk best keys kept; the row counts as certified when every other page's
 //   bound is below the k-th kept score.
-// Returns false (caller computes exact attention) when a page or q holds a non-finite value, or an
-// exact score is NaN.
+// Returns false (caller computes exact attention) when a page or q holds a non-finite value, a mask
+// value of the range is NaN, or an exact score is NaN.
 bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
                       const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink, float* y,
                       Scratch& s) {
@@ -226,7 +226,10 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
     if (m.any()) {
       const auto [a, e] = page_keys(t);
       float top = kNegInf;
-      for (size_t j = a; j < e; ++j) top = std::max(top, m.value(j));
+      for (size_t j = a; j < e; ++j) {
+        if (std::isnan(m.value(j))) return false;  // a NaN bias must reach the output, not lower a bound
+        top = std::max(top, m.value(j));
+      }
       b = top == kNegInf ? kNegInf : b + top;
     }
     bound[t] = b;
@@ -391,6 +394,10 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     for (size_t j = 0; j < n; ++j) sel[j] = p.score.softcap * std::tanh(sel[j] * inv);
   }
   add_mask(m, r.lo, sel, n);
+  // A NaN selector score (NaN in q, in a key or its bias, or in the centering mean) ranks above the
+  // protected keys' +inf and says nothing about the exact score: the row is computed exactly, so
+  // NaN reaches the output exactly where exact attention puts it.
+  if (topk > 0 && std::any_of(sel, sel + n, [](float v) { return std::isnan(v); })) return exact_all();
   if (topk == 0) {  // pure approximate path: softmax of the approximate scores
     softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
     return;
@@ -487,9 +494,15 @@ void exact_group_part(const CallPlan& p, size_t b, size_t hk, size_t i, size_t a
       const float* sg = scores + (g0 + t) * n;
       float mx = kNegInf;
       for (size_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-      part_max[g0 + t] = mx;
       double sum = 0.0;
-      if (mx != kNegInf) {
+      // std::max skips NaN: scores all NaN or -inf with a NaN still make the output NaN (a NaN sum
+      // with a finite max marks the part used in merge_parts).
+      if (mx == kNegInf && std::any_of(sg, sg + n, [](float v) { return std::isnan(v); })) {
+        mx = 0.0f;
+        sum = std::numeric_limits<double>::quiet_NaN();
+      }
+      part_max[g0 + t] = mx;
+      if (mx != kNegInf && !std::isnan(sum)) {
         float* e = scores + (g0 + t) * n;  // the scores become their exp(s - max), then interleave
         sum = ks.attention->exp_sub(sg, n, mx, e);
         for (size_t j = 0; j < n; ++j) w[j * T + t] = e[j];
@@ -524,7 +537,11 @@ void merge_parts(size_t parts, const float* maxes, const double* sums, size_t st
   for (size_t t = 0; t < parts; ++t)
     if (used(t)) top = std::max(top, maxes[t * stat_stride]);
   if (top == kNegInf) {
-    std::fill(y, y + dv, 0.0f);
+    // Every score -inf (or no key): the keys' weights are 0, y = 0·V (the parts' outputs, computed
+    // with zero weights; 0 for an empty part), so a NaN/Inf V entry gives NaN as in onnxruntime.
+    std::fill(y, y + dv, !(sink < kPosInf) ? std::numeric_limits<float>::quiet_NaN() : 0.0f);  // NaN / +inf sink
+    for (size_t t = 0; t < parts; ++t)
+      for (size_t j = 0; j < dv; ++j) y[j] += outs[t * out_stride + j];
     return;
   }
   const double base = std::max(top, sink);
@@ -542,6 +559,60 @@ void merge_parts(size_t parts, const float* maxes, const double* sums, size_t st
   }
   const double inv = 1.0 / total;
   for (size_t j = 0; j < dv; ++j) y[j] = static_cast<float>(sum_v[j] * inv);
+}
+
+// onnxruntime's attention ops multiply the probabilities with every V row in [0, keys), those of keys
+// a query does not attend (causal future, outside the local window) being 0: a NaN or Inf in such a
+// row makes that output column NaN (0·Inf) for every query of the KV head. Exact attention reads only
+// [lo, hi); this pass, for calls computed exactly, adds the rest so NaN propagates as there. Rows
+// with no key in their range (Y = 0 by contract) are left alone.
+void poison_unread_value_columns(const CallPlan& p, const TaskRunner& runner) {
+  const AttentionCall& c = *p.call;
+  const AttentionDims& dd = c.dims;
+  if (!p.config->causal || dd.hkv == 0 || dd.h % dd.hkv != 0) return;  // without causal every query reads all
+  const size_t G = dd.h / dd.hkv;
+  runner.run(std::min<size_t>(dd.b * dd.hkv, 64), [&](size_t task) {
+    const size_t n_pairs = dd.b * dd.hkv, tasks = std::min<size_t>(n_pairs, 64);
+    std::vector<size_t> first, last;
+    for (size_t pair = n_pairs * task / tasks; pair < n_pairs * (task + 1) / tasks; ++pair) {
+      const size_t b = pair / dd.hkv, hv = pair % dd.hkv, keys = c.keys(b);
+      bool partial = false;  // does some query of this entry leave rows of [0, keys) unread?
+      for (size_t i = 0; i < dd.sq && !partial; ++i) {
+        const KeyRange r = key_range(p, b, i);
+        partial = r.lo < r.hi && (r.lo > 0 || r.hi < keys);
+      }
+      if (!partial) continue;
+      first.assign(dd.dv, keys);
+      last.assign(dd.dv, 0);
+      bool bad = false;
+      for (size_t j = 0; j < keys; ++j) {
+        const float* row = c.v + c.v_rows.at(b, hv, j);
+        // Exponent bits all set <=> NaN or Inf; an OR over integer compares vectorises (the pass
+        // reads all of V, as onnxruntime's P·V does).
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+        uint32_t any = 0;
+        for (size_t d = 0; d < dd.dv; ++d) any |= static_cast<uint32_t>((bits[d] & 0x7f800000u) == 0x7f800000u);
+        if (!any) continue;
+        for (size_t d = 0; d < dd.dv; ++d) {
+          if (std::isfinite(row[d])) continue;
+          first[d] = std::min(first[d], j);
+          last[d] = j;
+          bad = true;
+        }
+      }
+      if (!bad) continue;
+      for (size_t i = 0; i < dd.sq; ++i) {
+        const KeyRange r = key_range(p, b, i);
+        if (r.lo == r.hi) continue;
+        for (size_t g = 0; g < G; ++g) {
+          const size_t h = hv * G + g;
+          float* y = c.y + c.y_rows.at(b, h, i);
+          for (size_t d = 0; d < dd.dv; ++d)
+            if (first[d] < r.lo || (first[d] < keys && last[d] >= r.hi)) y[d] = std::numeric_limits<float>::quiet_NaN();
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -693,6 +764,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
         attend_row(*pp, r / (dd.sq * dd.h), (r / dd.sq) % dd.h, r % dd.sq, scratch_p[task]);
     });
   }
+  if (plan.keys == nullptr) poison_unread_value_columns(plan, runner);
   for (size_t t = 0; t < n_tasks; ++t) {
     stats.keys_total += scratch[t].keys_total;
     stats.keys_exact += scratch[t].keys_exact;

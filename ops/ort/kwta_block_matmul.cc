@@ -110,7 +110,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   }
 
   void Compute(OrtKernelContext* context) {
-    const engine::MatMulStats run = run_matmul(context, *matmul_, quantized_ ? 4 : 2);
+    const engine::MatMulStats run = run_matmul(context, *matmul_, quantized_ ? 4 : 2, false, quantized_ ? "bias" : "B");
     const engine::GateStats& s = run.gate;
     if (s.rows == 0) return;
     metrics_->add(kCalls, 1);

@@ -4,7 +4,8 @@
 
 namespace ortsparse::ort {
 
-MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index, size_t out_n) {
+MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t bias_index, size_t out_n,
+                        const char* bias_name) {
   MatMulIo io;
   Ort::ConstValue x = context.GetInput(0);
   auto x_info = x.GetTensorTypeAndShapeInfo();
@@ -30,9 +31,10 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
     if (b) {
       auto b_info = b.GetTensorTypeAndShapeInfo();
       if (b_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-        fail("input B must be float32, got ", element_type_name(b_info.GetElementType()));
+        fail("input ", bias_name, " (#", bias_index, ") must be float32, got ", element_type_name(b_info.GetElementType()));
       if (b_info.GetElementCount() != n)
-        fail("input B has shape ", shape_string(b_info.GetShape()), " but N = ", n, " (B must hold N values)");
+        fail("input ", bias_name, " (#", bias_index, ") has shape ", shape_string(b_info.GetShape()), " but N = ", n,
+             " (the bias must hold N values)");
       io.bias = b.GetTensorData<float>();
     }
   }
@@ -43,9 +45,9 @@ MatMulIo bind_matmul_io(Ort::KernelContext& context, size_t k, size_t n, size_t 
 }
 
 engine::MatMulStats run_matmul(OrtKernelContext* raw_context, const engine::GatedMatMul& matmul, size_t bias_index,
-                               bool reset) {
+                               bool reset, const char* bias_name) {
   Ort::KernelContext context(raw_context);
-  const MatMulIo io = bind_matmul_io(context, matmul.k(), matmul.n(), bias_index, matmul.out_n());
+  const MatMulIo io = bind_matmul_io(context, matmul.k(), matmul.n(), bias_index, matmul.out_n(), bias_name);
   const size_t batch = io.seq == 0 ? 0 : io.m / io.seq;
   if (io.m == 0 && !reset) return engine::MatMulStats{};  // nothing to compute, nothing to count
   return matmul.run(io.x, batch, io.seq, io.bias, io.y, reset, kernel_set_or_fail(), OrtTaskRunner(raw_context));

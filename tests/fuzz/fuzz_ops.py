@@ -12,7 +12,8 @@ and prints the model's node.
 Outcomes: ok (ran; where the settings are exact the output matched the numpy reference), error_ours
 (our op refused it, message names op and node), error_ort (ONNX Runtime refused it before our op,
 e.g. an input type the op does not declare). Findings: unclear (an error naming neither, or an
-out-of-memory message), wrong (ran, but an exact setting's output differs from the reference),
+out-of-memory message), wrong (ran, but an exact setting's output differs from the reference:
+finite values beyond the tolerance, or NaN / Inf at other positions),
 accepted_invalid (ran although the op must refuse it: a list-valued, NaN or wrongly typed
 attribute), crash, hang. Each finding carries the case's tags (op_cases.Case.tags).
 """
@@ -54,9 +55,16 @@ def compare_with_reference(case, output) -> str | None:
     expected, magnitude = case.reference()
     if output.shape != expected.shape:
         return f"output shape {list(output.shape)}, reference {list(expected.shape)}"
-    error = np.abs(output.astype(np.float64) - expected)
+    for name, test in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
+        differ = test(output) != test(expected)  # non-finite outputs: the same positions
+        if differ.any():
+            at = tuple(int(i) for i in np.argwhere(differ)[0])
+            return (f"{int(differ.sum())} of {differ.size} outputs differ from the reference in being {name}; "
+                    f"at {list(at)} got {output[at]!r}, expected {expected[at]!r}")
+    finite = np.isfinite(expected)
+    error = np.abs(output.astype(np.float64) - np.where(finite, expected, 0.0))
     allowed = case.tolerance * np.asarray(magnitude) + 1e-30
-    bad = ~(error <= allowed)  # NaN in the output counts as a mismatch
+    bad = finite & ~(error <= allowed)
     if not bad.any():
         return None
     at = np.unravel_index(int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf) / allowed, -1.0))), bad.shape)

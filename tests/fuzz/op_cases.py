@@ -4,7 +4,8 @@ constant, inputs of the wrong shape, empty tensors and zero dims, NaN/Inf, extre
 generator takes a numpy Generator and returns a :class:`Case`: the model and its feeds, plus what
 the op must do with it — refuse it (``must_refuse``: e.g. a list where the op takes one float), or,
 when the settings are exact (KWTA k_frac = 1, PopcountAttention select = none, ...), match the
-numpy reference of tests/ops (``reference``). ``tags`` name the families a case belongs to."""
+numpy reference of tests/ops or, for PopcountGroupQueryAttention, onnxruntime's GroupQueryAttention
+(``reference``; NaN/Inf inputs included for the attention ops). ``tags`` name the families a case belongs to."""
 from __future__ import annotations
 
 import dataclasses
@@ -197,7 +198,7 @@ def popcount_attention(rng):
     graph_inputs, feeds, node_inputs = [], {}, []
     for name in ("Q", "K", "V"):
         dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
-        feeds[name] = values(rng, shapes[name], dtype)
+        feeds[name] = values(rng, shapes[name], dtype, special=0.15 if name == "Q" else 0.05)
         graph_inputs.append(helper.make_tensor_value_info(name, ONNX_TYPES[feeds[name].dtype.type], None))
         node_inputs.append(name)
     if rng.random() < 0.5:
@@ -207,7 +208,7 @@ def popcount_attention(rng):
         if broken(rng):
             shape = pick(rng, [shape + [2], [x + 2 for x in shape], []])
         dtype = pick(rng, [np.bool_, np.float32, np.float32] + ([np.int64, np.float64] if broken(rng) else []))
-        feeds["attn_mask"] = np.asarray(values(rng, shape, dtype))
+        feeds["attn_mask"] = np.asarray(values(rng, shape, dtype, special=0.15))
         graph_inputs.append(helper.make_tensor_value_info("attn_mask", ONNX_TYPES[feeds["attn_mask"].dtype.type], None))
         node_inputs.append("attn_mask")
     attrs = {
@@ -237,7 +238,161 @@ def popcount_attention(rng):
     name = f"attn_{int(rng.integers(1000))}"
     model = make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs)
     reference = attention_reference(feeds, attrs) if fully_valid() and _attention_is_exact(attrs, skv) else None
-    return finish("PopcountAttention", name, model, feeds, reference)
+    _tag_nonfinite(feeds)
+    # The reference defines NaN/Inf (tests/ops/attention_reference.py, as onnxruntime): kept with them.
+    return finish("PopcountAttention", name, model, feeds, reference, nonfinite_ok=True)
+
+
+def _tag_nonfinite(feeds: dict) -> None:
+    if any(a.dtype.kind == "f" and a.size and not np.isfinite(a).all() for a in feeds.values()):
+        _tags.add("nonfinite_input")
+
+
+GQA_OP = "PopcountGroupQueryAttention"
+GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+              "sin_cache", "position_ids", "attention_bias", "head_sink")
+
+
+def popcount_group_query_attention(rng):
+    """The GroupQueryAttention form: first prompts, decode steps and later prompt chunks (separate
+    past / present tensors), NaN/Inf often in query, attention_bias and head_sink (sometimes in K/V).
+    Exact settings are compared with onnxruntime's own com.microsoft.GroupQueryAttention."""
+    start_case(rng)
+    hkv = int(rng.integers(1, 3))
+    h, d, b = hkv * int(rng.integers(1, 3)), pick(rng, [8, 16]), int(rng.integers(1, 3))
+    phase = pick(rng, ["prompt", "decode", "chunk"])
+    if phase == "prompt":
+        s, past = int(rng.integers(1, 6)), 0
+    elif phase == "decode":
+        s, past = 1, int(rng.integers(1, 40))
+    else:
+        b, s, past = 1, int(rng.integers(2, 5)), int(rng.integers(1, 30))
+    total = past + s
+    shapes = {"query": [b, s, h * d], "key": [b, s, hkv * d], "value": [b, s, hkv * d],
+              "past_key": [b, hkv, past, d], "past_value": [b, hkv, past, d], "attention_bias": [b, h, s, total],
+              "head_sink": [h]}
+    if rng.random() < 0.3:
+        shapes["attention_bias"] = [1, 1, s, total]  # broadcast over batch and heads
+    used = {"attention_bias": rng.random() < 0.6, "head_sink": rng.random() < 0.5}
+    if broken(rng):
+        name = pick(rng, ["query", "key", "past_key", "attention_bias", "head_sink"])
+        shapes[name] = pick(rng, [shapes[name][:-1], [x + 1 for x in shapes[name]]])
+        used[name] = True
+        _must_refuse.append(f"{name} has shape {shapes[name]}")
+    feeds, graph_inputs, node_inputs = {}, [], []
+    for name in GQA_INPUTS:
+        if name in ("cos_cache", "sin_cache", "position_ids") or not used.get(name, True):
+            node_inputs.append("")
+            continue
+        if name == "seqlens_k":
+            feeds[name] = np.full(b, total - 1, np.int32)
+        elif name == "total_sequence_length":
+            feeds[name] = np.array([total], np.int32)
+        else:
+            special = 0.3 if name in ("query", "attention_bias", "head_sink") else 0.05
+            dtype = pick(rng, FLOAT_DTYPES) if broken(rng) else np.float32
+            feeds[name] = values(rng, shapes[name], dtype, special=special)
+            if dtype != np.float32:
+                _must_refuse.append(f"{name} is {np.dtype(dtype).name}")
+        graph_inputs.append(helper.make_tensor_value_info(name, ONNX_TYPES[feeds[name].dtype.type], None))
+        node_inputs.append(name)
+    while node_inputs[-1] == "":
+        node_inputs.pop()
+    gqa_attrs = {"num_heads": h, "kv_num_heads": hkv, "local_window_size": pick(rng, [-1, -1, 2, 5]),
+                 "softcap": pick(rng, [0.0, 0.0, 5.0]), "smooth_softmax": pick(rng, [0, 0, 1])}
+    select = pick(rng, ["none", "none", "pages", "popcount", "energy"])
+    selection = {"select": select, "topk": pick(rng, [2, 4, None]), "min_keys": pick(rng, [0, 0, None]),
+                 "page_size": 4 if select == "pages" else None, "keep_first": pick(rng, [0, 1, None]),
+                 "keep_recent": pick(rng, [0, 2, None])}
+    if select == "popcount":
+        selection["candidates"] = pick(rng, [1.0, 2.0])
+    name = f"gqa_{int(rng.integers(1000))}"
+    model = make_model(GQA_OP, name, node_inputs, graph_inputs, [], {**gqa_attrs, **selection}, n_outputs=3)
+    topk = 256 if selection["topk"] is None else selection["topk"]
+    min_keys = 2048 if selection["min_keys"] is None else selection["min_keys"]
+    exact = select == "none" or total < min_keys or total <= topk  # docs/ops.md: the call runs no selector
+    reference = gqa_reference(node_inputs, graph_inputs, feeds, gqa_attrs) if fully_valid() and exact else None
+    _tag_nonfinite(feeds)
+    _tags.add(f"gqa_{phase}")
+    return finish(GQA_OP, name, model, feeds, reference, nonfinite_ok=True)
+
+
+def gqa_score_rows(feeds: dict, attrs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """[B, S, H] bool each: the query rows with a NaN score among the keys they attend (causal,
+    local window), and those whose attended scores are all -inf; in float64: q·k·scale, soft-cap,
+    + attention_bias."""
+    h, hkv = attrs["num_heads"], attrs["kv_num_heads"]
+    b, s, _ = feeds["query"].shape
+    d = feeds["past_key"].shape[3]
+    total = int(feeds["total_sequence_length"][0])
+    q = feeds["query"].astype(np.float64).reshape(b, s, h, d)
+    new_k = feeds["key"].astype(np.float64).reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+    k = np.repeat(np.concatenate([feeds["past_key"].astype(np.float64), new_k], axis=2), h // hkv, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = np.einsum("bshd,bhtd->bsht", q, k) * float(np.float32(1.0 / np.sqrt(d)))
+        cap = attrs.get("softcap", 0.0)
+        if cap > 0:
+            scores = cap * np.tanh(scores / cap)
+        if "attention_bias" in feeds:
+            scores = scores + feeds["attention_bias"].astype(np.float64).transpose(0, 2, 1, 3)
+    pos = total - s + np.arange(s)[:, None]
+    key = np.arange(total)[None, :]
+    attended = key <= pos
+    window = attrs.get("local_window_size", -1)
+    if window > 0:
+        attended &= key > pos - window
+    attended = np.broadcast_to(attended[None, :, None, :], scores.shape)
+    nan = (np.isnan(scores) & attended).any(axis=-1)
+    dead = (np.isneginf(scores) | ~attended).all(axis=-1)
+    return nan, dead
+
+
+def gqa_zero_weights_output(feeds: dict, attrs: dict) -> np.ndarray:
+    """[B, H, Dv]: 0·V summed over every key in [0, total): 0, or NaN in a column with a NaN/Inf."""
+    h, hkv = attrs["num_heads"], attrs["kv_num_heads"]
+    b, s, _ = feeds["query"].shape
+    d = feeds["past_value"].shape[3]
+    new_v = feeds["value"].reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+    v = np.concatenate([feeds["past_value"], new_v], axis=2)
+    bad = ~np.isfinite(v).all(axis=2)  # [B, Hkv, D]
+    return np.where(np.repeat(bad, h // hkv, axis=1), np.nan, 0.0)
+
+
+def gqa_reference(node_inputs, graph_inputs, feeds: dict, attrs: dict):
+    """onnxruntime's com.microsoft.GroupQueryAttention on the same inputs. |output| <= max |V|
+    (a convex combination of V rows; the sink's weight only lowers it). Without a sink and smooth
+    softmax, onnxruntime's plain softmax (MLAS) returns 0 for some rows holding a NaN score (where the
+    NaN falls decides; its sink path gives NaN): the op gives NaN there (docs/ops.md), so those rows
+    of the reference are NaN."""
+    def compute():
+        import onnxruntime as ort
+
+        node_in, graph_in, run_feeds = node_inputs, graph_inputs, feeds
+        node = helper.make_node("GroupQueryAttention", node_in, ["Y0", "Y1", "Y2"], domain="com.microsoft", **attrs)
+        outputs = [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(3)]
+        graph = helper.make_graph([node], "reference", graph_in, outputs)
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                                  ir_version=9)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        expected = session.run(None, run_feeds)[0].astype(np.float64)
+        b, s, _ = expected.shape
+        rows = expected.reshape(b, s, attrs["num_heads"], -1)
+        nan, dead = gqa_score_rows(feeds, attrs)
+        sink = feeds["head_sink"] if "head_sink" in node_in else np.full(attrs["num_heads"],
+                                                                          0.0 if attrs.get("smooth_softmax") else -np.inf)
+        if "head_sink" not in node_in and not attrs.get("smooth_softmax"):
+            rows = np.where(nan[..., None], np.nan, rows)
+        # Every attended score -inf and the sink -inf: the op's weights are 0, y = 0·V (onnxruntime's
+        # sink path divides 0 by 0; docs/ops.md).
+        dead &= np.isneginf(sink)[None, None, :] & ~nan
+        rows = np.where(dead[..., None], gqa_zero_weights_output(feeds, attrs)[:, None], rows)
+        expected = rows.reshape(expected.shape)
+        v = np.concatenate([feeds["value"].ravel(), feeds["past_value"].ravel()])
+        v = v[np.isfinite(v)]
+        return expected, np.full(expected.shape, 1.0 + (float(np.abs(v).max()) if v.size else 0.0))
+    return compute
 
 
 def _attention_is_exact(attrs: dict, skv: int) -> bool:
@@ -446,12 +601,15 @@ def mutate_attributes(rng, op_type: str, attrs: dict) -> None:
         _tags.add("wrong_type")
 
 
-def finish(op_type: str, name: str, model: ModelProto, feeds: dict, reference=None, tolerance: float = 1e-4) -> Case:
+def finish(op_type: str, name: str, model: ModelProto, feeds: dict, reference=None, tolerance: float = 1e-4,
+           nonfinite_ok: bool = False) -> Case:
+    """``nonfinite_ok``: the reference defines NaN/Inf inputs (compared: NaN and Inf positions, finite
+    values); otherwise a case with any is run without one."""
     must_refuse = "; ".join(_must_refuse) or None
     # No reference with an infinite attribute: "exact" is not defined there (refused or computed,
     # it must only not crash).
     exact = reference if (must_refuse is None and _invalid_rate == 0.0 and "inf_attr" not in _tags
-                          and all_finite(model, feeds)) else None
+                          and (nonfinite_ok or all_finite(model, feeds))) else None
     return Case(op_type, name, model, feeds, exact, tolerance, must_refuse, frozenset(_tags))
 
 
@@ -544,11 +702,12 @@ def attention_reference(feeds: dict, attrs: dict):
             expected = np.zeros(q.shape[:3] + v.shape[3:], dtype=np.float64)
             return expected, np.zeros(expected.shape)
         expected = ref.attention(q, k, v, mask, causal=bool(attrs.get("is_causal") or 0), scale=scale)
-        scores = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), ref.expand_kv(k, q.shape[1]).astype(np.float64))
+        finite = lambda a: np.where(np.isfinite(a), a, 0.0).astype(np.float64)  # bounds from the finite parts
+        scores = np.einsum("bhid,bhjd->bhij", finite(q), ref.expand_kv(finite(k), q.shape[1]))
         spread = 1.0 + (np.abs(scores).max() * float(ref.scale_of(scale, max(q.shape[3], 1))) if scores.size else 0.0)
         if mask is not None and mask.dtype != np.bool_ and mask.size:
-            spread += float(np.abs(mask).max())
-        v_max = float(np.abs(v).max()) if v.size else 0.0
+            spread += float(np.abs(finite(mask)).max())
+        v_max = float(np.abs(finite(v)).max()) if v.size else 0.0
         return expected, np.full(expected.shape, v_max * spread)
     return compute
 
@@ -557,6 +716,7 @@ def attention_reference(feeds: dict, attrs: dict):
 GENERATORS = {
     "KwtaBlockMatMul": kwta_block_matmul,
     "PopcountAttention": popcount_attention,
+    GQA_OP: popcount_group_query_attention,
     "ProcSparseMatMul": proc_sparse_matmul,
     "EventDrivenMatMul": event_driven_matmul,
     "TTMatMul": tt_matmul,

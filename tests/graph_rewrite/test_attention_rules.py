@@ -200,6 +200,8 @@ def test_onnx_attention(kwargs):
 @pytest.mark.parametrize("kwargs, reason", [
     ({"softcap": 30.0}, "softcap"),
     ({"mask": None, "is_causal": 1, "k_len": "total"}, "not provably equal"),
+    ({"scale": -0.5}, "scale=-0.5: the op takes a finite scale >= 0"),  # onnxruntime runs it; the op refuses it
+    ({"scale": float("nan")}, "scale=nan"),
 ])
 def test_onnx_attention_near_misses(kwargs, reason):
     out, report = rewrite(ag.onnx_attention(**kwargs))

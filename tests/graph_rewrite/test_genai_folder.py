@@ -162,3 +162,52 @@ def test_genai_config_refreshes_an_outdated_library_copy(source, tmp_path, capsy
     assert main(["genai-config", str(source)]) == 0  # a dense folder: nothing to do
     assert "no library needed" in capsys.readouterr().out
     assert main(["genai-config", str(tmp_path / "nowhere")]) == 2
+
+
+def test_attention_values_onnxruntime_runs_as_off_give_a_loadable_folder(source, tmp_path, capsys):
+    """issue 23: GroupQueryAttention with softcap=-1 / local_window_size=-7 (onnxruntime: none) ended a
+    folder rewrite with --attn=popcount in a "(a bug)" traceback; now the values are written as the
+    op's "off" and the folder loads and generates as the source does."""
+    import onnx
+
+    decoder = source / "model.onnx"
+    model = onnx.load(str(decoder), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            kept = [a for a in node.attribute if a.name not in ("softcap", "local_window_size")]
+            del node.attribute[:]
+            node.attribute.extend(kept + [onnx.helper.make_attribute("softcap", -1.0),
+                                          onnx.helper.make_attribute("local_window_size", -7)])
+    onnx.save(model, str(decoder))
+    expected = generator_logits(source)
+    out = tmp_path / "out"
+    assert rewrite_onnx_main([str(source), "-o", str(out), "--attn", "popcount", "-q"]) == 0, \
+        capsys.readouterr().err
+    rewritten = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert any(n.op_type == "PopcountGroupQueryAttention" for n in rewritten.graph.node)
+    np.testing.assert_allclose(generator_logits(out), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_decoder_that_would_not_load_is_exit_2_and_nothing_written(source, tmp_path, monkeypatch, capsys):
+    """The folder's last check (the whole decoder opened in ONNX Runtime) is a one-line exit 2, not a
+    traceback: forced here by a rule that copies a refused value and the node check switched off."""
+    import onnx
+
+    from ortsparse.graph_rewrite import genai
+    from ortsparse.graph_rewrite.attention_rules import ms_group_query_attention as rule
+
+    decoder = source / "model.onnx"
+    model = onnx.load(str(decoder), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            kept = [a for a in node.attribute if a.name != "softcap"]
+            del node.attribute[:]
+            node.attribute.extend(kept + [onnx.helper.make_attribute("softcap", -1.0)])
+    onnx.save(model, str(decoder))
+    monkeypatch.setattr(rule, "_as_onnxruntime_runs_them", lambda attributes: attributes)
+    monkeypatch.setattr(genai, "check_nodes_load", lambda model: None)
+    out = tmp_path / "out"
+    assert rewrite_onnx_main([str(source), "-o", str(out), "--attn", "popcount", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "would not load in ONNX Runtime" in err and "softcap=-1" in err and "Traceback" not in err, err
+    assert not out.exists()

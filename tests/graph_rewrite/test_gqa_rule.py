@@ -252,3 +252,70 @@ def test_genai_folders_are_rewritten_and_generate(variant, argv, tmp_path):
     assert len(tokens) == 20
     if variant == "genai-fp32" and argv == ["--attn=none"]:
         assert tokens == _greedy(source, ids, 20)
+
+
+@pytest.mark.parametrize("attrs", [
+    dict(softcap=-1.0), dict(softcap=-0.0), dict(softcap=float("nan")), dict(softcap=float("-inf")),
+    dict(local_window_size=-7), dict(local_window_size=-1000), dict(smooth_softmax=2), dict(smooth_softmax=-1),
+    dict(do_rotary=2), dict(rotary=True, rotary_interleaved=5),
+])
+def test_values_onnxruntime_runs_as_off_are_normalised(attrs, rng):
+    """onnxruntime 1.32 runs softcap <= 0 (or NaN) as no soft-cap, local_window_size < 0 as no window
+    and do_rotary / rotary_interleaved / smooth_softmax != 1 as off; the node written loads and
+    matches (issue 23: softcap=-1 and local_window_size=-7 were copied into a node the op refuses)."""
+    model = genai_layer(**attrs)
+    out, report = rewrite_model(model, EXACT)
+    (node,) = gqa_nodes(out)
+    a = attrs_of(node)
+    assert a.get("softcap", 0.0) == 0.0 or a["softcap"] > 0
+    assert a.get("local_window_size", -1) >= -1
+    assert all(a.get(flag, 0) in (0, 1) for flag in ("do_rotary", "rotary_interleaved", "smooth_softmax"))
+    data = feeds(rng)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)
+    actual = ortsparse.inference_session(out).run(None, data)
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attrs,reason", [
+    (dict(scale=-1.0), "scale=-1"),
+    (dict(scale=float("nan")), "scale=nan"),
+    (dict(softcap=float("inf")), "softcap=inf"),
+    (dict(num_heads=3), "num_heads=3"),
+    (dict(causal=0, local_window_size=4), "local_window_size=4 with causal=0"),
+])
+def test_values_the_op_refuses_leave_the_node_with_a_reason(attrs, reason):
+    """Never write a node the library refuses: the GroupQueryAttention stays, the report says why."""
+    model = genai_layer(**attrs)
+    record = list_layers(model, EXACT).attention[0]
+    assert not record.rewritten and reason in record.reason, record.reason
+    out, _ = rewrite_model(model, EXACT)
+    assert not gqa_nodes(out)
+
+
+def test_cli_rewrite_of_a_none_softcap_writes_a_loadable_model(tmp_path, rng):
+    """The reported case end to end: `rewrite-onnx --attn=popcount` exit 0 and a model that loads."""
+    from ortsparse.cli import main
+
+    src, out = tmp_path / "gqa.onnx", tmp_path / "out.onnx"
+    model = genai_layer(softcap=-1.0, local_window_size=-7)
+    src.write_bytes(model.SerializeToString())
+    assert main(["rewrite", str(src), "-o", str(out), "--attn", "popcount", "-q"]) == 0
+    data = feeds(rng)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, data)
+    actual = ortsparse.inference_session(str(out)).run(None, data)
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+def test_self_check_refuses_to_write_a_node_the_library_refuses(tmp_path, monkeypatch, capsys):
+    """The rewriter's self-check (graph_rewrite/load_check.py): a rule that slipped (here: one made
+    to copy softcap=-1 through again) makes rewrite-onnx exit 2 naming the node, and writes nothing."""
+    from ortsparse.cli import main
+    from ortsparse.graph_rewrite.attention_rules import ms_group_query_attention as rule
+
+    monkeypatch.setattr(rule, "_as_onnxruntime_runs_them", lambda attributes: attributes)
+    src, out = tmp_path / "gqa.onnx", tmp_path / "out.onnx"
+    src.write_bytes(genai_layer(softcap=-1.0).SerializeToString())
+    assert main(["rewrite", str(src), "-o", str(out), "--attn", "popcount", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "PopcountGroupQueryAttention node '" in err and "softcap=-1" in err and "Traceback" not in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["gqa.onnx"]

@@ -89,15 +89,26 @@ def full_bias(mask, q, k, causal):
 
 
 def attention(q, k, v, mask=None, *, causal=False, scale=0.0, keep=None):
-    """Exact attention in float64. keep: optional bool [B, H, Sq, Skv]; keys outside it are dropped."""
+    """Exact attention in float64. keep: optional bool [B, H, Sq, Skv]; keys outside it are dropped.
+    NaN / Inf as the contract (docs/ops.md, as onnxruntime): the mask is added (bool False = -inf, so
+    a NaN score stays NaN); keys outside the causal range are not scored for the query; a NaN score
+    makes the row NaN; P multiplies every V row (0 for the keys a query does not attend, so a NaN
+    there reaches its column; a row whose scores are all -inf is 0·V); a row with no key in its
+    causal range is 0."""
     h = q.shape[1]
     kk = expand_kv(k, h).astype(np.float64)
     vv = expand_kv(v, h).astype(np.float64)
     s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), kk) * float(scale_of(scale, q.shape[3]))
-    s = s + full_bias(mask, q, k, causal)
+    s = s + additive_mask(mask, s.shape)
+    if causal:
+        s = np.where(causal_allowed(q.shape[2], k.shape[2]), s, -np.inf)
     if keep is not None:
         s = np.where(keep, s, -np.inf)
-    return np.einsum("bhij,bhjd->bhid", softmax_rows(s), vv)
+    y = np.einsum("bhij,bhjd->bhid", softmax_rows(s), vv)
+    if causal:
+        no_key = ~causal_allowed(q.shape[2], k.shape[2]).any(axis=-1)
+        y[:, :, no_key] = 0.0
+    return y
 
 
 def pack(x, mode, eps):

@@ -150,3 +150,18 @@ def test_glu_errors_name_the_value(n, glu, message, rng):
     b, scales, zp = make_weights(rng, k, n, bits, block, False)
     with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'kwta_q': .*{message}"):
         ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, glu=glu))
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_quantized_form_bias_of_the_wrong_length_is_named_bias(extra, rng):
+    """In this form B is the uint8 weight: a bias of N +- 1 values must name the bias input
+    (issue 23: it said "input B has shape [49] but N = 48")."""
+    k, n, block, bits = 64, 48, 32, 4
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    bias = np.zeros(n + extra, np.float32)
+    with pytest.raises(Exception) as error:
+        session = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, bias, k_frac=1.0))
+        session.run(None, {"X": np.ones((2, k), np.float32)})
+    text = str(error.value)
+    assert f"KwtaBlockMatMul node 'kwta_q': input bias (#4) has shape [{n + extra}] but N = {n}" in text, text
+    assert "input B " not in text
