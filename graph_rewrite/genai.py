@@ -218,6 +218,20 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
     folder ``output`` (see the module docstring). With ``check`` the rewritten decoder is opened in
     an ONNX Runtime session (with the op library) before anything is moved into place: the ONNX
     checker cannot judge these graphs (they use ORT's contrib ops in the default domain)."""
+    output = Path(output)
+    with staged_genai_folder(source, output, config, check=check, fuse=fuse) as staged:
+        commit_genai_folder(staged, output)
+    return dataclasses.replace(staged, folder=output, model_file=output / staged.model_file.relative_to(staged.folder),
+                               library=output / LIBRARY_FILE if staged.library else None)
+
+
+@contextlib.contextmanager
+def staged_genai_folder(source: str | os.PathLike, output: str | os.PathLike, config: RewriteConfig | None = None,
+                        *, check: bool = True, fuse: bool = True) -> Iterator[GenaiRewrite]:
+    """The rewritten folder of :func:`rewrite_genai_folder`, written into a staging folder beside
+    ``output`` and yielded (its ``folder`` is the staging folder, runnable as it is, e.g. to measure
+    it); :func:`commit_genai_folder` inside the ``with`` moves it into place, leaving without
+    removes it."""
     info = read_genai_folder(source)
     folder, output = info.folder, Path(output)
     check_folder_output(folder, output)
@@ -246,11 +260,17 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
                   "decoder": info.model_file.name, "library": LIBRARY_FILE if uses_library else None,
                   "library_sha256": library_sha, "rewrite": report.to_dict()["counts"]}
         _write_json(staging / RECORD_FILE, record, indent=1)
-        _replace_folder(staging, output)
-    if not uses_library:
-        report.notes.append("nothing was rewritten: the folder needs no op library")
-    return GenaiRewrite(output, output / info.model_file.relative_to(folder),
-                        output / LIBRARY_FILE if uses_library else None, report)
+        if not uses_library:
+            report.notes.append("nothing was rewritten: the folder needs no op library")
+        yield GenaiRewrite(staging, model_file, staging / LIBRARY_FILE if uses_library else None, report)
+
+
+def commit_genai_folder(staged: GenaiRewrite, output: str | os.PathLike) -> None:
+    """Moves a folder staged by :func:`staged_genai_folder` onto ``output`` (checked again: the
+    output may have changed since)."""
+    source = json.loads((staged.folder / RECORD_FILE).read_text(encoding="utf-8"))["source"]
+    check_folder_output(Path(source), Path(output))
+    _replace_folder(staged.folder, Path(output))
 
 
 def library_state(folder: str | os.PathLike) -> dict:

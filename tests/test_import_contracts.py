@@ -50,7 +50,7 @@ def test_import_contracts_hold(tmp_path):
     ("runtime.py", "from . import cli", "nothing but the entry points imports ortsparse.cli"),
     ("harness/cache.py", "from . import models", "no import cycles"),
     ("graph_rewrite/targets.py", "from .. import verify", "cli > harness"),
-    ("harness/corpus.py", "from . import perplexity", "harness: studies > commands"),
+    ("harness/corpus.py", "from . import perplexity", "harness: commands > measurements"),
 ])
 def test_a_new_import_against_a_contract_breaks_it(tmp_path, module, line, contract):
     view = package_view(tmp_path)

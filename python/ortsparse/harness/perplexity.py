@@ -49,8 +49,8 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
                session: Any = None) -> dict[str, Any]:
     """Perplexity of a full-sequence LM export on ``windows`` consecutive windows of ``window_len``
     tokens (see :func:`lm_windows`). Returns ``ppl``, ``nll`` (mean, nats), ``tokens`` (scored),
-    ``windows``, ``window_len``, ``offset`` and ``predictions`` (``[windows, window_len-1]`` argmax
-    next-token ids, for agreement). ``session_options`` as :func:`ortsparse.runtime.open_session`."""
+    ``windows``, ``window_len``, ``offset``, ``predictions`` (``[windows, window_len-1]`` argmax
+    next-token ids, for agreement) and ``window_nll`` (mean NLL of each window). ``session_options`` as :func:`ortsparse.runtime.open_session`."""
     batch = lm_windows(token_ids, windows, window_len, offset)
     session = session or open_session(model_path_or_proto, session_options)
     output = _logits_name(session)
@@ -59,6 +59,7 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
     _check_vocabulary(model_path_or_proto, batch)
     total_nll, count = 0.0, 0
     predictions = np.empty((windows, window_len - 1), dtype=np.int32)
+    window_nll = np.empty(windows)
     for i in tqdm(range(windows), desc="perplexity", unit="window", disable=not progress, leave=False):
         (logits,) = session.run([output], lm_feeds(inputs, batch[i], kv))
         logits = np.asarray(logits)
@@ -70,10 +71,11 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
         nll = _log_softmax_nll(step, batch[i, 1:])
         total_nll += float(nll.sum())
         count += nll.size
+        window_nll[i] = float(nll.mean())
         predictions[i] = step.argmax(axis=-1)
     mean = total_nll / count
     return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": windows, "window_len": window_len,
-            "offset": offset, "predictions": predictions}
+            "offset": offset, "predictions": predictions, "window_nll": window_nll}
 
 
 def compare_lm(dense_model: Any, rewritten_model: Any, token_ids: Any, windows: int = 8, window_len: int = 512,
