@@ -184,7 +184,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
                                          baseline_nll=baseline_nll)
     dense_losses = calibration_loss.dense_window_nll - calibration_loss.baseline_window_nll
     limit = max_dppl if margin is None else max_dppl * margin
-    points = search.walk(prepared, calibration_loss.window_loss, limit, dense_losses, method=method, log=log)
+    points = search.walk(prepared, calibration_loss.window_loss, limit, dense_losses, method=method,
+                         check_windows=m, log=log)
 
     # 3. Choose.
     losses = np.stack([p.losses for p in points])
