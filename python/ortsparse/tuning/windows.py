@@ -105,6 +105,7 @@ def plan_windows(tokens: np.ndarray, window_len: int, *, seconds_per_window: flo
                 n = max(MIN_CALIBRATION, math.floor(n * scale))
                 m = max(MIN_CHECK, math.floor(m * scale))
                 note = (f"{n} of {available[0]} calibration and {m} of {available[1]} check windows: the loss passes "
-                        f"fit ~{budget_s / 60:.0f} min at {seconds_per_window:.2f} s per window here")
+                        f"of the path and the check fit ~{budget_s / 60:.0f} min at {seconds_per_window:.2f} s per "
+                        f"window here; one probe pass per layer group comes on top")
     return WindowPlan(window_len, calibration[_spread(len(calibration), n)], check[_spread(len(check), m)],
                       long_piece, available, note)
