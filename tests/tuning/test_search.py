@@ -59,7 +59,7 @@ def test_the_walk_finds_the_cliff_past_a_pessimistic_prediction_and_refines_ther
 
 
 def test_the_walk_stops_once_clearly_over():
-    prepared, window_loss, calls = synthetic(cliff=0.12)
+    prepared, window_loss, _ = synthetic(cliff=0.12)
     points = search.walk(prepared, window_loss, 0.02, np.zeros(10), check_windows=6, log=lambda s: None)
     over = [p for p in points if math.expm1(p.losses.mean()) > 0.05]
     assert len(over) <= 2

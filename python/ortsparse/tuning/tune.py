@@ -219,8 +219,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
         report["advice"] = (f"no gating fits the budget {max_dppl:.2%} with confidence on this text (the least "
                             f"gated point's bound is {lowest:+.2%}"
                             + (f"; the input alone is at {curve[0]['dppl']:+.2%} vs the reference" if reference else "")
-                            + f"): nothing written. A larger --max-dppl, or a longer text (the margin shrinks "
-                            f"with more windows), would be needed")
+                            + "): nothing written. A larger --max-dppl, or a longer text (the margin shrinks "
+                            "with more windows), would be needed")
         return finish(EXIT_NOT_WRITTEN, f"tune: {report['advice']}")
     point = points[chosen.index]
     result = prepared.allocation(point.choice, limit, float(math.expm1(point.losses.mean())), search.history(points))
