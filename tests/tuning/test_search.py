@@ -27,8 +27,6 @@ def synthetic(units_count=12, windows=10, cliff=0.45, seed=0):
         layer.weight_bytes = 1000 * (1 + i % 3)
         layers.append(layer)
         units.append(unit)
-    for unit in units:
-        unit.layers[0].weight_bytes  # noqa: B018 - Unit.weight_bytes sums these
     prepared = allocation.Prepared(None, "l2", layers, units, None, {})
     window_effect = rng.normal(0, 1, windows)
     calls = []
