@@ -49,8 +49,10 @@ def test_import_contracts_hold(tmp_path):
     ("tt.py", "from .harness import corpus", "the rewriter and the offline builders never import the harness"),
     ("runtime.py", "from . import cli", "nothing but the entry points imports ortsparse.cli"),
     ("harness/cache.py", "from . import models", "no import cycles"),
-    ("graph_rewrite/targets.py", "from .. import verify", "cli > harness"),
-    ("harness/corpus.py", "from . import perplexity", "harness: studies > commands"),
+    ("graph_rewrite/targets.py", "from .. import verify", "cli > tuning > harness"),
+    ("harness/corpus.py", "from . import perplexity", "harness: commands > measurements"),
+    ("tuning/selection.py", "from . import tune", "tuning: command > tune"),
+    ("harness/speed.py", "from .. import tuning", "cli > tuning > harness"),
 ])
 def test_a_new_import_against_a_contract_breaks_it(tmp_path, module, line, contract):
     view = package_view(tmp_path)

@@ -259,16 +259,21 @@ class Subcommand:
     run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 
 
+def _module_path(module_name: str) -> str:
+    """``ortsparse.<name>`` for a dotted name (``tuning.command``), else ``ortsparse.harness.<name>``."""
+    return f"ortsparse.{module_name}" if "." in module_name else f"ortsparse.harness.{module_name}"
+
+
 def _harness_command(module_name: str, help_text: str) -> Subcommand:
-    """A subcommand implemented by ortsparse.harness.<module_name> (add_arguments / run),
+    """A subcommand implemented by the module ``_module_path(module_name)`` (add_arguments / run),
     imported only when the parser is built, so heavy imports stay inside its functions."""
     import importlib
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        importlib.import_module(f"ortsparse.harness.{module_name}").add_arguments(parser)
+        importlib.import_module(_module_path(module_name)).add_arguments(parser)
 
     def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-        return importlib.import_module(f"ortsparse.harness.{module_name}").run(args, parser)
+        return importlib.import_module(_module_path(module_name)).run(args, parser)
 
     return Subcommand(help_text, add_arguments, run)
 
@@ -276,7 +281,7 @@ def _harness_command(module_name: str, help_text: str) -> Subcommand:
 def _available(module_name: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(f"ortsparse.harness.{module_name}") is not None
+    return importlib.util.find_spec(_module_path(module_name)) is not None
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -286,7 +291,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                add_genai_config_arguments, run_genai_config),
 }
 for _name, _module, _help in [
-    ("tune", "tune", "tune MODEL on your text: calibrated gating (+ attention at long contexts) within a "
+    ("tune", "tuning.command", "tune MODEL on your text: calibrated gating (+ attention at long contexts) within a "
                      "held-out quality budget, verified, with its decode speed"),
     ("models", "models", "fetch and export the real models into the cache (idempotent)"),
     ("quality", "quality", "perplexity / embedding cosine / output error, dense vs rewritten"),

@@ -227,7 +227,7 @@ def test_finding19_rewritten_folders_get_the_umask(mask, src, tmp_path, umask):
     assert stat.S_IMODE(os.stat(tmp_path / "o").st_mode) == 0o777 & ~mask
 
 
-def test_finding19_tuned_folder_gets_the_umask_and_its_reports(src, text, tmp_path, umask, capsys):
+def test_finding19_tuned_folder_gets_the_umask_and_its_reports(src, text, tmp_path, umask, capsys, steady_tune_speed):
     umask(0o022)
     assert main(["tune", str(src), "--text", str(text), "-o", str(tmp_path / "o"), "--max-dppl", "1.0",
                  "--windows", "1"]) == EXIT_OK

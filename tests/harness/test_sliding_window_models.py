@@ -95,7 +95,7 @@ def test_the_decoder_and_a_full_window_prefill_agree_with_the_generator(greedy):
     np.testing.assert_allclose(full[0, len(PROMPT) - 1:-1], stepped, rtol=1e-4, atol=1e-4)
 
 
-def test_every_command_runs_on_the_folder(tmp_path, text):
+def test_every_command_runs_on_the_folder(tmp_path, text, steady_tune_speed):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(7).integers(0, 256, size=2000).astype(np.int64))
     assert perplexity(GEMMA / "model.onnx", np.load(tokens), 2, 48)["ppl"] > 1

@@ -351,33 +351,46 @@ class LmLoss:
     kind = "lm"
 
     def __init__(self, probe: ProbeSession, windows: np.ndarray, keep_logprobs: bool,
-                 baseline_nll: float | None = None, first: int = 0) -> None:
+                 baseline_nll: float | np.ndarray | None = None, first: int = 0) -> None:
         self.probe = probe
         self.windows = np.asarray(windows)
         self.first = first
         self.dense_logprobs: list[np.ndarray] = []
-        nll = 0.0
+        window_nll = []
         for window in self.windows:
             logits = self._logits({}, window)
-            nll += float(score_logits(logits, window[first + 1:])[0].sum())
+            window_nll.append(float(score_logits(logits, window[first + 1:])[0].mean()))
             if keep_logprobs:
                 logp = np.empty(logits.shape, dtype=np.float32)
                 for start, stop, block in log_softmax_blocks(logits):
                     logp[start:stop] = block
                 self.dense_logprobs.append(logp)
+        self.dense_window_nll = np.asarray(window_nll)
         self.scored = self.windows.shape[0] * (self.windows.shape[1] - 1 - first)
         # dppl is against the dense model itself, or against a reference (e.g. the fp32 model of a
-        # quantized one: the budget then covers quantization and gating together).
-        self.dense_nll = nll / self.scored if baseline_nll is None else baseline_nll
+        # quantized one: the budget then covers quantization and gating together): its mean NLL,
+        # or its NLL per window (``baseline_window_nll``, for per-window losses).
+        baseline = self.dense_window_nll if baseline_nll is None else np.asarray(baseline_nll, dtype=np.float64)
+        self.baseline_window_nll = baseline if baseline.ndim == 1 else None
+        self.dense_nll = float(np.mean(baseline))
 
     def _logits(self, thresholds: Mapping[int, float], window: np.ndarray) -> np.ndarray:
         return self.probe.run(thresholds, window)[0, self.first:-1]
 
+    def window_nll(self, thresholds: Mapping[int, float]) -> np.ndarray:
+        """Mean NLL (nats) of each window's scored tokens with ``thresholds`` applied."""
+        return np.asarray([float(score_logits(self._logits(thresholds, window), window[self.first + 1:])[0].mean())
+                           for window in self.windows])
+
+    def window_loss(self, thresholds: Mapping[int, float]) -> np.ndarray:
+        """Per window: NLL with ``thresholds`` minus the baseline's NLL on that window (log ppl ratio;
+        needs a per-window baseline: the dense run's, or a reference's given per window)."""
+        if self.baseline_window_nll is None:
+            raise ValueError("window_loss needs the baseline's NLL per window")
+        return self.window_nll(thresholds) - self.baseline_window_nll
+
     def nll(self, thresholds: Mapping[int, float]) -> float:
-        total = 0.0
-        for window in self.windows:
-            total += float(score_logits(self._logits(thresholds, window), window[self.first + 1:])[0].sum())
-        return total / self.scored
+        return float(np.mean(self.window_nll(thresholds)))
 
     def dppl(self, thresholds: Mapping[int, float]) -> float:
         return math.exp(self.nll(thresholds) - self.dense_nll) - 1.0
@@ -456,15 +469,16 @@ def probe_units(units: Sequence[Unit], layers: Sequence[GatedLayer], probe_loss:
             progress(i)
 
 
-def allocate(units: Sequence[Unit], mu: float, cap: float = 1.0) -> dict[str, int]:
+def allocate(units: Sequence[Unit], mu: float, cap: float = 1.0, floor: float = 0.0) -> dict[str, int]:
     """The Lagrangian choice for price ``mu``: per unit the grid index minimising
-    loss_u(s) - mu * bytes_u / total_bytes * s (sparsities above ``cap`` not allowed)."""
+    loss_u(s) - mu * bytes_u / total_bytes * s (sparsities above ``cap`` not allowed, nor those
+    between 0 and ``floor``: a layer gated that little skips too few bytes to pay for its gate)."""
     total = sum(unit.weight_bytes for unit in units)
     choice = {}
     for unit in units:
         grid = np.asarray(unit.grid)
         objective = unit.loss() - mu * unit.weight_bytes / total * grid
-        objective[grid > cap] = np.inf
+        objective[(grid > cap) | ((grid > 0.0) & (grid < floor))] = np.inf
         choice[unit.input_name] = int(np.argmin(objective))
     return choice
 
@@ -482,15 +496,7 @@ def bisect_price(units: Sequence[Unit], layers: Sequence[GatedLayer], budget_los
                  ) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """The largest price mu (bisection in log space over ``steps`` joint measurements) whose
     allocation keeps ``budget_loss`` <= ``budget``; returns that allocation and the history."""
-    # Bracket mu by the predicted loss: the price at which the prediction equals the budget.
-    low, high = 1e-8, 1e3
-    for _ in range(60):
-        mid = math.sqrt(low * high)
-        if predicted_loss(units, allocate(units, mid, cap)) > budget:
-            high = mid
-        else:
-            low = mid
-    guess = math.sqrt(low * high)
+    guess = price_for(units, budget, cap)  # bracket mu by the predicted loss
     low, high = guess / 16.0, guess * 16.0
     best: dict[str, int] = {unit.input_name: 0 for unit in units}
     history: list[dict[str, Any]] = []
@@ -587,10 +593,29 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
             and record.name not in set(gated)]
 
 
-def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
-              probe_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]],
-              budget_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]],
-              budget: float, *, level: float, steps: int, max_rows: int, log: Callable[[str], None]) -> Allocation:
+@dataclasses.dataclass
+class Prepared:
+    """Steps 1-2 done: every unit's cost curve and probe, and the probe session that evaluates any
+    set of thresholds (step 3-4 run on it: :func:`bisect_price`, or a caller's own search)."""
+
+    model: onnx.ModelProto
+    score: str
+    layers: list[GatedLayer]
+    units: list[Unit]
+    session: ProbeSession
+    seconds: dict[str, float]
+
+    def allocation(self, choice: Mapping[str, int], budget: float, calibration_loss: float,
+                   history: list[dict[str, Any]]) -> Allocation:
+        """The :class:`Allocation` of ``choice`` (unit input name -> grid index)."""
+        return Allocation(self.score, list(self.layers), self.units, dict(choice), budget, calibration_loss, history,
+                          self.seconds, dense_quantized_heads(self.model, [layer.name for layer in self.layers]))
+
+
+def prepare(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
+            probe_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]], *,
+            level: float, max_rows: int, log: Callable[[str], None]) -> Prepared:
+    """Capture and curves (step 1) on ``capture_batches``, then one probe per unit (step 2)."""
     if not layers:
         raise ValueError("no linear layer to gate (the target selects none)")
     seconds: dict[str, float] = {}
@@ -608,13 +633,44 @@ def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capt
     probe_units(units, layers, probe_loss, level=level,
                 progress=lambda i: log(f"allocation: probed {i + 1}/{len(units)}") if (i + 1) % 20 == 0 else None)
     seconds["probes"] = time.perf_counter() - clock
+    return Prepared(model, score, list(layers), units, session, seconds)
+
+
+def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
+              probe_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]],
+              budget_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]],
+              budget: float, *, level: float, steps: int, max_rows: int, log: Callable[[str], None]) -> Allocation:
+    prepared = prepare(model, layers, score, capture_batches, probe_loss_of, level=level, max_rows=max_rows, log=log)
+    units = prepared.units
     clock = time.perf_counter()
-    budget_loss = budget_loss_of(session)
+    budget_loss = budget_loss_of(prepared.session)
     choice, history = bisect_price(units, layers, budget_loss, budget, steps=steps, log=log)
-    seconds["search"] = time.perf_counter() - clock
+    prepared.seconds["search"] = time.perf_counter() - clock
     verified = [h["loss"] for h in history if h["skipped"] == skipped_fraction(units, choice) and h["loss"] <= budget]
-    return Allocation(score, list(layers), units, choice, budget, verified[0] if verified else 0.0, history, seconds,
-                      dense_quantized_heads(model, [layer.name for layer in layers]))
+    return prepared.allocation(choice, budget, verified[0] if verified else 0.0, history)
+
+
+def prepare_lm(model: Any, calibration_windows: np.ndarray, probe_window: np.ndarray, *, target: str = "both",
+               score: str = "l2", level: float = 0.02, max_rows: int = 2048,
+               log: Callable[[str], None] = print) -> Prepared:
+    """Steps 1-2 for an LM: curves captured on ``calibration_windows`` (``[n, L]`` token ids), each
+    unit probed (KL vs dense) on ``probe_window`` (``[1, L]``)."""
+    model = load_proto(model, load_weights=True)
+    return prepare(model, gated_layers(model, target), score, list(np.asarray(calibration_windows)),
+                   lambda session: LmLoss(session, probe_window, keep_logprobs=True).kl,
+                   level=level, max_rows=max_rows, log=log)
+
+
+def price_for(units: Sequence[Unit], predicted: float, cap: float = 1.0, floor: float = 0.0) -> float:
+    """The price mu whose allocation's predicted loss is ``predicted`` (bisection in log space)."""
+    low, high = 1e-8, 1e3
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        if predicted_loss(units, allocate(units, mid, cap, floor)) > predicted:
+            high = mid
+        else:
+            low = mid
+    return math.sqrt(low * high)
 
 
 def allocate_lm(model: Any, calibration_tokens: Any, max_dppl: float = 0.02, *, target: str = "both",

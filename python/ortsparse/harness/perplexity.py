@@ -116,7 +116,7 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
         window_nll[i] = float(nll.mean())
         del logits
     mean = float(window_nll.mean())  # every window scores as many tokens
-    return {"ppl": math.exp(mean), "nll": mean, "window_nll": window_nll.tolist(), "tokens": predictions.size,
+    return {"ppl": math.exp(mean), "nll": mean, "window_nll": window_nll, "tokens": predictions.size,
             "windows": windows, "window_len": window_len, "offset": offset, "bos": bos.to_dict(),
             "text_per_window": text_per_window(window_len, bos.id), "predictions": predictions}
 

@@ -1,0 +1,76 @@
+"""``ortsparse tune MODEL --text FILE [--max-dppl 0.02] [--context N] -o OUT``: the command line of
+:func:`ortsparse.tuning.tune.tune`.
+
+Exit status: 0 written; 1 nothing written (the budget cannot be met with confidence, or the check
+missed it); 2 bad input (a one-line error, e.g. a text too short, saying how long it must be);
+3 written, but the tuned model decoded slower than MODEL on this machine (the last line says so).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import flag_types
+from ..benchmarking import command_line
+from ..graph_rewrite.genai import model_input
+from ..harness.text import find_tokenizer, resolve_bos, text_tokens
+from ..runtime import vocab_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="an ONNX decoder (.onnx) or an onnxruntime-genai folder")
+    parser.add_argument("--text", metavar="FILE", required=True,
+                        help="a UTF-8 text like the model's real inputs (>= ~20k tokens writes reliably)")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder); default: beside MODEL")
+    parser.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                        help="the token every window starts with: auto (default) = BOS when the tokenizer adds one "
+                             "(tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
+    parser.add_argument("-o", "--output", metavar="OUT", required=True,
+                        help="the tuned model (.onnx), or a new folder for a genai MODEL")
+    parser.add_argument("--max-dppl", type=flag_types.finite_float(0.0, 10.0, min_open=True, max_open=True),
+                        default=0.02,
+                        help="perplexity budget on the check windows (default 0.02)")
+    parser.add_argument("--margin", type=flag_types.fraction, default=None,
+                        help="also keep the calibration bound within margin x budget (default: the bound's own "
+                             "margin, from the measured window-to-window spread)")
+    parser.add_argument("--context", type=flag_types.positive_int, default=None,
+                        help="the context the model will run at; >= 2048 also tunes attention selection")
+    parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
+                        "a quantized MODEL (the budget then covers quantization and gating together)")
+    parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",
+                        help="per-layer sparsities from measured sensitivities (default), or one for every layer")
+    parser.add_argument("--threads", type=flag_types.threads, default=1,
+                        help="intra-op threads of the speed check (default 1)")
+    parser.add_argument("--windows", type=flag_types.int_in(1, 256), default=None, metavar="N",
+                        help="calibration windows, and at most as many check windows (default: every window the "
+                             "text gives, within ~15 min of loss passes)")
+    parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .tune import tune, tune_outputs
+
+    if not (0 < args.max_dppl < 10):
+        parser.error(f"--max-dppl {args.max_dppl}: give a fraction such as 0.02")
+    if args.margin is not None and not (0 < args.margin <= 1):
+        parser.error(f"--margin {args.margin} must be in (0, 1]")
+    if args.windows is not None and not 1 <= args.windows <= 256:
+        parser.error(f"--windows {args.windows} must be in 1..256")
+    if not Path(args.model).exists():
+        parser.error(f"model {args.model} does not exist")
+    decoder = model_input(args.model)
+    tokenizer = find_tokenizer(args.model, args.tokenizer)
+    protected = {Path(args.text): "the text", tokenizer: "the tokenizer"}
+    tune_outputs(args.model, args.output, args.report, protected, args.reference)  # before reading the text
+    tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
+    bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
+    report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
+                  threads=args.threads, report_stem=args.report, reference=args.reference, method=args.method,
+                  windows=args.windows, command=_command(sys.argv), bos=bos, protected=protected)
+    return report["exit_status"]
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command line the report quotes (None when ``tune`` was not the process's command)."""
+    return command_line("ortsparse tune", argv[2:]) if argv[1:2] == ["tune"] else None
