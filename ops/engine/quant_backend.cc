@@ -141,6 +141,12 @@ std::vector<float> QuantWeights::block_norms(const BlockPartition& partition) co
   return norms;
 }
 
+bool int8_decode_for_accuracy_level(int64_t accuracy_level) {
+  if (accuracy_level < 0 || accuracy_level > 4)
+    fail("attribute accuracy_level=", accuracy_level, " is not one of MatMulNBits' levels 0-4");
+  return accuracy_level == 4;
+}
+
 QuantBackend::QuantBackend(std::shared_ptr<const QuantWeights> weights, QuantTuning tuning)
     : weights_(std::move(weights)), tuning_(tuning) {}
 
@@ -204,6 +210,35 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     }
   }
   token_tasks.push_back(tasks.size());
+  // int8 decode: each token's kept activations quantized once (its gated-off rows zeroed first, so
+  // that a block's scale is its kept rows' amax), shared by the token's tasks.
+  const size_t ldq = nb * p.block;
+  thread_local AlignedBuffer<float> masked_buffer;
+  thread_local AlignedBuffer<int8_t> xq_buffer;
+  thread_local AlignedBuffer<int16_t> xq16_buffer;
+  thread_local std::vector<float> xscale_buffer;
+  thread_local std::vector<int32_t> xsum_buffer;
+  thread_local AlignedBuffer<int32_t> iacc_buffer;
+  if (tuning_.int8_decode) {
+    if (xq_buffer.size() < tokens.size() * ldq) xq_buffer.resize(tokens.size() * ldq);
+    if (xq16_buffer.size() < ldq) xq16_buffer.resize(ldq);
+    if (masked_buffer.size() < ldq) masked_buffer.resize(ldq);
+    xscale_buffer.resize(tokens.size() * nb);
+    xsum_buffer.resize(tokens.size() * nb);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const size_t t = tokens[i];
+      const float* xt = x + t * k;
+      if (!gated.dense[t]) {
+        float* masked = masked_buffer.data();
+        std::fill(masked, masked + k, 0.0f);
+        for (size_t at = gated.offset[t]; at < gated.offset[t + 1]; ++at) masked[gated.rows[at]] = xt[gated.rows[at]];
+        xt = masked;
+      }
+      kernels.quantize(xt, k, p.block, nb, 1.0f, xq_buffer.data() + i * ldq, xq16_buffer.data(),
+                       xscale_buffer.data() + i * nb, xsum_buffer.data() + i * nb);
+    }
+    if (iacc_buffer.size() < tasks.size() * p.panel) iacc_buffer.resize(tasks.size() * p.panel);
+  }
   if (partial_buffer.size() < tasks.size() * width) partial_buffer.resize(tasks.size() * width);
   if (acc_buffer.size() < tasks.size() * p.panel) acc_buffer.resize(tasks.size() * p.panel);
   float* const partial = partial_buffer.data();
@@ -215,12 +250,32 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   const SerialTaskRunner serial;
   const TaskRunner& dispatch = stream_bytes < tuning_.decode_parallel_min_bytes ? static_cast<const TaskRunner&>(serial)
                                                                                 : runner;
-  dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
-    const Task& task = task_list[i];
-    for (size_t panel = 0; panel < p.num_panels; ++panel)
-      kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
-                     partial + i * width + panel * p.panel, acc + i * p.panel);
-  });
+  if (tuning_.int8_decode) {
+    int32_t* const iacc = iacc_buffer.data();
+    const int8_t* const xq = xq_buffer.data();
+    const float* const xscale = xscale_buffer.data();
+    const int32_t* const xsum = xsum_buffer.data();
+    const size_t* const first_task = token_tasks.data();
+    dispatch.run(tasks.size(), [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
+      const Task& task = task_list[i];
+      // The token's position in `tokens`: the last token whose first task is <= i.
+      const size_t slot = static_cast<size_t>(std::upper_bound(first_task, first_task + tokens.size(), i) - first_task) - 1;
+      QuantDecodeActivations acts;
+      acts.q = xq + slot * ldq;
+      acts.scale = xscale + slot * nb;
+      acts.sum = xsum + slot * nb;
+      for (size_t panel = 0; panel < p.num_panels; ++panel)
+        kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
+                            partial + i * width + panel * p.panel, iacc + i * p.panel);
+    });
+  } else {
+    dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
+      const Task& task = task_list[i];
+      for (size_t panel = 0; panel < p.num_panels; ++panel)
+        kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
+                       partial + i * width + panel * p.panel, acc + i * p.panel);
+    });
+  }
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
     const float s = gated.scale[t];

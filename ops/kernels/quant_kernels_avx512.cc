@@ -143,11 +143,16 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
 void quant_prefill_avx512_vnni(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
                                float* const* ys, size_t valid, const float* bias, uint8_t* scratch);
 size_t quant_prefill_avx512_vnni_scratch_bytes(const QuantPacked& p, size_t m);
+void quant_decode_int8_avx512_vnni(const QuantPacked& p, size_t panel, size_t b0, size_t b1,
+                                   const QuantDecodeActivations& a, const int32_t* rows, size_t nrows, size_t lookahead,
+                                   float* out, int32_t* acc);
 
 const QuantKernels& quant_kernels_avx512() {
   static const QuantKernels table = [] {
-    QuantKernels t{decode_any, quant_prefill_avx512_vnni, quant_prefill_avx512_vnni_scratch_bytes, quantize};
-    if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int16 prefill
+    QuantKernels t{decode_any, quant_decode_int8_avx512_vnni, quant_prefill_avx512_vnni,
+                   quant_prefill_avx512_vnni_scratch_bytes, quantize};
+    if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int8 decode and int16 prefill
+      t.decode_int8 = quant_kernels_avx2().decode_int8;
       t.prefill = quant_kernels_avx2().prefill;
       t.prefill_scratch_bytes = quant_kernels_avx2().prefill_scratch_bytes;
     }
