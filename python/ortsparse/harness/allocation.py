@@ -571,8 +571,8 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
     """The LM heads stored as MatMulNBits that are not gated: the allocation writes them dense on our
     quantized kernel. At one token the head is the widest layer (576 x 49152 in SmolLM2, a fifth of a
     decode step's weight bytes) and our decode kernel streams it faster than MatMulNBits
-    (reports/quant_kernel.md); its numerics are MatMulNBits accuracy_level 0's, which the held-out
-    check then measures.
+    (reports/quant_kernel.md); it keeps the MatMulNBits node's accuracy_level (its numerics), and the
+    held-out check then measures it.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576)."""
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
