@@ -174,6 +174,7 @@ void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, c
 
 // Decode: per token, its K-blocks split into a few chunks; each task streams the kept rows of its
 // blocks (whole panel rows) into a partial sum per column, and the partials are added at the end.
+// A layer of decode_panel_tasks panels or more is split by panel instead (no partials to add).
 void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
                               const float* bias, float* y, const QuantKernels& kernels,
                               const TaskRunner& runner) const {
@@ -182,23 +183,33 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   struct Task {
     size_t token, b0, b1, nrows, lookahead;  // lookahead: list entries after this task's (prefetched only)
     const int32_t* rows;
+    size_t panel0, panel1, slot;  // its panels, and the partial sum it writes (partial + slot * width)
   };
   thread_local std::vector<Task> tasks;
   thread_local std::vector<size_t> token_tasks;  // first task of each token, then the end
   thread_local AlignedBuffer<float> partial_buffer, acc_buffer;
   tasks.clear();
   token_tasks.clear();
+  size_t slots = 0;
   for (size_t t : tokens) {
     token_tasks.push_back(tasks.size());
     const size_t count = gated.row_count(t, k);
-    const size_t chunks = std::max<size_t>(
-        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
     // A gated token's list may be empty (and its pointer null): the kernels read rows == nullptr as
     // "every row", so an empty list points at a dummy entry instead.
     static const int32_t kNoRow = 0;
     const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
+    if (p.num_panels >= tuning_.decode_panel_tasks) {
+      // A wide layer (a head): one task per panel, every kept row; the panels' columns are disjoint,
+      // so the tasks write one partial sum and nothing is added up at the end.
+      for (size_t panel = 0; panel < p.num_panels; ++panel)
+        tasks.push_back(Task{t, 0, nb, rows ? count : 0, 0, rows, panel, panel + 1, slots});
+      ++slots;
+      continue;
+    }
+    const size_t chunks = std::max<size_t>(
+        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
     for (size_t c = 0; c < chunks; ++c) {
-      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr};
+      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr, 0, p.num_panels, slots++};
       if (rows) {
         const int32_t* lo = std::lower_bound(rows, rows + count, static_cast<int32_t>(task.b0 * p.block));
         const int32_t* hi = std::lower_bound(lo, rows + count, static_cast<int32_t>(std::min(k, task.b1 * p.block)));
@@ -239,14 +250,15 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     }
     if (iacc_buffer.size() < tasks.size() * p.panel) iacc_buffer.resize(tasks.size() * p.panel);
   }
-  if (partial_buffer.size() < tasks.size() * width) partial_buffer.resize(tasks.size() * width);
+  if (partial_buffer.size() < slots * width) partial_buffer.resize(slots * width);
   if (acc_buffer.size() < tasks.size() * p.panel) acc_buffer.resize(tasks.size() * p.panel);
   float* const partial = partial_buffer.data();
   float* const acc = acc_buffer.data();
   const Task* const task_list = tasks.data();
   size_t stream_bytes = 0;
   for (const Task& task : tasks)
-    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) * width * p.bits / 8;
+    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) *
+                    (task.panel1 - task.panel0) * p.panel * p.bits / 8;
   const SerialTaskRunner serial;
   const TaskRunner& dispatch = stream_bytes < tuning_.decode_parallel_min_bytes ? static_cast<const TaskRunner&>(serial)
                                                                                 : runner;
@@ -264,29 +276,30 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
       acts.q = xq + slot * ldq;
       acts.scale = xscale + slot * nb;
       acts.sum = xsum + slot * nb;
-      for (size_t panel = 0; panel < p.num_panels; ++panel)
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
         kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
-                            partial + i * width + panel * p.panel, iacc + i * p.panel);
+                            partial + task.slot * width + panel * p.panel, iacc + i * p.panel);
     });
   } else {
     dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
       const Task& task = task_list[i];
-      for (size_t panel = 0; panel < p.num_panels; ++panel)
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
         kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
-                       partial + i * width + panel * p.panel, acc + i * p.panel);
+                       partial + task.slot * width + panel * p.panel, acc + i * p.panel);
     });
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
     const float s = gated.scale[t];
     float* yt = y + t * n;
-    const float* p0 = partial + first * width;
-    if (last - first == 1) {
+    const size_t slot0 = tasks[first].slot, slot1 = tasks[last - 1].slot + 1;
+    const float* p0 = partial + slot0 * width;
+    if (slot1 - slot0 == 1) {
       for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * p0[j];
       continue;
     }
     for (size_t j = 0; j < n; ++j) yt[j] = p0[j];
-    for (size_t c = first + 1; c < last; ++c) {
+    for (size_t c = slot0 + 1; c < slot1; ++c) {
       const float* pc = partial + c * width;
       for (size_t j = 0; j < n; ++j) yt[j] += pc[j];
     }

@@ -83,6 +83,11 @@ struct QuantTuning {
   // decode_min_chunk_rows kept rows (partial sums added at the end; every task streams full rows).
   size_t decode_row_chunks = 4;
   size_t decode_min_chunk_rows = 128;
+  // A layer with at least this many column panels (a wide head: Gemma-3's 640x262144 has 16) splits a
+  // decode token by panel instead, one task per panel over every kept row: no partial sums to write
+  // and add (4 x N floats per token at 4 chunks). Tasks never depend on the thread count, so neither
+  // do the results.
+  size_t decode_panel_tasks = 4;
   // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread: waking
   // a pool thread (ORT's pool, spinning off) cost more than a small layer's second task saved. Only
   // the dispatch changes — the same tasks, partial sums and reduction order — so results do not.

@@ -130,6 +130,27 @@ def test_decode_matches_scalar_and_float64(isa, bits, block, zero_points, keep, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+@pytest.mark.parametrize("keep", [None, 0.0, 0.5])
+def test_wide_layer_split_by_panel_matches_row_chunks(isa, accuracy_level, keep, rng):
+    # 8 panels of 64 columns: one task per panel (no partial sums) against the same layer split in
+    # row chunks (decode_panel_tasks out of reach): the same products, summed in another order.
+    k, n, bits, block, m = 300, 500, 4, 32, 3
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    kwargs = dict(max_panel=64, prefill_min_tokens=NO_PREFILL, decode_min_chunk_rows=32, accuracy_level=accuracy_level)
+    by_panel = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
+    by_rows = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_panel_tasks=1 << 30, **kwargs)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rows = random_rows(rng, m, k, keep)
+    bias = rng.standard_normal(n).astype(np.float32)
+    out = np.full((m, n), np.nan, dtype=np.float32)
+    by_panel(x, rows, bias=bias, out=out)
+    assert_within(out, by_rows(x, rows, bias=bias), 2 * fp32_bound(x, w) + 1e-6 * np.abs(bias))
+    np.testing.assert_array_equal(by_panel(x, rows, bias=bias, threads=2), out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 17])
 def test_decode_per_token_lists_scale_and_bias(isa, m, rng):
     k, n, bits, block = 150, 77, 4, 32
@@ -196,7 +217,9 @@ def test_int8_decode_is_bit_identical_on_every_isa(isa, bits, block, zero_points
     k, m = 203, 3
     b_weights = {n: make_weights(rng, k, n, bits, block, zero_points) for n in (1, 63, 65, 321)}
     for n, (b, scales, zp) in b_weights.items():
-        kwargs = dict(max_panel=192, prefill_min_tokens=NO_PREFILL, decode_min_chunk_rows=32, accuracy_level=4)
+        # 321 columns in panels of 64: 6 panels, split by panel (decode_panel_tasks); else row chunks.
+        kwargs = dict(max_panel=64 if n == 321 else 192, prefill_min_tokens=NO_PREFILL, decode_min_chunk_rows=32,
+                      accuracy_level=4)
         got_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
         ref_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", **kwargs)
         x = (rng.standard_normal((m, k)) * rng.choice([0.01, 1.0, 30.0], (m, k))).astype(np.float32)
@@ -252,11 +275,12 @@ def test_int8_decode_skips_dropped_rows_and_marks_nonfinite_blocks(isa, rng):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("parallel_min_bytes", [0, 1 << 20])
-def test_int8_decode_two_threads_give_the_serial_result(isa, parallel_min_bytes, rng):
+@pytest.mark.parametrize("max_panel", [K.QUANT_MAX_PANEL, 128])  # row chunks / one task per panel (6 panels)
+def test_int8_decode_two_threads_give_the_serial_result(isa, parallel_min_bytes, max_panel, rng):
     k, n, bits, block, m = 1100, 700, 8, 32, 3
     b, scales, zp = make_weights(rng, k, n, bits, block, True)
     q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64, accuracy_level=4,
-                      prefill_min_tokens=NO_PREFILL, decode_parallel_min_bytes=parallel_min_bytes)
+                      prefill_min_tokens=NO_PREFILL, decode_parallel_min_bytes=parallel_min_bytes, max_panel=max_panel)
     x = rng.standard_normal((m, k)).astype(np.float32)
     rows = [None, np.flatnonzero(rng.random(k) < 0.6).astype(np.int32), np.arange(0, k, 7, dtype=np.int32)]
     np.testing.assert_array_equal(q(x, rows, threads=2), q(x, rows, threads=1))
