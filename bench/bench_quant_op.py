@@ -57,7 +57,9 @@ def nbits_graph(tensors, k, n):
 
 def gated(model, settings):
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(settings, enabled=True, target="all")})
-    return rewrite_model(model, config)[0]
+    # fuse=False: the nodes share X, and the rewriter would fuse them into one wide node (and a Split),
+    # which is not the per-node cost this bench compares with the loop.
+    return rewrite_model(model, config, fuse=False)[0]
 
 
 def session(model, ours):
