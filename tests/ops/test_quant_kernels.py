@@ -229,6 +229,24 @@ def test_int8_decode_is_bit_identical_on_every_isa(isa, bits, block, zero_points
         np.testing.assert_array_equal(out, ref_q(x, rows))
 
 
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_decode_row_count_tails(isa, bits, rng):
+    # Every count of kept rows from 1 to 2 passes + 1 (16-row passes of 4-row quads on AVX-512,
+    # 8-row passes on AVX2) in one block, dense and as the first rows of a list.
+    block, n = 64, 130
+    for k in range(1, 2 * 16 + 2):
+        b, scales, zp = make_weights(rng, k, n, bits, block, True)
+        kwargs = dict(prefill_min_tokens=NO_PREFILL, accuracy_level=4)
+        got_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
+        ref_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", **kwargs)
+        x = rng.standard_normal((2, k)).astype(np.float32)
+        rows = [None, np.arange(0, k, 2, dtype=np.int32)]
+        out = np.full((2, n), np.nan, dtype=np.float32)
+        got_q(x, rows, out=out)
+        np.testing.assert_array_equal(out, ref_q(x, rows), err_msg=f"K={k}")
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("block", [16, 32, 128])
 @pytest.mark.parametrize("zero_points", [False, True])
