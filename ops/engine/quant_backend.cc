@@ -226,13 +226,11 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   const size_t ldq = nb * p.block;
   thread_local AlignedBuffer<float> masked_buffer;
   thread_local AlignedBuffer<int8_t> xq_buffer;
-  thread_local AlignedBuffer<int16_t> xq16_buffer;
   thread_local std::vector<float> xscale_buffer;
   thread_local std::vector<int32_t> xsum_buffer;
   thread_local AlignedBuffer<int32_t> iacc_buffer;
   if (tuning_.int8_decode) {
     if (xq_buffer.size() < tokens.size() * ldq) xq_buffer.resize(tokens.size() * ldq);
-    if (xq16_buffer.size() < ldq) xq16_buffer.resize(ldq);
     if (masked_buffer.size() < ldq) masked_buffer.resize(ldq);
     xscale_buffer.resize(tokens.size() * nb);
     xsum_buffer.resize(tokens.size() * nb);
@@ -245,8 +243,8 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
         for (size_t at = gated.offset[t]; at < gated.offset[t + 1]; ++at) masked[gated.rows[at]] = xt[gated.rows[at]];
         xt = masked;
       }
-      kernels.quantize(xt, k, p.block, nb, 1.0f, xq_buffer.data() + i * ldq, xq16_buffer.data(),
-                       xscale_buffer.data() + i * nb, xsum_buffer.data() + i * nb);
+      kernels.quantize(xt, k, p.block, nb, 1.0f, xq_buffer.data() + i * ldq, nullptr, xscale_buffer.data() + i * nb,
+                       xsum_buffer.data() + i * nb);
     }
     if (iacc_buffer.size() < tasks.size() * p.panel) iacc_buffer.resize(tasks.size() * p.panel);
   }

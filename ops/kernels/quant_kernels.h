@@ -116,7 +116,8 @@ struct QuantKernels {
                   float* const* ys, size_t valid, const float* bias, uint8_t* scratch);
   size_t (*prefill_scratch_bytes)(const QuantPacked& p, size_t m);
 
-  // One token's activations for `prefill`: q and q16 [num_blocks * block] (past K: 0), scale and sum
+  // One token's activations for `prefill`: q and q16 [num_blocks * block] (past K: 0; q16 may be null:
+  // not written, as the decode needs none), scale and sum
   // [num_blocks], as quantize_activations defines them (every ISA gives identical values: the
   // rounding is one fp32 product rounded half to even).
   void (*quantize)(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q,

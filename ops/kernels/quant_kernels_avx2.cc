@@ -382,7 +382,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
     }
     if (!finite) {
       std::fill(q + r0, q + r0 + block, int8_t{0});
-      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      if (q16) std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
       scale[b] = std::numeric_limits<float>::quiet_NaN();
       sum[b] = 0;
       continue;
@@ -395,7 +395,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
       const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i + 8), inv))));
       total = _mm256_add_epi32(total, _mm256_add_epi32(a, c));
       const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);  // 16 int16 in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
+      if (q16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
       const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), w8);
     }

@@ -116,7 +116,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
     const float top = _mm512_reduce_max_ps(amax);
     if (std::isnan(_mm512_reduce_add_ps(nonfinite))) {
       std::fill(q + r0, q + r0 + block, int8_t{0});
-      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      if (q16) std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
       scale[b] = std::numeric_limits<float>::quiet_NaN();
       sum[b] = 0;
       continue;
@@ -130,7 +130,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
       const __m512i iv = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
       total = _mm512_add_epi32(total, iv);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), _mm512_cvtsepi32_epi8(iv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), _mm512_cvtsepi32_epi16(iv));
+      if (q16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), _mm512_cvtsepi32_epi16(iv));
     }
     sum[b] = _mm512_reduce_add_epi32(total);
     scale[b] = top / 127.0f * gate_scale;

@@ -133,7 +133,8 @@ namespace {
 void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
               float* scale, int32_t* sum) {
   quantize_activations(x, k, block, num_blocks, gate_scale, q, scale, sum);
-  for (size_t r = 0; r < num_blocks * block; ++r) q16[r] = q[r];
+  if (q16)
+    for (size_t r = 0; r < num_blocks * block; ++r) q16[r] = q[r];
 }
 }  // namespace
 
