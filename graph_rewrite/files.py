@@ -22,7 +22,7 @@ from .config import RewriteConfig
 from .errors import ModelFileError
 from .report import RewriteReport
 from .rewrite import list_layers, rewrite_model
-from .output_paths import OutputFiles, check_output_path
+from .output_paths import Inputs, OutputFiles
 
 # Protobuf cannot serialise a message over 2 GiB: bigger models must keep weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -291,12 +291,13 @@ def check_written(staged: Path, in_path: Path, notes: list[str]) -> None:
     raise RuntimeError(f"ortsparse produced a model that fails the ONNX checker (a bug): {output_error}")
 
 
-def _read_files(in_path: Path, model: ir.Model | None, also: Mapping[str | os.PathLike, str]) -> dict[Path, str]:
+def _read_files(in_path: Path, model: ir.Model | None, also: Mapping[str | os.PathLike, str] | Inputs) -> Inputs:
     """What a rewrite reads: the model, its external data and the caller's other inputs."""
-    files = {in_path: "the input file"}
+    files = Inputs(also)
+    files.add_file(in_path, "the input file")
     if model is not None:
-        files.update({data: "the input's external data" for data in _external_files(model, in_path.absolute().parent)})
-    files.update({Path(p): text for p, text in also.items() if p})
+        for data in _external_files(model, in_path.absolute().parent):
+            files.add_file(data, "the input's external data")
     return files
 
 
@@ -322,8 +323,9 @@ def rewrite_file(
     external_data_threshold: int = PROTOBUF_LIMIT,
     check: bool = True,
     report_path: str | os.PathLike | None = None,
-    inputs: Mapping[str | os.PathLike, str] = {},  # noqa: B006 - read only
+    inputs: Mapping[str | os.PathLike, str] | Inputs = {},  # noqa: B006 - read only
     fuse: bool = True,
+    outputs: OutputFiles | None = None,
 ) -> RewriteReport:
     """Rewrite the model at ``in_path`` into ``out_path`` and return the report.
 
@@ -335,33 +337,36 @@ def rewrite_file(
     also write the report (JSON), together with the model or not at all. ``inputs``: other files
     the caller read ({path: description}, e.g. a config file), which no output may replace.
     Every output path is checked (graph_rewrite/output_paths.py) before the model is even loaded.
+    ``outputs``: stage the files there and let the caller commit them with its other outputs
+    (default: committed here).
     """
     from tqdm.auto import tqdm
 
     in_path, out_path = Path(in_path), Path(out_path)
+    if not in_path.exists():
+        raise ModelFileError(f"input model {in_path} does not exist")
     if not in_path.is_file():
-        raise ModelFileError(f"input model {in_path} does not exist or is not a file")
-    early = _read_files(in_path, None, inputs)
-    check_output_path(out_path, what="output", protected=early)  # fail before the slow part
-    if report_path is not None:
-        check_output_path(report_path, what="report", protected=early)
+        raise ModelFileError(f"input model {in_path} is neither an ONNX file nor an onnxruntime-genai folder")
+    own = outputs is None
+    outputs = OutputFiles(_read_files(in_path, None, inputs)) if own else outputs
     stages = ["load", "analyse", "build", "fuse", "rewrite", "attention", "save"]
-    with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
-        def stage(name: str) -> None:
-            bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer
-            bar.update(max(0, stages.index(name.split(" ", 1)[0]) - bar.n))
+    try:
+        outputs.read(_read_files(in_path, None, inputs))
+        out_path = outputs.add(out_path, "output")  # fail before the slow part
+        report_target = outputs.add(report_path, "report") if report_path is not None else None
+        with tqdm(total=len(stages), desc="rewrite", unit="stage", disable=not progress, leave=False) as bar:
+            def stage(name: str) -> None:
+                bar.set_postfix_str(name)  # "build <layer>": one stage, one postfix per layer
+                bar.update(max(0, stages.index(name.split(" ", 1)[0]) - bar.n))
 
-        stage("load")
-        model = load_model(in_path)
-        read = _read_files(in_path, model, inputs)
-        external = bool(_external_tensors(model)) or _weight_bytes(model) > external_data_threshold
-        with OutputFiles(read) as outputs:
-            # Data first, model next, report last: the order they are moved into place, so a
-            # reader never sees a new model with missing data.
-            data_path = outputs.add(out_path.with_name(f"{out_path.name}.data"), "output's external data") \
-                if external else None
-            out_path = outputs.add(out_path, "output")
-            report_target = outputs.add(report_path, "report") if report_path is not None else None
+            stage("load")
+            model = load_model(in_path)
+            outputs.read(_read_files(in_path, model, {}))
+            external = bool(_external_tensors(model)) or _weight_bytes(model) > external_data_threshold
+            # Data is declared (and so moved into place) before the model: a reader never sees a
+            # new model with missing data.
+            data_path = outputs.add(out_path.with_name(f"{out_path.name}.data"), "output's external data",
+                                    first=True) if external else None
             _, report = rewrite_model(model, config, on_stage=stage, fuse=fuse)
             stage("save")
             staged = save_model(model, outputs, out_path, data_path)
@@ -371,25 +376,28 @@ def rewrite_file(
                 report.notes.append(f"weights written as external data to {out_path.name}.data")
             if report_target is not None:
                 outputs.write_text(report_target, json.dumps(report.to_dict(), indent=2) + "\n")
-            outputs.commit()
-        bar.update(len(stages) - bar.n)
+            if own:
+                outputs.commit()
+            bar.update(len(stages) - bar.n)
+    finally:
+        if own:
+            outputs.discard()
     return report
 
 
 def list_file_layers(in_path: str | os.PathLike, config: RewriteConfig | None = None, *,
                      report_path: str | os.PathLike | None = None,
-                     inputs: Mapping[str | os.PathLike, str] = {},  # noqa: B006 - read only
+                     inputs: Mapping[str | os.PathLike, str] | Inputs = {},  # noqa: B006 - read only
                      ) -> RewriteReport:
     """The layer table of a model file; only ``report_path`` (the report as JSON) is written, if
     given, under the same rules as :func:`rewrite_file`."""
     in_path = Path(in_path)
-    if report_path is not None:
-        check_output_path(report_path, what="report", protected=_read_files(in_path, None, inputs))
-    model = load_model(in_path)
-    report = list_layers(model, config)
-    if report_path is not None:
-        with OutputFiles(_read_files(in_path, model, inputs)) as outputs:
-            target = outputs.add(report_path, "report")
+    with OutputFiles(_read_files(in_path, None, inputs)) as outputs:
+        target = outputs.add(report_path, "report") if report_path is not None else None
+        model = load_model(in_path)
+        outputs.read(_read_files(in_path, model, {}))
+        report = list_layers(model, config)
+        if target is not None:
             outputs.write_text(target, json.dumps(report.to_dict(), indent=2) + "\n")
             outputs.commit()
     return report

@@ -21,33 +21,36 @@ The copied library is the one the graph was written with. After an ortsparse upd
 :func:`refresh_genai_library` (``ortsparse genai-config DIR``) replaces the copy with the installed
 library and rewrites the config entry; ``--check`` only reports whether they differ.
 
-Atomic: everything is written into a staging folder beside the output and renamed into place at the
-end (an output folder written earlier by this function is replaced; any other existing path is
-refused). The source folder is never modified. Bad input — no genai_config.json, a config that
-is not JSON or names a decoder file that is missing, a model that cannot be read or rewritten — is
-a :class:`~ortsparse.graph_rewrite.errors.ModelFileError` with one line, and nothing is written.
+Files (graph_rewrite/output_paths.py, the policy of every command): every file of the source folder
+is an input; the output folder may not be, lie inside or contain an input, and an existing one is
+replaced only when ortsparse wrote it (or it is empty). A symlink in the source that resolves inside
+it is written as a relative symlink to the same place in the new folder (sub-folders too); one that
+leaves the folder, or points nowhere, is refused — copying it would read (and hand on) a file the
+user did not name. Everything is staged beside the output and renamed into place at the end, with
+the user's umask. The source folder is never modified. Bad input — no genai_config.json, a config
+that is not JSON or names a decoder file that is missing, a model that cannot be read or rewritten —
+is a :class:`~ortsparse.graph_rewrite.errors.ModelFileError` with one line, and nothing is written.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
+import stat
 from pathlib import Path
 
 import onnx_ir as ir
 
 from .._library import get_library_path
-from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, open_session,
-                       uses_ortsparse)
+from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, is_onnx_file,
+                       open_session, uses_ortsparse)
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .files import _external_files, load_model
+from .output_paths import _OLD_STAGING_PREFIXES, Inputs, OutputFiles
 from .report import RewriteReport
 from .rewrite import rewrite_model
 from .rules import DOMAIN
@@ -77,9 +80,15 @@ def read_genai_folder(path: str | os.PathLike) -> GenaiDecoder:
 
 
 def model_input(path: str | os.PathLike) -> Path:
-    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder."""
+    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder.
+    A file that is not an ONNX model (a text, a tokenizer) is a ModelFileError; a missing path is
+    returned as is (the caller says it does not exist)."""
     path = Path(path)
-    return read_genai_folder(path).model_file if path.is_dir() else path
+    if path.is_dir():
+        return read_genai_folder(path).model_file
+    if path.is_file() and not is_onnx_file(path):
+        raise ModelFileError(f"{path} is not an ONNX model or genai folder")
+    return path
 
 
 def is_folder_rewrite(source: str | os.PathLike, output: str | os.PathLike | None) -> bool:
@@ -118,65 +127,44 @@ def _written_by_us(folder: Path) -> bool:
     return (folder / RECORD_FILE).is_file() and (folder / GENAI_CONFIG).is_file()
 
 
-def check_folder_output(source: Path, output: Path) -> None:
-    """Refuses an output folder that is, holds or lies in the source, or exists and is not ours."""
-    resolved_source, resolved_output = source.resolve(), output.resolve()
-    if resolved_output == resolved_source:
-        raise ModelFileError(f"output {output} is the source folder; write the rewritten folder elsewhere "
-                             "(the source is never modified)")
-    if resolved_output.is_relative_to(resolved_source):
-        raise ModelFileError(f"output {output} lies inside the source folder {source}; choose a folder outside it")
-    if resolved_source.is_relative_to(resolved_output):
-        raise ModelFileError(f"output {output} contains the source folder {source}; choose another folder")
-    if output.exists() and not (output.is_dir() and (_written_by_us(output) or not any(output.iterdir()))):
-        what = "a file" if not output.is_dir() else "a folder not written by ortsparse"
-        raise ModelFileError(f"output {output} exists and is {what}; give a new folder (or one ortsparse wrote)")
-    parent = resolved_output.parent
-    if not parent.is_dir():
-        raise ModelFileError(f"output directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ModelFileError(f"output directory {parent} is not writable")
-
-
-@contextlib.contextmanager
-def _staging_folder(parent: Path) -> Iterator[Path]:
-    # Beside the output, so the final rename stays on one file system.
-    staging = Path(tempfile.mkdtemp(prefix=".ortsparse-genai-", dir=parent))
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def written_by_ortsparse(folder: Path) -> bool:
+    """An output folder :func:`rewrite_genai_folder` may replace: one it wrote, or an empty one."""
+    return _written_by_us(folder) or not any(folder.iterdir())
 
 
 def _copy_folder(source: Path, target: Path, skip: set[Path]) -> None:
-    """Copy every file below ``source`` into ``target`` (same relative paths, contents not links),
-    except ``skip`` and the staging folders of a rewrite running there."""
-    for root, dirs, files in os.walk(source):
-        dirs[:] = [d for d in dirs if not d.startswith(".ortsparse-genai-")]
-        relative = Path(root).relative_to(source)
-        for name in files:
+    """Copy every file below ``source`` into ``target`` (same relative paths, contents), except
+    ``skip`` (resolved paths) and the staging folders of a command running there. A symlink that
+    resolves inside ``source`` becomes a relative symlink to the same place; one that leaves it,
+    points nowhere, or any entry that is not a file or folder is refused (ModelFileError)."""
+    real_source = source.resolve()
+    for root, dirs, files in os.walk(real_source):  # symlinked sub-folders are listed in dirs, not entered
+        dirs[:] = [d for d in dirs if not d.startswith(_OLD_STAGING_PREFIXES)]
+        relative = Path(root).relative_to(real_source)
+        for name in [*files, *dirs]:
             path = Path(root) / name
-            if path.resolve() in skip or not path.is_file():
+            link = path.is_symlink()
+            if not link and name in dirs:
                 continue
+            resolved = path.resolve()
+            if resolved in skip:
+                continue
+            if link:
+                if not resolved.is_relative_to(real_source):
+                    raise ModelFileError(f"{source / relative / name} is a symlink to {resolved}, outside the folder; "
+                                         "ortsparse copies only what lies inside the folder you named (copy the file "
+                                         "in, or remove the link)")
+                if not resolved.exists():
+                    raise ModelFileError(f"{source / relative / name} is a symlink to {resolved}, which does not "
+                                         "exist; remove the link")
+                (target / relative).mkdir(parents=True, exist_ok=True)
+                os.symlink(os.path.relpath(resolved, Path(root).resolve()), target / relative / name)
+                continue
+            if not stat.S_ISREG(path.stat().st_mode):
+                raise ModelFileError(f"{source / relative / name} is not a regular file (a FIFO, socket or device); "
+                                     "a model folder holds files and folders only")
             (target / relative).mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target / relative / name)
-
-
-def _replace_folder(staging: Path, output: Path) -> None:
-    """Rename ``staging`` onto ``output``; an existing (ortsparse-written or empty) output is moved
-    aside first and removed after, so a reader never sees a half folder."""
-    if not output.exists():
-        os.replace(staging, output)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=".ortsparse-genai-old-", dir=output.resolve().parent))
-    os.rmdir(aside)
-    os.replace(output, aside)
-    try:
-        os.replace(staging, output)
-    except BaseException:
-        os.replace(aside, output)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _copy_library(folder: Path) -> str:
@@ -212,19 +200,30 @@ def _set_library(config: dict, use: bool) -> None:
         del options["custom_ops_library"]
 
 
+def genai_inputs(folder: str | os.PathLike, description: str = "the source folder") -> Inputs:
+    """What a command reading the genai folder ``folder`` reads: every file of it."""
+    return Inputs().add_folder(folder, description)
+
+
 def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, config: RewriteConfig | None = None,
-                         *, check: bool = True, fuse: bool = True) -> GenaiRewrite:
+                         *, check: bool = True, fuse: bool = True, outputs: OutputFiles | None = None) -> GenaiRewrite:
     """Rewrite the decoder of the genai folder ``source`` (the folder or its decoder file) into the new
     folder ``output`` (see the module docstring). With ``check`` the rewritten decoder is opened in
     an ONNX Runtime session (with the op library) before anything is moved into place: the ONNX
-    checker cannot judge these graphs (they use ORT's contrib ops in the default domain)."""
+    checker cannot judge these graphs (they use ORT's contrib ops in the default domain).
+    ``outputs``: stage the folder there (declared as an output folder; the source folder is added to
+    its inputs) and let the caller commit it with its other outputs; default: committed here."""
     info = read_genai_folder(source)
-    folder, output = info.folder, Path(output)
-    check_folder_output(folder, output)
-    model = load_model(info.model_file)
-    input_data = _external_files(model, info.model_file.resolve().parent)
-    _, report = rewrite_model(model, config, fuse=fuse)
-    with _staging_folder(output.resolve().parent) as staging:
+    folder = info.folder
+    own = outputs is None
+    staging_outputs = OutputFiles() if own else outputs
+    try:
+        staging_outputs.read(folder, "the source folder")
+        destination = staging_outputs.add_folder(output, "output", replaceable=written_by_ortsparse)
+        model = load_model(info.model_file)
+        input_data = _external_files(model, info.model_file.resolve().parent)
+        _, report = rewrite_model(model, config, fuse=fuse)
+        staging = staging_outputs.staged(destination)
         _copy_folder(folder, staging, skip={info.model_file.resolve(), *input_data, (folder / RECORD_FILE).resolve()})
         model_file = staging / info.model_file.relative_to(folder)
         model_file.parent.mkdir(parents=True, exist_ok=True)
@@ -246,55 +245,121 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
                   "decoder": info.model_file.name, "library": LIBRARY_FILE if uses_library else None,
                   "library_sha256": library_sha, "rewrite": report.to_dict()["counts"]}
         _write_json(staging / RECORD_FILE, record, indent=1)
-        _replace_folder(staging, output)
+        if own:
+            staging_outputs.commit()
+    finally:
+        if own:
+            staging_outputs.discard()
     if not uses_library:
         report.notes.append("nothing was rewritten: the folder needs no op library")
+    output = Path(output)
     return GenaiRewrite(output, output / info.model_file.relative_to(folder),
                         output / LIBRARY_FILE if uses_library else None, report)
 
 
+def _loaded_library(folder: Path, configured: str | None) -> tuple[Path | None, str | None]:
+    """(the file onnxruntime-genai loads for ``custom_ops_library = configured``, or None; why it
+    loads none). genai resolves a relative name against the model folder and refuses a path that
+    leaves it (an absolute path elsewhere, ``..``)."""
+    if not configured:
+        return None, "not configured"
+    path = Path(configured) if os.path.isabs(configured) else folder / configured
+    inside = Path(os.path.normpath(path.absolute())).is_relative_to(Path(os.path.normpath(folder.absolute())))
+    if not inside or ".." in Path(configured).parts:
+        return None, f"custom_ops_library {configured!r} lies outside the folder (onnxruntime-genai refuses it)"
+    if not path.is_file():
+        return None, f"custom_ops_library {configured!r} is missing (or not a file)"
+    return path, None
+
+
+def _same_file_content(path: Path, installed: Path) -> bool:
+    return (path.is_file() and path.stat().st_size == installed.stat().st_size
+            and _sha256(path) == _sha256(installed))
+
+
 def library_state(folder: str | os.PathLike) -> dict:
-    """How a genai folder's op library relates to the installed one: ``needs_library`` (its decoder
-    uses ortsparse ops), ``configured`` (the config's custom_ops_library), ``present`` (the copy
-    exists), ``current`` (the copy is byte-identical to the installed library)."""
+    """How a genai folder's op library relates to the installed one, judged on the file
+    onnxruntime-genai will load: ``needs_library`` (its decoder uses ortsparse ops),
+    ``configured`` (the config's custom_ops_library), ``loads`` (the file that name resolves to
+    inside the folder, or None), ``present`` (it exists), ``current`` (it is byte-identical to the
+    installed library), ``problem`` (why not, in words), ``copy_current`` (the folder's
+    libortsparse_ops.so is identical to the installed library)."""
     info = read_genai_folder(folder)
     needs = uses_ortsparse(info.model_file)
     configured = info.session_options.get("custom_ops_library")
-    copy = info.folder / LIBRARY_FILE
     installed = Path(get_library_path())
+    loads, problem = _loaded_library(info.folder, configured)
+    current = loads is not None and _same_file_content(loads, installed)
+    if loads is not None and not current:
+        problem = f"{loads.name} differs from the installed library"
     return {"folder": str(info.folder), "needs_library": needs, "configured": configured,
-            "present": copy.is_file(),
-            "current": copy.is_file() and copy.stat().st_size == installed.stat().st_size
-            and _sha256(copy) == _sha256(installed),
+            "loads": str(loads) if loads is not None else None, "present": loads is not None, "current": current,
+            "problem": problem, "copy_current": _same_file_content(info.folder / LIBRARY_FILE, installed),
             "installed": str(installed)}
+
+
+def _check_refreshable(info: GenaiDecoder) -> dict | None:
+    """Everything :func:`refresh_genai_library` may change, checked before it changes anything: the
+    library copy's place holds no folder or special file, the record (when present) is a JSON
+    object, the folder is writable. Returns the record (None when there is none)."""
+    copy = info.folder / LIBRARY_FILE
+    if copy.is_symlink() or (copy.exists() and not copy.is_file()):
+        raise ModelFileError(f"{copy} is not a regular file (a folder, link or device); remove it, then run "
+                             "genai-config again")
+    if not os.access(info.folder, os.W_OK | os.X_OK):
+        raise ModelFileError(f"{info.folder} is not writable")
+    record_path = info.folder / RECORD_FILE
+    if not record_path.exists():
+        return None
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except RecursionError:
+        record = None
+    except (OSError, ValueError):
+        raise ModelFileError(f"{record_path} cannot be read as JSON; fix or remove it, then run genai-config "
+                             "again") from None
+    if not isinstance(record, dict):
+        raise ModelFileError(f"{record_path} is not a JSON object (as ortsparse writes it); fix or remove it, "
+                             "then run genai-config again")
+    return record
 
 
 def refresh_genai_library(folder: str | os.PathLike) -> dict:
     """Bring a genai folder's op library up to date with the installed package: copy the installed
     library in (when the decoder uses ortsparse ops) and point ``custom_ops_library`` at it, or drop
-    an entry of ours that is no longer needed. Each file is replaced atomically. Returns
+    an entry of ours that is no longer needed. The folder is edited in place (the command's
+    purpose); everything is checked before anything changes (:func:`_check_refreshable`), then the
+    changed files are staged and moved into place together (library first), under
+    graph_rewrite/output_paths.py's rules (the installed library is an input). Returns
     :func:`library_state` after the change, with ``changed``."""
     before = library_state(folder)
     info = read_genai_folder(folder)
+    record = _check_refreshable(info)
+    installed = Path(get_library_path())
     changed = False
-    if before["needs_library"] and not before["current"]:
-        sha = _copy_library(info.folder)
-        changed = True
-        record_path = info.folder / RECORD_FILE
-        if record_path.is_file():
-            try:
-                record = json.loads(record_path.read_text(encoding="utf-8"))
-            except ValueError:
-                record = {}
-            record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")
-            _write_json(record_path, record, indent=1)
-    wanted = LIBRARY_FILE if before["needs_library"] else None
-    if before["configured"] != wanted and (wanted or before["configured"] == LIBRARY_FILE):
-        config = json.loads(info.config_path.read_text(encoding="utf-8"))
-        _set_library(config, bool(wanted))
-        _write_json(info.config_path, config)
-        changed = True
+    with OutputFiles(Inputs().add_file(installed, "the installed op library")) as outputs:
+        if before["needs_library"] and not before["copy_current"]:
+            copy = outputs.add(info.folder / LIBRARY_FILE, "op library copy")
+
+            def write_copy(staged: Path) -> None:
+                shutil.copyfile(installed, staged)
+                os.chmod(staged, 0o755)
+
+            outputs.write(copy, write_copy)
+            sha = _sha256(outputs.staged(copy))
+            changed = True
+            if record is not None:
+                record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")
+                outputs.write_text(outputs.add(info.folder / RECORD_FILE, "record"),
+                                   json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+        wanted = LIBRARY_FILE if before["needs_library"] else None
+        if before["configured"] != wanted and (wanted or before["configured"] == LIBRARY_FILE):
+            config = json.loads(info.config_path.read_text(encoding="utf-8"))
+            _set_library(config, bool(wanted))
+            outputs.write_text(outputs.add(info.config_path, "genai config"),
+                               json.dumps(config, indent=4, ensure_ascii=False) + "\n")
+            changed = True
+        outputs.commit()
     after = library_state(folder)
     after["changed"] = changed
     return after
-

@@ -209,9 +209,7 @@ class RewriteReport:
 
 def config_dict(config: RewriteConfig) -> dict[str, Any]:
     """The config as JSON data: every technique's global choice (``auto`` resolved), the
-    overrides, attention. ``kwta``/``kwta_enabled``/``kwta_target`` (and ``kwta`` in override
-    entries) repeat KWTA's choice under its names from before it was an ordinary technique; they go
-    in the next release."""
+    overrides, attention."""
     from .techniques import TECHNIQUES
 
     techniques = {}
@@ -219,18 +217,12 @@ def config_dict(config: RewriteConfig) -> dict[str, Any]:
         choice = config.choice(name)
         techniques[name] = {"settings": dataclasses.asdict(choice.settings), "enabled": choice.enabled,
                             "target": choice.target}
-    overrides = []
-    for entry in config.overrides:
-        data = dataclasses.asdict(entry)
-        data["kwta"] = entry.setting("kwta")
-        overrides.append(data)
-    kwta = config.choice("kwta")
+    overrides = [dataclasses.asdict(entry) for entry in config.overrides]
     return {
         "techniques": techniques,
         "overrides": overrides,
         "attention": config.attention.attributes() if config.attention else None,
         "attention_why": config.attention_why,
-        "kwta": kwta.settings.attributes(), "kwta_enabled": kwta.enabled, "kwta_target": kwta.target,
     }
 
 

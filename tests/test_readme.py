@@ -28,3 +28,28 @@ def test_readme_links_point_at_files_that_exist():
         if "://" in target:
             continue
         assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+def _python_block_after(readme: str, marker: str) -> str:
+    start = readme.index("```python\n", readme.index(marker)) + len("```python\n")
+    return readme[start:readme.index("```", start)]
+
+
+def test_readme_onnxruntime_snippet_runs_as_written(tmp_path, monkeypatch):
+    """The app snippet is complete: it builds its own feeds (issue 23: `feeds` was never defined)."""
+    import sys
+
+    import onnx
+
+    from ortsparse.cli import rewrite_onnx_main
+
+    sys.path.insert(0, str(ROOT / "tests" / "graph_rewrite"))
+    import tiny_graphs
+
+    onnx.save(tiny_graphs.llama_like(), tmp_path / "model.onnx")
+    monkeypatch.chdir(tmp_path)
+    assert rewrite_onnx_main(["model.onnx", "-o", "model.gated.onnx", "-q"]) == 0
+    code = _python_block_after((ROOT / "README.md").read_text(), "## Use in an app")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["outputs"] and namespace["outputs"][0].size > 0

@@ -14,12 +14,14 @@ Before -> After::
         <the same inputs>, <the same attributes>, <settings>)
 
 Packed QKV (key and value empty) and separate Q/K/V, rotary or not, local windows, soft-capping,
-smooth softmax, ``position_ids``, ``attention_bias`` and ``head_sink`` are all taken; the shared
-past/present buffer of onnxruntime-genai needs nothing from the graph (the op sees it at run time).
-Declined (near-misses), because the op does not implement them: the later optional inputs
-(quantized-KV scales, Q/K norm weights, query_seqlens); ``qk_output`` (or an output_qk in use);
-``sliding_window_cache=1``; a quantized KV cache (k/v_quant_type, kv_cache_bit_width); a float16 (or
-any non-float32) query; ``do_rotary=1`` without cos/sin caches.
+smooth softmax, ``position_ids``, ``attention_bias``, ``head_sink`` and window-sized KV buffers
+(``sliding_window_cache=1``, onnxruntime-genai's default for sliding-window layers) are all taken; the
+shared past/present buffer of onnxruntime-genai needs nothing from the graph (the op sees it at run
+time). Declined (near-misses), because the op does not implement them: the later optional inputs
+(quantized-KV scales, Q/K norm weights, query_seqlens); ``qk_output`` (or an output_qk in use); a
+quantized KV cache (k/v_quant_type, kv_cache_bit_width); a float16 (or any non-float32) query;
+``do_rotary=1`` without cos/sin caches; ``sliding_window_cache=1`` without past inputs or without a
+``local_window_size`` > 0.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total
 SUPPORTED_INPUTS = 12  # query .. head_sink
 # GroupQueryAttention attributes the op reads (passed through as given); others are dropped.
 PASSED_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-                     "rotary_interleaved", "causal", "smooth_softmax")
+                     "rotary_interleaved", "causal", "smooth_softmax", "sliding_window_cache")
 
 
 def _refusal(anchor: ir.Node) -> str | None:
@@ -53,8 +55,9 @@ def _refusal(anchor: ir.Node) -> str | None:
         return "has no num_heads / kv_num_heads > 0"
     if attributes.get_int("qk_output", 0):
         return f"has qk_output={attributes.get_int('qk_output', 0)} (not implemented)"
-    if attributes.get_int("sliding_window_cache", 0):
-        return "has sliding_window_cache=1 (window-sized KV buffers: not implemented)"
+    if attributes.get_int("sliding_window_cache", 0) and (attributes.get_int("local_window_size", -1) <= 0
+                                                          or len(inputs) < 5 or inputs[3] is None):
+        return "has sliding_window_cache=1 without past_key / past_value or local_window_size > 0"
     for name in ("k_quant_type", "v_quant_type"):
         if attributes.get_string(name, "NONE") != "NONE":
             return f"has {name}={attributes.get_string(name, 'NONE')!r} (quantized KV cache: not implemented)"
@@ -104,7 +107,8 @@ class MsGroupQueryAttention(AttentionRule):
         if attributes.get_int("do_rotary", 0):
             core.notes.append("rotary" + (" (interleaved)" if attributes.get_int("rotary_interleaved", 0) else ""))
         if attributes.get_int("local_window_size", -1) > 0:
-            core.notes.append(f"local window {attributes.get_int('local_window_size', -1)}")
+            core.notes.append(f"local window {attributes.get_int('local_window_size', -1)}"
+                              + (" (window-sized KV buffers)" if attributes.get_int("sliding_window_cache", 0) else ""))
         if attributes.get_float("softcap", 0.0) > 0.0:
             core.notes.append(f"softcap {attributes.get_float('softcap', 0.0):g}")
         if inputs[3] is None:

@@ -5,7 +5,6 @@ Adding a form = one module here whose ``operands`` yield one of the weight forms
 from __future__ import annotations
 
 import sys
-import warnings
 
 from ._base import (
     DOMAIN,
@@ -40,19 +39,6 @@ RULES: tuple[LinearRule, ...] = (
 def describe_rules() -> list[tuple[str, str, str]]:
     """(name, Before -> After, module docstring) of every rule, in priority order."""
     return [(r.rule_name, r.before_after, sys.modules[type(r).__module__].__doc__ or "") for r in RULES]
-
-
-# Names before the rules were named for what they match (they emit any technique's op).
-_RENAMED = {"GemmToKwta": GemmRule, "MatMulAddToKwta": MatMulAddRule,
-            "MatMulTransposedWeightToKwta": MatMulTransposedWeightRule, "MatMulToKwta": MatMulRule}
-
-
-def __getattr__(name: str):
-    if name in _RENAMED:
-        warnings.warn(f"{name} is deprecated and will be removed in the next release; use "
-                      f"{_RENAMED[name].__name__}", DeprecationWarning, stacklevel=2)
-        return _RENAMED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

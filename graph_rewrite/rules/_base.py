@@ -18,9 +18,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus
 from onnxscript.rewriter.pattern import Pattern
 
+from ..._library import DOMAIN  # noqa: F401 (re-exported: the one home of the domain is _library)
 from ..graph_utils import constant_tensor, dims_of, why_not_constant
 
-DOMAIN = "ai.ortsparse"
 DOMAIN_VERSION = 1
 
 

@@ -10,7 +10,6 @@ is decided in ``graph_rewrite/compose.py``.
 from __future__ import annotations
 
 import abc
-import argparse
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -27,14 +26,6 @@ WEIGHTS = "weights"  # replaces the weight representation (proc-sparse, TT); exc
 AUTO = "auto"
 # Flag.field of the flag that sets a technique's target (``--kwta-target``...).
 TARGET = "<target>"
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ... import flag_types
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
@@ -25,7 +26,6 @@ from .base import (
     Switch,
     Technique,
     TechniqueSettings,
-    non_negative_int,
 )
 
 EVENT_AXES = ("sequence", "call")
@@ -122,27 +122,33 @@ class Event(Technique):
         Flag("--event-axis", field="axis", choices=EVENT_AXES, default=_D.axis,
              help="sequence: a row continues the previous token of its stream (decode); call: row t continues row "
                   "t of the previous call (re-encoding a slowly changing input)"),
-        Flag("--event-topk", field="topk", type=float, default=_D.topk, metavar="FRAC",
+        Flag("--event-topk", field="topk", type=flag_types.fraction, default=_D.topk, metavar="FRAC",
              help=f"fraction of blocks refreshed per row, (0, 1] (default {_D.topk})"),
-        Flag("--event-delta-theta", field="delta_theta", type=float, default=_D.delta_theta, metavar="REL",
+        Flag("--event-delta-theta", field="delta_theta", type=flag_types.non_negative_float,
+             default=_D.delta_theta, metavar="REL",
              help=f"refresh only blocks with ||dx_b|| > REL * ||x_b|| (default {_D.delta_theta})"),
-        Flag("--event-budget-ms", field="budget_ms", type=float, default=_D.budget_ms, metavar="MS",
+        Flag("--event-budget-ms", field="budget_ms", type=flag_types.non_negative_float,
+             default=_D.budget_ms, metavar="MS",
              help="per-row deadline of one op (0 = none, default)"),
-        Flag("--event-quorum", field="quorum", type=float, default=_D.quorum, metavar="FRAC",
+        Flag("--event-quorum", field="quorum", type=flag_types.unit_interval, default=_D.quorum, metavar="FRAC",
              help=f"fraction of the selected blocks computed past the deadline (default {_D.quorum})"),
-        Flag("--event-gap-tol", field="gap_tol", type=float, default=_D.gap_tol, metavar="REL",
+        Flag("--event-gap-tol", field="gap_tol", type=flag_types.non_negative_float, default=_D.gap_tol, metavar="REL",
              help=f"dense check gap above which an op switches itself to dense (default {_D.gap_tol})"),
-        Flag("--event-gap-every", field="gap_every", type=non_negative_int, default=_D.gap_every, metavar="ROWS",
+        Flag("--event-gap-every", field="gap_every", type=flag_types.non_negative_int,
+             default=_D.gap_every, metavar="ROWS",
              help=f"rows between dense gap checks, 0 = never (default {_D.gap_every})"),
-        Flag("--event-stale-beta", field="stale_beta", type=float, default=_D.stale_beta, metavar="B",
+        Flag("--event-stale-beta", field="stale_beta", type=flag_types.unit_interval,
+             default=_D.stale_beta, metavar="B",
              help="weight of a reused block: B * exp(-lambda * age) (default 1)"),
-        Flag("--event-stale-lambda", field="stale_lambda", type=float, default=_D.stale_lambda, metavar="L",
+        Flag("--event-stale-lambda", field="stale_lambda", type=flag_types.non_negative_float,
+             default=_D.stale_lambda, metavar="L",
              help="(default 0)"),
-        Flag("--event-age-max", field="age_max", type=non_negative_int, default=_D.age_max, metavar="ROWS",
+        Flag("--event-age-max", field="age_max", type=flag_types.non_negative_int, default=_D.age_max, metavar="ROWS",
              help="a block reused this many rows is refreshed regardless (0 = no limit, default)"),
-        Flag("--event-block", field="block", type=int, default=_D.block, metavar="ROWS",
+        Flag("--event-block", field="block", type=flag_types.positive_int, default=_D.block, metavar="ROWS",
              help=f"rows of W per block (default {_D.block})"),
-        Flag("--event-max-gated-rows", field="max_gated_rows", type=non_negative_int, default=_D.max_gated_rows,
+        Flag("--event-max-gated-rows", field="max_gated_rows", type=flag_types.non_negative_int,
+             default=_D.max_gated_rows,
              metavar="M", help="calls with more than M rows of X (prefill) run dense and resync the streams; 0 = gate "
                                "every call (default)"),
     )

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ... import flag_types
 from ..errors import ConfigError
 from ..targets import TARGETS
 from ..rules import FLOAT32
@@ -29,7 +30,6 @@ from .base import (
     Switch,
     Technique,
     TechniqueSettings,
-    non_negative_int,
 )
 
 KWTA_SCORES = ("l2", "mean_abs", "l2_weighted")
@@ -123,22 +123,26 @@ class Kwta(Technique):
         Flag("--kwta-target", field=TARGET, choices=TARGETS, default="mlp",
              help="layers to gate: mlp, attn (q/k/v/out projections), both, down (MLP down projections), all "
                   "(also head and other) (default mlp)"),
-        Flag("--kwta-k", field="k_frac", type=float, default=_D.k_frac, metavar="FRAC",
+        Flag("--kwta-k", field="k_frac", type=flag_types.fraction, default=_D.k_frac, metavar="FRAC",
              help=f"k_frac: fraction of input blocks kept per row, (0, 1] (default {_D.k_frac})"),
-        Flag("--kwta-k-abs", field="k_abs", type=non_negative_int, default=_D.k_abs, metavar="N",
+        Flag("--kwta-k-abs", field="k_abs", type=flag_types.non_negative_int, default=_D.k_abs, metavar="N",
              help="k_abs: input columns kept per row (overrides --kwta-k when > 0)"),
         Flag("--kwta-score", field="score", choices=KWTA_SCORES, default=_D.score, help="block score (default l2)"),
-        Flag("--kwta-threshold", field="threshold", type=float, default=_D.threshold, metavar="T",
+        Flag("--kwta-threshold", field="threshold", type=flag_types.non_negative_float,
+             default=_D.threshold, metavar="T",
              help="keep blocks whose score >= T (capped at the top-K count when k_frac < 1)"),
-        Flag("--kwta-temp", field="temp", type=float, default=_D.temp, metavar="T", help="softmax temperature"),
-        Flag("--kwta-duty", field="duty", type=int, default=_D.duty, metavar="N", help="gate every N-th call"),
+        Flag("--kwta-temp", field="temp", type=flag_types.positive_float,
+             default=_D.temp, metavar="T", help="softmax temperature"),
+        Flag("--kwta-duty", field="duty", type=flag_types.positive_int,
+             default=_D.duty, metavar="N", help="gate every N-th call"),
         Flag("--kwta-duty-mode", field="duty_mode", choices=KWTA_DUTY_MODES, default=_D.duty_mode,
              help="dense: run dense between gated calls; hold: reuse the last mask"),
         Flag("--kwta-renorm", field="renorm", type=int, choices=(0, 1), default=_D.renorm,
              help="scale the gated product by blocks_total/blocks_kept (default 0: off)"),
-        Flag("--kwta-max-gated-rows", field="max_gated_rows", type=non_negative_int, default=_D.max_gated_rows,
+        Flag("--kwta-max-gated-rows", field="max_gated_rows", type=flag_types.non_negative_int,
+             default=_D.max_gated_rows,
              metavar="M", help="calls with more than M rows of X (prefill) run dense; 0 = gate every call (default)"),
-        Flag("--kwta-block", field="block", type=int, default=_D.block, metavar="ROWS",
+        Flag("--kwta-block", field="block", type=flag_types.positive_int, default=_D.block, metavar="ROWS",
              help=f"rows of W per block (default {_D.block}: single rows)"),
     )
 

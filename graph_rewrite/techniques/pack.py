@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ... import flag_types
 from ..errors import ConfigError
 from ..rules import FLOAT32
 from ..targets import TARGETS
@@ -83,17 +84,19 @@ class Pack(Technique):
                     help="skip input blocks whose activations are all |x| <= eps (binary and ternary skip the same "
                          "blocks; default none)")
     flags = (
-        Flag("--state-pack-eps", field="eps", type=float, default=_D.eps, metavar="EPS",
+        Flag("--state-pack-eps", field="eps", type=flag_types.non_negative_float, default=_D.eps, metavar="EPS",
              help=f"activity threshold; 0 = exact (default {_D.eps})"),
-        Flag("--state-pack-density-max", field="density_max", type=float, default=_D.density_max, metavar="RHO",
+        Flag("--state-pack-density-max", field="density_max", type=flag_types.fraction,
+             default=_D.density_max, metavar="RHO",
              help=f"a call whose active-block density is above RHO runs without the bitmap (default "
                   f"{_D.density_max}; 1 = never)"),
         Flag("--state-pack-popcnt", action="store_true",
              help="accepted for compatibility: the popcount path (VPOPCNTDQ, POPCNT, portable) is always "
                   "chosen at run time; ORTSPARSE_POPCNT forces one"),
-        Flag("--state-pack-block", field="block", type=int, default=_D.block, metavar="ROWS",
+        Flag("--state-pack-block", field="block", type=flag_types.positive_int, default=_D.block, metavar="ROWS",
              help=f"rows of W per block (default {_D.block}; with KWTA on the layer, KWTA's block is used)"),
-        Flag("--state-pack-max-gated-rows", field="max_gated_rows", type=int, default=_D.max_gated_rows,
+        Flag("--state-pack-max-gated-rows", field="max_gated_rows", type=flag_types.non_negative_int,
+             default=_D.max_gated_rows,
              metavar="M", help="calls with more than M rows (prefill) run dense; 0 = gate every call"),
         Flag("--state-pack-target", field=TARGET, choices=TARGETS, default="down",
              help="layers to gate (default down: MLP down-projections)"),

@@ -30,6 +30,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ... import flag_types
 from ..errors import ConfigError
 from .base import Flag, FlagGroup, Switch, TechniqueSettings
 
@@ -153,30 +154,34 @@ ATTENTION_FLAGS = FlagGroup(
                     "bounds), energy (keys by norm), none (exact attention in the op, for checking), "
                     "off (default)"),
         Flag("--attn-mode", field="mode", choices=MODES, default=_D.mode, help=f"bitmap mode (default {_D.mode})"),
-        Flag("--attn-topk", field="topk", type=int, default=_D.topk, metavar="N",
+        Flag("--attn-topk", field="topk", type=flag_types.non_negative_int, default=_D.topk, metavar="N",
              help=f"keys per query refined exactly; 0 = approximate scores only (default {_D.topk})"),
-        Flag("--attn-min-keys", field="min_keys", type=int, default=_D.min_keys, metavar="N",
+        Flag("--attn-min-keys", field="min_keys", type=flag_types.non_negative_int, default=_D.min_keys, metavar="N",
              help=f"below N keys the op computes exact attention (default {_D.min_keys})"),
-        Flag("--attn-eps", field="eps", type=float, default=_D.eps, metavar="EPS",
+        Flag("--attn-eps", field="eps", type=flag_types.non_negative_float, default=_D.eps, metavar="EPS",
              help=f"bit set when |x| > EPS (default {_D.eps:g})"),
-        Flag("--attn-density-max", field="density_max", type=float, default=_D.density_max, metavar="RHO",
+        Flag("--attn-density-max", field="density_max", type=flag_types.fraction, default=_D.density_max, metavar="RHO",
              help=f"binary/ternary: a call whose key bitmap density exceeds RHO runs exact (default "
                   f"{_D.density_max:g}; 1 = never)"),
-        Flag("--attn-candidates", field="candidates", type=float, default=_D.candidates, metavar="C",
+        Flag("--attn-candidates", field="candidates", type=flag_types.non_negative_float,
+             default=_D.candidates, metavar="C",
              help="popcount: the selector keeps ceil(C*topk) keys, rescored exactly, best topk attended; pages: at "
                   "most ceil(C*topk) keys scored exactly, 0 = no budget (certified top-k) (default 1)"),
-        Flag("--attn-keep-first", field="keep_first", type=int, default=_D.keep_first, metavar="N",
+        Flag("--attn-keep-first", field="keep_first", type=flag_types.non_negative_int,
+             default=_D.keep_first, metavar="N",
              help="first N keys (attention sinks) always kept (default 0)"),
-        Flag("--attn-keep-recent", field="keep_recent", type=int, default=_D.keep_recent, metavar="N",
+        Flag("--attn-keep-recent", field="keep_recent", type=flag_types.non_negative_int,
+             default=_D.keep_recent, metavar="N",
              help="last N keys of each query's prefix always kept (default 0)"),
         Flag("--attn-pack-cache", field="pack_cache", type=int, choices=(0, 1), default=_D.pack_cache,
              help="reuse the previous call's packed keys when the KV prefix is unchanged (default 1)"),
         Flag("--attn-center", field="center", type=int, choices=(0, 1), default=_D.center,
              help="pack keys minus the mean of the first 256 keys (default 1; exact ranking unchanged)"),
-        Flag("--attn-proj-bits", field="proj_bits", type=int, default=_D.proj_bits, metavar="BITS",
+        Flag("--attn-proj-bits", field="proj_bits", type=flag_types.non_negative_int,
+             default=_D.proj_bits, metavar="BITS",
              help="> 0: pack BITS random projections of q/k instead of their D signs (default 0; 256 measured best "
                   "on SmolLM2, docs/ops.md)"),
-        Flag("--attn-page-size", field="page_size", type=int, default=_D.page_size, metavar="N",
+        Flag("--attn-page-size", field="page_size", type=flag_types.int_in(1, 4096), default=_D.page_size, metavar="N",
              help=f"--attn=pages: keys per page (default {_D.page_size})"),
         Flag("--attn-verify-keys", field="verify_keys", type=int, choices=(0, 1), default=_D.verify_keys,
              help="GroupQueryAttention cores: also check reused key summaries by hashing every reused key row "

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from ortsparse.proc_sparse import block_importance, build_proc_sparse
 
+from ... import flag_types
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import BIAS, TARGET, WEIGHTS, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
@@ -107,18 +108,21 @@ class Proc(Technique):
                     help="replace weights by hash base + top-fanout block deltas (default off)")
     flags = (
         Flag("--proc-target", field=TARGET, choices=TARGETS, default="mlp", help="layers to replace (default mlp)"),
-        Flag("--proc-fanout", field="fanout", type=int, default=_D.fanout, metavar="BLOCKS",
+        Flag("--proc-fanout", field="fanout", type=flag_types.positive_int, default=_D.fanout, metavar="BLOCKS",
              help=f"K-blocks kept per output unit (default {_D.fanout}; clamped to the layer's blocks)"),
-        Flag("--proc-fanout-frac", field="fanout_frac", type=float, default=_D.fanout_frac, metavar="FRAC",
+        Flag("--proc-fanout-frac", field="fanout_frac", type=flag_types.unit_interval,
+             default=_D.fanout_frac, metavar="FRAC",
              help="if > 0: fraction of each layer's blocks kept per unit (overrides --proc-fanout)"),
-        Flag("--proc-block", field="block", type=int, default=_D.block, metavar="ROWS",
+        Flag("--proc-block", field="block", type=flag_types.positive_int, default=_D.block, metavar="ROWS",
              help=f"rows per block (default {_D.block})"),
-        Flag("--proc-base-scale", field="base_scale", type=float, default=_D.base_scale, metavar="S",
+        Flag("--proc-base-scale", field="base_scale", type=flag_types.any_finite, default=_D.base_scale, metavar="S",
              help="hash base amplitude (default 0: pure block-sparse)"),
-        Flag("--proc-seed", field="seed", type=int, default=_D.seed, help="hash seed (default 0)"),
-        Flag("--proc-shed-eps", field="shed_eps", type=float, default=_D.shed_eps, metavar="EPS",
+        Flag("--proc-seed", field="seed", type=flag_types.int_in(0, 2**63 - 1),
+             default=_D.seed, help="hash seed (default 0)"),
+        Flag("--proc-shed-eps", field="shed_eps", type=flag_types.non_negative_float,
+             default=_D.shed_eps, metavar="EPS",
              help=f"soft shedding: deltas with |d| < EPS are dropped (default {_D.shed_eps})"),
-        Flag("--proc-watermark", field="watermark", type=int, default=_D.watermark, metavar="N",
+        Flag("--proc-watermark", field="watermark", type=flag_types.non_negative_int, default=_D.watermark, metavar="N",
              help=f"hard cap of stored nonzero deltas per unit, 0 = none (default {_D.watermark})"),
         Flag("--proc-score", field="score", choices=PROC_SCORES, default=_D.score,
              help="block selection: delta (seed: ||W_b - base_b||) or wanda (x E||x_b||, needs calibration)"),

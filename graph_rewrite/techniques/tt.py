@@ -19,6 +19,7 @@ import numpy as np
 
 from ortsparse import tt
 
+from ... import flag_types
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
@@ -32,7 +33,6 @@ from .base import (
     Switch,
     Technique,
     TechniqueSettings,
-    non_negative_int,
 )
 
 TT_LAYOUTS = ("lowrank", "balanced")
@@ -113,20 +113,22 @@ class TT(Technique):
                     help="replace weights by TT-matrix / low-rank cores (default off)")
     flags = (
         Flag("--tt-target", field=TARGET, choices=TARGETS, default="mlp", help="layers to factor (default mlp)"),
-        Flag("--tt-rank", field="rank", type=non_negative_int, default=_D.rank, metavar="R",
+        Flag("--tt-rank", field="rank", type=flag_types.non_negative_int, default=_D.rank, metavar="R",
              help=f"max TT rank; 0 = autotune the smallest rank meeting --tt-gap (default {_D.rank})"),
-        Flag("--tt-maxvol-k", field="maxvol_k", type=non_negative_int, default=_D.maxvol_k, metavar="K",
+        Flag("--tt-maxvol-k", field="maxvol_k", type=flag_types.non_negative_int, default=_D.maxvol_k, metavar="K",
              help=f"TT-cross: extra fibres per interface beyond the rank, chosen by maxvol (default {_D.maxvol_k})"),
-        Flag("--tt-gap", field="gap", type=float, default=_D.gap, metavar="TOL",
+        Flag("--tt-gap", field="gap", type=flag_types.non_negative_float, default=_D.gap, metavar="TOL",
              help="output-gap tolerance ||XW - XW~|| / ||XW + b|| on calibration inputs; a layer over it stays "
                   f"dense; 0 = no check (default {_D.gap})"),
         Flag("--tt-layout", field="layout", choices=TT_LAYOUTS, default=_D.layout,
              help="lowrank: W = U V (d = 2); balanced: K and N split into --tt-d modes"),
-        Flag("--tt-d", field="d", type=int, default=_D.d, metavar="D", help="cores of the balanced layout"),
+        Flag("--tt-d", field="d", type=flag_types.int_in(2),
+             default=_D.d, metavar="D", help="cores of the balanced layout"),
         Flag("--tt-method", field="method", choices=TT_METHODS, default=_D.method,
              help="auto: whitened SVD with calibration inputs (lowrank), TT-cross for matrices over 2^24 entries, "
                   "else TT-SVD"),
-        Flag("--tt-min-flop-ratio", field="min_flop_ratio", type=float, default=_D.min_flop_ratio, metavar="X",
+        Flag("--tt-min-flop-ratio", field="min_flop_ratio", type=flag_types.non_negative_float,
+             default=_D.min_flop_ratio, metavar="X",
              help=f"layers whose dense/TT multiply-add ratio is below X stay dense (default {_D.min_flop_ratio}; "
                   "the kernel reaches >= 0.7 x the FLOP ratio)"),
         Flag("--tt-keep-dense", field="keep_dense", type=int, choices=(0, 1), default=_D.keep_dense,

@@ -10,16 +10,10 @@ namespace ortsparse::attention {
 
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 void check_dims(const char* name, const std::vector<int64_t>& shape, size_t rank, const char* layout) {
-  if (shape.size() != rank) fail("input ", name, " must be ", rank, "-D ", layout, ", got shape ", shape_text(shape));
+  if (shape.size() != rank) fail("input ", name, " must be ", rank, "-D ", layout, ", got shape ", shape_string(shape));
   for (int64_t v : shape)
-    if (v < 0) fail("input ", name, " has a negative dimension: ", shape_text(shape));
+    if (v < 0) fail("input ", name, " has a negative dimension: ", shape_string(shape));
 }
 
 PopcountAttentionConfig engine_config(const GqaConfig& c) {
@@ -44,6 +38,8 @@ GroupQueryAttention::GroupQueryAttention(const GqaConfig& config, const kernels:
     fail("attribute local_window_size=", config.local_window_size, " must be -1 (none) or >= 0");
   if (!config.causal && config.local_window_size >= 0)
     fail("attribute local_window_size=", config.local_window_size, " needs causal=1");
+  if (config.sliding_window_cache && config.local_window_size <= 0)
+    fail("attribute sliding_window_cache=1 needs local_window_size > 0, got ", config.local_window_size);
 }
 
 GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
@@ -54,7 +50,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   check_dims("query", in.query.shape, 3, "[batch, sequence, hidden]");
   p.b = static_cast<size_t>(in.query.shape[0]);
   p.s = static_cast<size_t>(in.query.shape[1]);
-  if (p.s == 0) fail("query has sequence length 0 (shape ", shape_text(in.query.shape), ")");
+  if (p.s == 0) fail("query has sequence length 0 (shape ", shape_string(in.query.shape), ")");
   const size_t hidden = static_cast<size_t>(in.query.shape[2]);
   if (in.key.present() != in.value.present())
     fail("inputs key and value must both be given (separate Q, K, V) or both be empty (packed QKV in query)");
@@ -63,19 +59,19 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     const size_t width = h + 2 * hkv;
     if (hidden % width != 0 || hidden == 0)
       fail("packed QKV: query hidden size ", hidden, " is not (num_heads + 2·kv_num_heads)·head_size = ", width,
-           "·D for any D > 0 (query ", shape_text(in.query.shape), ")");
+           "·D for any D > 0 (query ", shape_string(in.query.shape), ")");
     p.d = hidden / width;
   } else {
     if (hidden % h != 0 || hidden == 0)
       fail("query hidden size ", hidden, " is not num_heads=", h, " times a head size > 0 (query ",
-           shape_text(in.query.shape), ")");
+           shape_string(in.query.shape), ")");
     p.d = hidden / h;
     check_dims("key", in.key.shape, 3, "[batch, sequence, kv_hidden]");
     check_dims("value", in.value.shape, 3, "[batch, sequence, kv_hidden]");
     const std::vector<int64_t> want{static_cast<int64_t>(p.b), static_cast<int64_t>(p.s), static_cast<int64_t>(hkv * p.d)};
     if (in.key.shape != want || in.value.shape != want)
-      fail("key ", shape_text(in.key.shape), " and value ", shape_text(in.value.shape), " must be [batch, sequence, ",
-           "kv_num_heads·head_size] = ", shape_text(want), " (query ", shape_text(in.query.shape), ", num_heads=", h,
+      fail("key ", shape_string(in.key.shape), " and value ", shape_string(in.value.shape), " must be [batch, sequence, ",
+           "kv_num_heads·head_size] = ", shape_string(want), " (query ", shape_string(in.query.shape), ", num_heads=", h,
            ", kv_num_heads=", hkv, ")");
   }
   if (in.past_key.present() != in.past_value.present())
@@ -85,17 +81,17 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     check_dims("past_value", in.past_value.shape, 4, "[batch, kv_num_heads, buffer, head_size]");
     const std::vector<int64_t>& pk = in.past_key.shape;
     if (pk[0] != static_cast<int64_t>(p.b) || pk[1] != static_cast<int64_t>(hkv) || pk[3] != static_cast<int64_t>(p.d))
-      fail("past_key ", shape_text(pk), " must be [batch=", p.b, ", kv_num_heads=", hkv, ", buffer, head_size=", p.d, "]");
+      fail("past_key ", shape_string(pk), " must be [batch=", p.b, ", kv_num_heads=", hkv, ", buffer, head_size=", p.d, "]");
     if (in.past_value.shape != pk)
-      fail("past_value ", shape_text(in.past_value.shape), " must have past_key's shape ", shape_text(pk));
+      fail("past_value ", shape_string(in.past_value.shape), " must have past_key's shape ", shape_string(pk));
     p.past_rows = static_cast<size_t>(pk[2]);
   }
   if (!in.seqlens_k.present() || in.seqlens_k.shape.size() != 1 || in.seqlens_k.shape[0] != static_cast<int64_t>(p.b))
-    fail("input seqlens_k must be int32 [batch] = [", p.b, "], got shape ", shape_text(in.seqlens_k.shape));
+    fail("input seqlens_k must be int32 [batch] = [", p.b, "], got shape ", shape_string(in.seqlens_k.shape));
   int64_t total_count = 1;
   for (int64_t v : in.total_sequence_length.shape) total_count *= v;
   if (!in.total_sequence_length.present() || total_count != 1)
-    fail("input total_sequence_length must be one int32, got shape ", shape_text(in.total_sequence_length.shape));
+    fail("input total_sequence_length must be one int32, got shape ", shape_string(in.total_sequence_length.shape));
   const int64_t total = in.total_sequence_length.data[0];
   if (total < 1) fail("total_sequence_length=", total, " must be >= 1");
   p.present_rows = std::max(static_cast<size_t>(total), p.past_rows);
@@ -107,11 +103,11 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     if (!in.cos_cache.present()) fail("do_rotary=1 needs the cos_cache and sin_cache inputs");
     check_dims("cos_cache", in.cos_cache.shape, 2, "[positions, rotary_dim / 2]");
     if (in.sin_cache.shape != in.cos_cache.shape)
-      fail("sin_cache ", shape_text(in.sin_cache.shape), " must have cos_cache's shape ", shape_text(in.cos_cache.shape));
+      fail("sin_cache ", shape_string(in.sin_cache.shape), " must have cos_cache's shape ", shape_string(in.cos_cache.shape));
     p.rotary_half = static_cast<size_t>(in.cos_cache.shape[1]);
     cos_rows = static_cast<size_t>(in.cos_cache.shape[0]);
     if (p.rotary_half == 0 || 2 * p.rotary_half > p.d)
-      fail("cos_cache ", shape_text(in.cos_cache.shape), ": rotary_dim = 2·", p.rotary_half, " must be in [2, head_size=",
+      fail("cos_cache ", shape_string(in.cos_cache.shape), ": rotary_dim = 2·", p.rotary_half, " must be in [2, head_size=",
            p.d, "]");
   }
 
@@ -126,15 +122,16 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   if (custom_positions) {
     const std::vector<int64_t> want{static_cast<int64_t>(p.b), static_cast<int64_t>(p.s)};
     if (in.position_ids.shape != want)
-      fail("input position_ids ", shape_text(in.position_ids.shape), " must be int64 [batch, sequence] = ",
-           shape_text(want));
+      fail("input position_ids ", shape_string(in.position_ids.shape), " must be int64 [batch, sequence] = ",
+           shape_string(want));
   }
   p.past.resize(p.b);
   p.keys.resize(p.b);
   p.rotary_position.resize(p.b * p.s);
   for (size_t b = 0; b < p.b; ++b) {
     const int64_t sk = in.seqlens_k.data[b];
-    if (sk < 0 || sk >= static_cast<int64_t>(p.present_rows))
+    // A window-sized buffer holds the last rows of a longer sequence (plan_window checks it).
+    if (sk < 0 || (!config_.sliding_window_cache && sk >= static_cast<int64_t>(p.present_rows)))
       fail("seqlens_k[", b, "]=", sk, " is outside the KV buffer: it must be in [0, ", p.present_rows,
            ") (present rows = max(total_sequence_length=", total, ", past buffer=", p.past_rows, "))");
     if (sk + 1 > total)
@@ -144,7 +141,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     if (!p.first_prompt) {
       if (keys < p.s) fail("seqlens_k[", b, "]=", sk, " is too small for ", p.s, " new rows (seqlens_k + 1 >= S)");
       past = keys - p.s;
-      if (past > p.past_rows)
+      if (past > p.past_rows && !config_.sliding_window_cache)
         fail("seqlens_k[", b, "]=", sk, " needs ", past, " past rows but past_key holds ", p.past_rows,
              p.past_rows ? "" : " (no past_key/past_value given)");
     }
@@ -167,11 +164,12 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     const std::vector<int64_t>& a = in.attention_bias.shape;
     if ((a[0] != 1 && a[0] != static_cast<int64_t>(p.b)) || (a[1] != 1 && a[1] != static_cast<int64_t>(h)) ||
         a[2] != static_cast<int64_t>(p.s) || a[3] != total)
-      fail("attention_bias ", shape_text(a), " must be [batch=", p.b, " or 1, num_heads=", h, " or 1, sequence=", p.s,
+      fail("attention_bias ", shape_string(a), " must be [batch=", p.b, " or 1, num_heads=", h, " or 1, sequence=", p.s,
            ", total_sequence_length=", total, "]");
   }
   if (in.head_sink.present() && (in.head_sink.shape.size() != 1 || in.head_sink.shape[0] != static_cast<int64_t>(h)))
-    fail("input head_sink ", shape_text(in.head_sink.shape), " must be [num_heads] = [", h, "]");
+    fail("input head_sink ", shape_string(in.head_sink.shape), " must be [num_heads] = [", h, "]");
+  if (config_.sliding_window_cache) plan_window(in, p);
   p.output_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(p.s), static_cast<int64_t>(h * p.d)};
   p.present_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(hkv), static_cast<int64_t>(p.present_rows),
                      static_cast<int64_t>(p.d)};
@@ -180,6 +178,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
 
 AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, const GqaOutputs& out,
                                         const TaskRunner& runner) const {
+  if (p.windowed) return run_windowed(in, p, out, runner);
   const size_t B = p.b, S = p.s, H = p.h, Hkv = p.hkv, D = p.d, R = p.present_rows, P = p.past_rows;
   if (B * S * H * D == 0 && B * Hkv * R * D == 0) return AttentionStats{};
   const bool shared_k = in.past_key.present() && out.present_key == in.past_key.data;
@@ -279,7 +278,7 @@ AttentionStats GroupQueryAttention::run(const GqaInputs& in, const GqaPlan& p, c
   provenance.previous_rows = shared_k ? R : P;
   provenance.current = out.present_key;
   provenance.current_rows = R;
-  provenance.unchanged = p.past;
+  provenance.unchanged = p.unchanged.empty() ? p.past : p.unchanged;
   if (config_.scale > 0.0f || D == 0) return attention_.run(call, runner, &provenance);
   // scale 0: onnxruntime's 1/sqrt(D) in float; the engine takes it per call.
   return attention_.run(call, runner, &provenance, 1.0f / std::sqrt(static_cast<float>(D)));

@@ -27,6 +27,10 @@ struct GqaConfig {
   bool do_rotary = false, rotary_interleaved = false;
   bool causal = true;
   bool smooth_softmax = false;     // an extra logit 0 (or head_sink[h]) in every softmax
+  // Window-sized KV buffers (onnxruntime's sliding_window_cache=1, gqa_window.cc): past/present
+  // hold the most recent positions of each entry at rows [0, L(T)), compacted G = C - W + 1 rows
+  // at a time (C the buffer's rows, W local_window_size).
+  bool sliding_window_cache = false;
   PopcountAttentionConfig selection;  // select, topk, ...; its scale / causal / softcap / window are set from the above
 };
 
@@ -61,7 +65,19 @@ struct GqaPlan {
   std::vector<size_t> keys;  // per batch entry: keys attended, seqlens_k + 1
   std::vector<size_t> rotary_position;  // per (b, s): the position row s of entry b is rotated by
   std::vector<int64_t> output_shape, present_shape;
+  // Per batch entry: leading K rows unchanged since the previous call (the key cache's provenance);
+  // empty: `past`.
+  std::vector<size_t> unchanged;
+  // sliding_window_cache = 1 (gqa_window.cc): rows resident before / after the call per entry, and
+  // whether the call runs on a staging copy (a step that evicts rows its own queries still read).
+  bool windowed = false, staged = false;
+  std::vector<size_t> resident_before, resident_after;
 };
+
+// Rows of a window-sized KV buffer of `capacity` rows resident after `total` positions with a
+// window of `window` keys: total up to capacity, then evicted capacity - window + 1 rows at a time
+// (onnxruntime's layout, so a buffer passes between its op and this one).
+size_t window_resident_rows(size_t total, size_t capacity, size_t window);
 
 struct GqaOutputs {
   float* output = nullptr;
@@ -85,6 +101,12 @@ class GroupQueryAttention {
   AttentionStats run(const GqaInputs& in, const GqaPlan& plan, const GqaOutputs& out, const TaskRunner& runner) const;
 
  private:
+  // sliding_window_cache = 1 (gqa_window.cc): the window checks and row counts of a plan, and a
+  // call run as an ordinary one over compacted (or staged) rows.
+  void plan_window(const GqaInputs& in, GqaPlan& p) const;
+  AttentionStats run_windowed(const GqaInputs& in, const GqaPlan& p, const GqaOutputs& out,
+                              const TaskRunner& runner) const;
+
   GqaConfig config_;
   const kernels::KernelSet* kernels_;
   PopcountAttention attention_;

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace ortsparse {
 
@@ -18,6 +19,14 @@ std::string concat(Parts&&... parts) {
   std::ostringstream out;
   (out << ... << std::forward<Parts>(parts));
   return out.str();
+}
+
+// "[2, 3, 4]": a shape (or any list of integers) as error messages print it; the one formatter.
+template <typename T>
+std::string shape_string(const std::vector<T>& values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
 }
 
 template <typename... Parts>

@@ -10,12 +10,6 @@ namespace ortsparse::engine {
 
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 // True when `shape` is [d0, d1] or the flat [d0 * d1].
 bool matrix_or_flat(const std::vector<int64_t>& shape, int64_t d0, int64_t d1) {
   return (shape.size() == 2 && shape[0] == d0 && shape[1] == d1) || (shape.size() == 1 && shape[0] == d0 * d1);

@@ -32,18 +32,6 @@ size_t checked_product(const std::vector<size_t>& v, const char* what) {
   return p;
 }
 
-std::string shape_string(const std::vector<size_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
-std::string list_string(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
 }  // namespace
 
 size_t TTShape::k() const { return checked_product(in_modes, "in_modes"); }
@@ -59,24 +47,24 @@ TTShape make_tt_shape(const std::vector<int64_t>& in_modes, const std::vector<in
                       const std::vector<int64_t>& ranks, size_t cores_length) {
   if (in_modes.empty()) fail("attribute in_modes is missing or empty (one mode per core: K = prod in_modes)");
   if (out_modes.size() != in_modes.size())
-    fail("attributes in_modes ", list_string(in_modes), " and out_modes ", list_string(out_modes),
+    fail("attributes in_modes ", shape_string(in_modes), " and out_modes ", shape_string(out_modes),
          " must have the same length d (one pair of modes per core)");
   if (ranks.size() != in_modes.size() + 1)
-    fail("attribute ranks ", list_string(ranks), " must have d + 1 = ", in_modes.size() + 1,
+    fail("attribute ranks ", shape_string(ranks), " must have d + 1 = ", in_modes.size() + 1,
          " entries (r_0 .. r_d, with r_0 = r_d = 1)");
   if (ranks.front() != 1 || ranks.back() != 1)
-    fail("attribute ranks ", list_string(ranks), " must start and end with 1 (r_0 = r_d = 1)");
+    fail("attribute ranks ", shape_string(ranks), " must start and end with 1 (r_0 = r_d = 1)");
   TTShape s;
   for (size_t t = 0; t < in_modes.size(); ++t) {
     if (in_modes[t] < 1 || in_modes[t] > std::numeric_limits<int32_t>::max())
-      fail("attribute in_modes ", list_string(in_modes), ": every mode must be in [1, 2^31 - 1]");
+      fail("attribute in_modes ", shape_string(in_modes), ": every mode must be in [1, 2^31 - 1]");
     if (out_modes[t] < 1 || out_modes[t] > std::numeric_limits<int32_t>::max())
-      fail("attribute out_modes ", list_string(out_modes), ": every mode must be in [1, 2^31 - 1]");
+      fail("attribute out_modes ", shape_string(out_modes), ": every mode must be in [1, 2^31 - 1]");
     s.in_modes.push_back(static_cast<size_t>(in_modes[t]));
     s.out_modes.push_back(static_cast<size_t>(out_modes[t]));
   }
   for (int64_t r : ranks) {
-    if (r < 1 || r > 65536) fail("attribute ranks ", list_string(ranks), ": every rank must be in [1, 65536]");
+    if (r < 1 || r > 65536) fail("attribute ranks ", shape_string(ranks), ": every rank must be in [1, 65536]");
     s.ranks.push_back(static_cast<size_t>(r));
   }
   s.k();
@@ -85,8 +73,8 @@ TTShape make_tt_shape(const std::vector<int64_t>& in_modes, const std::vector<in
   for (size_t t = 0; t < s.d(); ++t) total += static_cast<double>(s.ranks[t]) * s.in_modes[t] * s.out_modes[t] * s.ranks[t + 1];
   if (total > 4e9) fail("the cores described by in_modes/out_modes/ranks are too large (", total, " floats)");
   if (s.cores_size() != cores_length)
-    fail("input cores has ", cores_length, " floats but in_modes ", list_string(in_modes), ", out_modes ",
-         list_string(out_modes), ", ranks ", list_string(ranks), " need ", s.cores_size(),
+    fail("input cores has ", cores_length, " floats but in_modes ", shape_string(in_modes), ", out_modes ",
+         shape_string(out_modes), ", ranks ", shape_string(ranks), " need ", s.cores_size(),
          " (sum over cores of r_{t-1} * k_t * n_t * r_t)");
   return s;
 }

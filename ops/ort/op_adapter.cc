@@ -136,14 +136,6 @@ std::string element_type_name(ONNXTensorElementDataType type) {
   }
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
 ConstantTensor constant_float_input(const OrtKernelInfo* info, size_t index, const char* input_name, size_t rank) {
   Ort::ConstKernelInfo kinfo(info);
   if (index >= kinfo.GetInputCount()) fail("input ", input_name, " (#", index, ") is missing");

@@ -127,7 +127,6 @@ bool input_present(const OrtKernelInfo* info, size_t index);
 // The element type of input `index` as the graph declares it.
 ONNXTensorElementDataType input_type(const OrtKernelInfo* info, size_t index);
 
-std::string shape_string(const std::vector<int64_t>& shape);
 // "float32", "double", "uint8", ... (the ONNX name of an element type, for error messages).
 std::string element_type_name(ONNXTensorElementDataType type);
 

@@ -1,7 +1,7 @@
 // PopcountGroupQueryAttention: com.microsoft.GroupQueryAttention's inputs, attributes and outputs
 // plus PopcountAttention's selection attributes. Reads the attributes (refusing the GQA options the
-// engine does not implement: quantized KV caches, Q/K norm weights, query_seqlens, output_qk, the
-// windowed KV cache), binds the tensors and runs ops/attention/gqa_attention.h.
+// engine does not implement: quantized KV caches, Q/K norm weights, query_seqlens, output_qk), binds
+// the tensors and runs ops/attention/gqa_attention.h.
 #include <memory>
 #include <string>
 
@@ -59,8 +59,7 @@ attention::GqaConfig read_config(const Attributes& attrs) {
   c.smooth_softmax = read_flag(attrs, "smooth_softmax", false);
   if (const int64_t qk = attrs.get_int("qk_output", 0); qk != 0)
     fail("attribute qk_output=", qk, " is not supported (no output_qk)");
-  if (attrs.get_int("sliding_window_cache", 0) != 0)
-    fail("attribute sliding_window_cache=1 is not supported (the KV buffers must hold the whole sequence)");
+  c.sliding_window_cache = read_flag(attrs, "sliding_window_cache", false);
   for (const char* name : {"k_quant_type", "v_quant_type"})
     if (const std::string q = attrs.get_string(name, "NONE"); q != "NONE")
       fail("attribute ", name, "='", q, "' is not supported (float32 KV cache only)");

@@ -83,12 +83,20 @@ def inference_session(model: Any, **options: Any):
     """
     import onnxruntime as ort
 
-    if hasattr(model, "SerializeToString"):
-        model = model.SerializeToString()
-    elif isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    return ort.InferenceSession(model, sess_options=session_options(**options),
+    return ort.InferenceSession(session_source(model), sess_options=session_options(**options),
                                 providers=["CPUExecutionProvider"])
+
+
+def session_source(model: Any) -> Any:
+    """What ``onnxruntime.InferenceSession`` takes for a model given as a path (str or PathLike),
+    serialized bytes (or bytearray) or an ``onnx.ModelProto``: a str path or bytes."""
+    if hasattr(model, "SerializeToString"):
+        return model.SerializeToString()
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if isinstance(model, bytearray):
+        return bytes(model)
+    return model
 
 
 def _library() -> ctypes.CDLL:

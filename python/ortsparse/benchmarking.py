@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from . import __version__, _kernels
+from . import __version__, _kernels, flag_types
 from .graph_rewrite.output_paths import check_outputs, write_text_files
 from .runtime import open_session, thread_options
 
@@ -148,10 +148,10 @@ def kernel_bench_parser(description: str, default_output: str, quick_help: str):
     --shapes KxN..., --repeats, -o. Returns the parser; :func:`kernel_bench_shapes` reads --shapes."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 128])
+    parser.add_argument("--threads", type=flag_types.threads, nargs="+", default=[1, 2])
+    parser.add_argument("--ms", type=flag_types.positive_int, nargs="+", default=[1, 128])
     parser.add_argument("--shapes", nargs="+", default=None, help="KxN entries, e.g. 576x1536")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=flag_types.positive_int, default=None)
     parser.add_argument("-o", "--output", default=default_output)
     return parser
 
@@ -189,3 +189,116 @@ def json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# A standard neighbour (docs/measure.md "The machine has moods"): a second program on the machine
+# that streams a buffer larger than the last-level cache, as a user's other programs do.
+
+NEIGHBOURS = ("none", "stream")
+
+_STREAM_NEIGHBOUR = r"""
+import os, sys, time
+import numpy as np
+size, seconds, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+buffer = np.ones(size // 4, dtype=np.float32)
+print("ready", flush=True)
+start = time.perf_counter(); passes = 0
+# Bounded: stops when told (stdin closes), when the parent is gone, or after `seconds`.
+import select
+while time.perf_counter() - start < seconds and os.getppid() == parent:
+    buffer.sum(); passes += 1
+    if select.select([sys.stdin], [], [], 0)[0]:
+        break
+elapsed = time.perf_counter() - start
+print(f"{passes * buffer.nbytes / max(elapsed, 1e-9) / 1e9:.2f} {elapsed:.1f}", flush=True)
+"""
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache's size from sysfs (``default`` when the kernel does not say)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or default
+
+
+class StreamNeighbour:
+    """A child process on the machine's last CPU that sums a 256 MiB buffer (8x this machine kind's
+    32 MiB L3; at least 4x the last-level cache sysfs reports, which virtual machines may overstate)
+    in a loop while the ``with`` block runs (at most ``max_seconds``). ``result`` after the block: the
+    neighbour's CPU, buffer size and the read bandwidth it achieved — a report says what ran beside
+    the benchmark."""
+
+    def __init__(self, max_seconds: float = 4 * 3600.0):
+        self.max_seconds = max_seconds
+        self.process = None
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> "StreamNeighbour":
+        import subprocess
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        llc = last_level_cache_bytes()
+        size = max(256 << 20, 4 * llc) if llc <= (64 << 20) else 256 << 20
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _STREAM_NEIGHBOUR, str(size), str(self.max_seconds), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(self.process.pid, {cpus[-1]})
+        ready = self.process.stdout.readline().strip()
+        if ready != "ready":
+            self.process.kill()
+            raise RuntimeError("the stream neighbour did not start")
+        self.result = {"kind": "stream", "cpu": cpus[-1] if cpus else None, "buffer_mb": size / 1e6,
+                       "reported_llc_mb": llc / 1e6}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is None:
+            return
+        try:
+            out, _ = self.process.communicate(input="stop\n", timeout=30)
+            fields = out.split()
+            if len(fields) >= 2:
+                self.result.update(read_gbs=float(fields[0]), seconds=float(fields[1]))
+        except Exception:  # noqa: BLE001 (never let the neighbour outlive or fail the benchmark)
+            self.process.kill()
+            self.process.wait()
+
+
+def neighbour(kind: str | None):
+    """The context manager that runs ``kind`` beside a benchmark: :class:`StreamNeighbour` for
+    ``"stream"``, nothing for ``"none"``/None."""
+    import contextlib
+
+    if kind in (None, "none"):
+        return contextlib.nullcontext(None)
+    if kind == "stream":
+        return StreamNeighbour()
+    raise ValueError(f"unknown neighbour {kind!r} (one of {', '.join(NEIGHBOURS)})")
+
+
+def ratio_summary(values: Sequence[float]) -> dict[str, float]:
+    """A ratio measured in several rounds: its minimum (the claim), median and maximum."""
+    ordered = sorted(float(v) for v in values)
+    return {"min": ordered[0], "median": float(statistics.median(ordered)), "max": ordered[-1], "rounds": len(ordered)}
+
+
+def neighbour_line(info: Mapping[str, Any] | None) -> str:
+    """What ran beside the benchmark, in one sentence."""
+    if not info or info.get("kind", "none") == "none":
+        return "Neighbour: none (nothing of ours ran beside the benchmark; other programs on the machine may have)."
+    text = (f"Neighbour: `--neighbour stream` — a process on CPU {info.get('cpu')} summing a "
+            f"{info.get('buffer_mb', 0):.0f} MB buffer in a loop for the whole run")
+    if "read_gbs" in info:
+        text += f" ({info['read_gbs']:.1f} GB/s over {info.get('seconds', 0):.0f} s)"
+    return text + "."

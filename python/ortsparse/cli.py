@@ -16,7 +16,9 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from . import flag_types
 from .rewrite_flags import add_technique_arguments, config_from_args
 
 EXIT_OK = 0
@@ -37,25 +39,6 @@ def _version() -> str:
     return f"ortsparse {__version__}"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
-
-
-def _budget(text: str) -> float:
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return value
-
-
 def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", metavar="IN.onnx",
                         help="model to rewrite (never modified); an onnxruntime-genai folder (or its model.onnx "
@@ -64,14 +47,18 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     add_technique_arguments(parser)
 
     check = parser.add_argument_group("checking")
-    check.add_argument("--verify", type=_positive_int, default=0, metavar="N",
+    check.add_argument("--verify", type=flag_types.non_negative_int, default=0, metavar="N",
                        help="run original and rewritten in onnxruntime on N generated input sets")
     check.add_argument("--verify-shape", action="append", metavar="SPEC",
                        help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
-    check.add_argument("--verify-budget", type=_budget, default=None, metavar="REL",
+    check.add_argument("--verify-budget", type=flag_types.non_negative_float, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
-    check.add_argument("--verify-seed", type=int, default=0, metavar="SEED", help="seed of the generated inputs")
+    check.add_argument("--verify-seed", type=flag_types.seed, default=0, metavar="SEED",
+                       help="seed of the generated inputs")
+    check.add_argument("--no-self-check", action="store_true",
+                       help="skip the one-input comparison an approximate rewrite without --config runs to print "
+                            "what its (uncalibrated) settings cost")
     check.add_argument("--no-check", action="store_true",
                        help="skip onnx.checker.check_model(full_check=True) on the output")
     check.add_argument("--no-fuse", action="store_true",
@@ -101,9 +88,15 @@ def _print_rules() -> None:
         print(f"  {name:26s} {before_after}")
 
 
-def _read_by_flags(args: argparse.Namespace) -> dict[str, str]:
-    """Files the rewrite reads besides the model (no output may replace them)."""
-    return {args.config: "the config file"} if getattr(args, "config", None) else {}
+def _read_by_flags(args: argparse.Namespace):
+    """What the rewrite reads besides the model file (no output may be, hold or lie in one of
+    them): the config file, and the folder when the model was named by its genai folder."""
+    from .graph_rewrite.output_paths import Inputs
+
+    inputs = Inputs().add(getattr(args, "config", None), "the config file")
+    if args.input and Path(args.input).is_dir():
+        inputs.add_folder(args.input, "the source folder")
+    return inputs
 
 
 def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progress: bool, shapes,
@@ -133,27 +126,66 @@ def _verify(args: argparse.Namespace, report, say: Callable[[str], None], progre
     return EXIT_OK
 
 
+def _self_check(args: argparse.Namespace, report, say: Callable[[str], None], original, rewritten,
+                shapes) -> None:
+    """An approximate rewrite without --config uses settings nobody measured on the user's data: run
+    original and rewritten on one generated input (ortsparse.verify, fixed seed) and print what they
+    cost, pointing at `ortsparse tune`. Informative: it never fails the rewrite."""
+    if args.quiet or args.no_self_check or args.config or report.exact:
+        return
+    from .verify import verify_models
+
+    try:
+        result = verify_models(original, rewritten, runs=1, shapes=shapes, seed=0)
+    except Exception as error:  # a model verify cannot feed (or no native library) keeps its rewrite
+        say(f"self-check skipped: {(str(error).splitlines() or [type(error).__name__])[0]}")
+        return
+    worst = max(result.outputs, key=lambda o: o.rel_l2)
+    agreement = [o.top1 for o in result.outputs if o.top1 is not None]
+    ids = result.input_shapes.get("input_ids")
+    on = f"{ids[-1]} generated tokens" if ids else "one generated input"
+    top1 = f", top-1 agreement {min(agreement):.2f}" if agreement else ""
+    say(f"self-check: uncalibrated settings; on {on} output {worst.name!r} differs from the original by relative "
+        f"L2 {worst.rel_l2:.3g} (max abs {worst.max_abs:.3g}){top1}")
+    say("  for settings measured on your text within a quality budget: ortsparse tune MODEL --text FILE -o OUT "
+        "(--verify N checks more inputs; --no-self-check skips this)")
+
+
+def _genai_shapes(folder, shapes) -> dict:
+    """Generated-input sizes of a genai decoder: its symbolic K/V sizes come from its config."""
+    from .graph_rewrite.genai import read_genai_folder
+
+    info = read_genai_folder(folder)
+    return {"kv_cache_dim": info.head_size, "past_sequence_length": 4, "sequence_length": 8,
+            "total_sequence_length": 12, **(shapes or {})}
+
+
 def _rewrite_genai_folder(args: argparse.Namespace, config, say: Callable[[str], None], progress: bool,
                           shapes) -> int:
-    """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder."""
-    from .graph_rewrite.genai import model_input, read_genai_folder, rewrite_genai_folder
+    """``rewrite-onnx GENAI_DIR -o OUT_DIR``: a new runnable onnxruntime-genai folder, and the report,
+    moved into place together after every check."""
+    from .graph_rewrite.genai import model_input, read_genai_folder, rewrite_genai_folder, written_by_ortsparse
+    from .graph_rewrite.output_paths import OutputFiles
 
-    result = rewrite_genai_folder(args.input, args.output, config, check=not args.no_check, fuse=not args.no_fuse)
+    source = read_genai_folder(args.input).folder
+    with OutputFiles(_read_by_flags(args)) as outputs:
+        outputs.read(source, "the source folder")
+        outputs.add_folder(args.output, "output", replaceable=written_by_ortsparse)
+        report_target = outputs.add(args.report, "report") if args.report else None
+        result = rewrite_genai_folder(source, args.output, config, check=not args.no_check, fuse=not args.no_fuse,
+                                      outputs=outputs)
+        if report_target is not None:
+            outputs.write_text(report_target, json.dumps(result.report.to_dict(), indent=2) + "\n")
+        outputs.commit()
     library = ", op library copied in" if result.library else ""
     say(f"wrote {result.folder} (onnxruntime-genai folder, decoder {result.model_file.name}{library})")
     say(result.report.summary())
-    if args.report:
-        from .graph_rewrite.output_paths import write_text_files
-
-        write_text_files({args.report: ("report", json.dumps(result.report.to_dict(), indent=2) + "\n")},
-                         {model_input(args.input): "the input model", **_read_by_flags(args)})
     if not args.verify:
+        _self_check(args, result.report, say, model_input(args.input), result.model_file,
+                    _genai_shapes(result.folder, shapes))
         return EXIT_OK
-    # The genai decoder declares symbolic K/V sizes; generated inputs take them from its config.
-    info = read_genai_folder(result.folder)
-    shapes = {"kv_cache_dim": info.head_size, "past_sequence_length": 4, "sequence_length": 8,
-              "total_sequence_length": 12, **(shapes or {})}
-    return _verify(args, result.report, say, progress, shapes, model_input(args.input), result.model_file)
+    return _verify(args, result.report, say, progress, _genai_shapes(result.folder, shapes), model_input(args.input),
+                   result.model_file)
 
 
 def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -191,6 +223,7 @@ def run_rewrite(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     say(report.summary())
     if args.verify:
         return _verify(args, report, say, progress, shapes)
+    _self_check(args, report, say, args.input, args.output, shapes)
     return EXIT_OK
 
 
@@ -210,7 +243,7 @@ def run_genai_config(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         return EXIT_OK
     ok = state["present"] and state["current"] and bool(state["configured"])
     if args.check:
-        hint = "" if ok else f"; `ortsparse genai-config {args.folder}` refreshes it"
+        hint = "" if ok else f" ({state['problem']}); `ortsparse genai-config {args.folder}` refreshes it"
         print(f"{state['folder']}: op library {'up to date' if ok else 'missing or out of date'} "
               f"(installed: {state['installed']}){hint}")
         return EXIT_OK if ok else EXIT_VERIFY_FAILED
@@ -306,17 +339,22 @@ def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:
     return _execute(parser, argv, lambda args: run_rewrite(args, parser))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``ortsparse <command> ...``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ortsparse`` parser with one subparser per entry of ``SUBCOMMANDS``."""
     parser = _Parser(prog="ortsparse", description="ortsparse tools",
-                                     epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
+                     epilog="Exit codes: 0 ok, 1 check over budget, 2 usage or input error.")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub)
         sub.set_defaults(_run=command.run, _parser=sub)
-    return _execute(parser, argv, lambda args: args._run(args, args._parser))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ortsparse <command> ...``."""
+    return _execute(build_parser(), argv, lambda args: args._run(args, args._parser))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ One place for what every measurement, benchmark and offline builder needs:
   :func:`kv_step_feeds` (one real decode step: new ids, their positions and the past K/V);
 - KV-cache decoders: :func:`kv_layout` (past/present names, heads, head size — a symbolic head
   size, as onnxruntime-genai's graphs declare it, is read from the folder's ``genai_config.json``
-  or from the graph), :func:`genai_decoder` (what a genai model folder's config says about its
-  decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
+  or from the graph; window-sized buffers of sliding-window layers, GroupQueryAttention's
+  ``sliding_window_cache=1``, from the graph), :func:`genai_decoder` (what a genai model folder's
+  config says about its decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
   present K/V kept as ONNX Runtime values (IOBinding: the cache is never copied through numpy).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ._library import DOMAIN, plain_session_options
+from ._library import DOMAIN, plain_session_options, session_source
 from ._library import session_options as library_session_options
 
 # --------------------------------------------------------------------------- model sources
@@ -60,15 +61,16 @@ def _varint(data: Any, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _file_opset_domains(path: str) -> set[str]:
-    """The opset domains of an ONNX file from the top level of its protobuf: the graph (field 7) is
-    skipped over, so this costs microseconds on a 600 MB model. Raises ValueError / IndexError /
-    OSError when the file is not a plain protobuf."""
+def _scan_model_file(path: str) -> tuple[set[str], set[int]]:
+    """(opset domains, top-level field numbers) of an ONNX file from the top level of its protobuf:
+    the graph (field 7) is skipped over, so this costs microseconds on a 600 MB model. Raises
+    ValueError / IndexError / OSError when the file is not a plain protobuf."""
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        domains, pos = set(), 0
+        domains, fields, pos = set(), set(), 0
         while pos < len(data):
             key, pos = _varint(data, pos)
             field, wire = key >> 3, key & 7
+            fields.add(field)
             if wire == 0:
                 _, pos = _varint(data, pos)
             elif wire == 1:
@@ -86,7 +88,21 @@ def _file_opset_domains(path: str) -> set[str]:
                 raise ValueError(f"wire type {wire}")
         if pos != len(data):
             raise ValueError("truncated")
-        return domains
+        return domains, fields
+
+
+def _file_opset_domains(path: str) -> set[str]:
+    """The opset domains of an ONNX file (:func:`_scan_model_file`)."""
+    return _scan_model_file(path)[0]
+
+
+def is_onnx_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file whose top level parses as an ONNX ModelProto holding a graph
+    (a text, a tokenizer or a weights file does not); the graph itself is not read."""
+    try:
+        return 7 in _scan_model_file(os.fspath(path))[1]  # ModelProto.graph
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def opset_domains(model: Any) -> set[str]:
@@ -141,13 +157,7 @@ def open_session(model: Any, session_options: Any = None) -> ort.InferenceSessio
     ``SessionOptions`` attribute) or a ready ``onnxruntime.SessionOptions`` (used as given). The op
     library is registered only when the model uses the ``ai.ortsparse`` domain."""
     options = options_for(model, session_options)
-    if hasattr(model, "SerializeToString"):
-        model = model.SerializeToString()
-    elif isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    elif isinstance(model, bytearray):
-        model = bytes(model)
-    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(session_source(model), sess_options=options, providers=["CPUExecutionProvider"])
 
 
 # --------------------------------------------------------------------------- feeds
@@ -225,6 +235,7 @@ def decode_feeds(source: Any, *, new_tokens: int, past: int, vocab: int = 1000, 
     feeds: dict[str, np.ndarray] = {}
     has_past = any("past" in i.name for i in proto.graph.input)
     total = past + new_tokens if has_past else new_tokens
+    windows = window_capacities(proto)
     for graph_input in proto.graph.input:
         if graph_input.name in initializers:
             continue
@@ -239,7 +250,8 @@ def decode_feeds(source: Any, *, new_tokens: int, past: int, vocab: int = 1000, 
             feeds[name] = np.zeros((1, new_tokens), dtype=np.int64)
         elif "past" in name:
             dims = _shape_of(graph_input)
-            shape = [1, int(dims[1]), past, int(dims[3])]
+            rows = windows[name] if name in windows else past  # a window-sized buffer: its capacity
+            shape = [1, int(dims[1]), rows, int(dims[3])]
             feeds[name] = rng.standard_normal(shape).astype(np.float32)
         else:
             raise ValueError(f"speed: do not know how to feed input {name!r} of shape {_shape_of(graph_input)}")
@@ -320,41 +332,86 @@ def genai_folder(path: str | os.PathLike) -> Path | None:
     return folder if (folder / GENAI_CONFIG).is_file() else None
 
 
+def _not_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _positive_int(section: dict, key: str, where: str) -> int | None:
+    """``section[key]`` as a positive int (None when absent); anything else is a GenaiConfigError."""
+    value = section.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise GenaiConfigError(f"{where}.{key} must be a positive integer, not {json.dumps(value)[:40]}")
+    return value
+
+
 def genai_decoder(path: str | os.PathLike) -> GenaiDecoder:
     """Read the genai folder ``path`` (or the folder of a file in it). Raises
-    :class:`GenaiConfigError` naming the folder and the problem: no genai_config.json, a config that
-    is not JSON or lacks the decoder's filename / head_size, a decoder model file that is missing."""
+    :class:`GenaiConfigError` naming the folder and the problem: a path that does not exist, no
+    genai_config.json, a config that is not JSON (NaN / Infinity included) or not an object, lacks
+    the decoder's filename / head_size / layers or gives them as something else than positive
+    integers, session_options that is not an object, a decoder model file that is missing."""
     path = Path(path)
+    if not path.exists():
+        raise GenaiConfigError(f"{path} does not exist")
     folder = path if path.is_dir() else path.parent
     config_path = folder / GENAI_CONFIG
     if not config_path.is_file():
         raise GenaiConfigError(f"{folder} has no {GENAI_CONFIG}: not an onnxruntime-genai model folder")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads(config_path.read_text(encoding="utf-8"), parse_constant=_not_json_constant)
     except (OSError, UnicodeDecodeError) as error:
         raise GenaiConfigError(f"cannot read {config_path}: {getattr(error, 'strerror', None) or error}") from None
+    except RecursionError:
+        raise GenaiConfigError(f"{config_path} is nested too deeply to be a genai config") from None
     except ValueError as error:
         raise GenaiConfigError(f"{config_path} is not valid JSON ({error})") from None
-    decoder = config.get("model", {}).get("decoder") if isinstance(config.get("model"), dict) else None
+    model = config.get("model") if isinstance(config, dict) else None
+    decoder = model.get("decoder") if isinstance(model, dict) else None
     if not isinstance(decoder, dict):
         raise GenaiConfigError(f"{config_path} has no model.decoder section")
     filename = decoder.get("filename")
     if not isinstance(filename, str) or not filename:
         raise GenaiConfigError(f"{config_path}: model.decoder.filename is missing")
+    if "\0" in filename:
+        raise GenaiConfigError(f"{config_path}: decoder filename {filename!r} holds a NUL character")
     model_file = folder / filename
     if not model_file.resolve().is_relative_to(folder.resolve()):
         raise GenaiConfigError(f"{config_path}: decoder filename {filename!r} lies outside the folder")
     if not model_file.is_file():
         raise GenaiConfigError(f"{config_path} names the decoder model {filename}, which does not exist in {folder}")
-    try:
-        head_size = int(decoder["head_size"])
-        kv_heads = int(decoder.get("num_key_value_heads", decoder.get("num_attention_heads")))
-        layers = int(decoder["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise GenaiConfigError(f"{config_path}: model.decoder lacks a usable {error} entry") from None
-    context = config["model"].get("context_length")
+    options = decoder.get("session_options", {})
+    if not isinstance(options, dict):
+        raise GenaiConfigError(f"{config_path}: model.decoder.session_options must be an object, not "
+                               f"{type(options).__name__}")
+    library = options.get("custom_ops_library")
+    if library is not None and not (isinstance(library, str) and library and "\0" not in library):
+        raise GenaiConfigError(f"{config_path}: session_options.custom_ops_library must be a file name, not "
+                               f"{json.dumps(library)[:40]}")
+    where = f"{config_path}: model.decoder"
+    head_size = _positive_int(decoder, "head_size", where)
+    kv_heads = _positive_int(decoder, "num_key_value_heads", where) or _positive_int(decoder, "num_attention_heads",
+                                                                                      where)
+    layers = _positive_int(decoder, "num_hidden_layers", where)
+    for key, value in (("head_size", head_size), ("num_key_value_heads", kv_heads), ("num_hidden_layers", layers)):
+        if value is None:
+            raise GenaiConfigError(f"{where} lacks a usable '{key}' entry")
+    context = model.get("context_length")
     return GenaiDecoder(folder, config_path, config, model_file, head_size, kv_heads, layers,
-                        int(context) if isinstance(context, int) else None)
+                        context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None)
+
+
+def context_length(path: str | os.PathLike) -> int | None:
+    """The longest sequence of the model at ``path`` (a file or folder), when its onnxruntime-genai
+    config says (``context_length``); None otherwise."""
+    folder = genai_folder(path)
+    if folder is None:
+        return None
+    try:
+        return genai_decoder(folder).context_length
+    except GenaiConfigError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,13 +427,24 @@ class KVLayout:
     logits: str
     has_position_ids: bool
     max_positions: int | None = None  # the model's longest sequence when it has one (genai config)
+    # Per past input: 0 (the buffer grows with the sequence) or the rows of a window-sized buffer
+    # (a sliding-window layer's GroupQueryAttention with sliding_window_cache=1); empty: all grow.
+    capacity: tuple[int, ...] = ()
+
+    def rows(self, index: int) -> int:
+        return self.capacity[index] if self.capacity else 0
 
     def empty(self, batch: int = 1) -> list[np.ndarray]:
-        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype) for _ in self.past]
+        """The K/V of a new sequence: no rows for growing buffers, zeroed window-sized ones (their
+        GroupQueryAttention refuses a buffer smaller than its window)."""
+        return [np.zeros((batch, self.kv_heads, self.rows(i), self.head_dim), self.dtype)
+                for i in range(len(self.past))]
 
     def bytes_per_position(self) -> int:
-        """Bytes the cache holds per token position (every layer's K and V)."""
-        return len(self.past) * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+        """Bytes the cache adds per token position (every growing layer's K and V; window-sized
+        buffers do not grow)."""
+        growing = sum(1 for i in range(len(self.past)) if not self.rows(i))
+        return growing * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
 
 _NUMPY_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -402,6 +470,35 @@ def _graph_head_size(model: Any, past_name: str) -> int | None:
             if k and k % heads == 0:
                 return k // heads
     return None
+
+
+# onnxruntime-genai's CPU default of sliding_window.cache_slack: a window-sized buffer holds the window
+# plus these rows, so its GroupQueryAttention compacts once every slack + 1 decode steps.
+GENAI_CPU_WINDOW_SLACK = 16
+
+
+def window_capacities(model: Any, slack: int = GENAI_CPU_WINDOW_SLACK) -> dict[str, int]:
+    """Past K/V inputs of window-sized buffers -> the rows to give them: for each
+    ``com.microsoft.GroupQueryAttention`` with ``sliding_window_cache=1``, its ``local_window_size``
+    plus ``slack``, as onnxruntime-genai's Generator sizes them on CPU (any size >= the window gives
+    the same attention)."""
+    capacities = {}
+    for node in load_proto(model).graph.node:
+        attributes = {a.name: a for a in node.attribute}
+        if node.op_type not in ("GroupQueryAttention", "PopcountGroupQueryAttention") or \
+                "sliding_window_cache" not in attributes or attributes["sliding_window_cache"].i != 1:
+            continue
+        window = attributes["local_window_size"].i if "local_window_size" in attributes else -1
+        for name in node.input[3:5]:
+            if name and window > 0:
+                capacities[name] = window + max(0, slack)
+    return capacities
+
+
+def _genai_window_slack(genai: GenaiDecoder | None) -> int:
+    window = genai.config["model"]["decoder"].get("sliding_window") if genai is not None else None
+    slack = window.get("cache_slack", 0) if isinstance(window, dict) else 0
+    return int(slack) if isinstance(slack, int) and slack > 0 else GENAI_CPU_WINDOW_SLACK
 
 
 def kv_layout(session: Any, model: Any = None) -> KVLayout | None:
@@ -436,9 +533,20 @@ def kv_layout(session: Any, model: Any = None) -> KVLayout | None:
                          "(give the model's path inside its genai folder, or a graph with numeric K/V dims)")
     inputs = {i.name for i in session.get_inputs()}
     logits = "logits" if "logits" in outputs else outputs[0]
+    capacities: dict[str, int] = {}
+    # Window-sized buffers: onnxruntime-genai's builder names their length *_sliding_*; the graph
+    # says which inputs and how large.
+    if (genai is not None and genai.config["model"]["decoder"].get("sliding_window")) or \
+            any("sliding" in str(dim) for i in past for dim in i.shape):
+        if model is None:
+            raise ValueError(f"KV input {spec.name!r}: window-sized KV buffers need the model (path or proto) to "
+                             "tell their size")
+        source = genai.model_file if genai is not None and Path(os.fspath(model)).is_dir() else model
+        capacities = window_capacities(source, _genai_window_slack(genai))
     return KVLayout(tuple(i.name for i in past), tuple(present), int(heads), int(head_dim),
                     _NUMPY_FLOATS.get(spec.type, np.float32), logits, "position_ids" in inputs,
-                    genai.context_length if genai is not None else None)
+                    genai.context_length if genai is not None else None,
+                    tuple(capacities.get(i.name, 0) for i in past) if capacities else ())
 
 
 class KVDecoder:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import operator
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from .runtime import load_proto, open_session
 
 DEFAULT_BUDGET = 0.5  # relative L2 error allowed when layers are approximate
 EXACT_BUDGET = 1e-4  # relative L2 error allowed when every rewritten layer is exact
@@ -38,6 +39,16 @@ class OutputError:
     shape: tuple[int, ...]
     max_abs: float
     rel_l2: float
+    top1: float | None = None  # logits outputs: share of positions whose argmax token agrees
+
+
+def top1_agreement(expected: np.ndarray, actual: np.ndarray) -> float | None:
+    """Share of positions (all axes but the last) whose argmax over the last axis agrees; None for
+    an output that is not [..., vocab] logits or whose shapes differ."""
+    expected, actual = np.asarray(expected), np.asarray(actual)
+    if expected.shape != actual.shape or expected.ndim < 2 or expected.shape[-1] < 2 or expected.size == 0:
+        return None
+    return float(np.mean(np.argmax(expected, axis=-1) == np.argmax(actual, axis=-1)))
 
 
 @dataclasses.dataclass
@@ -60,7 +71,8 @@ class VerifyResult:
         lines.append(f"  {'output'.ljust(width)}  {'max_abs':>10}  {'rel_l2':>10}  status")
         for o in self.outputs:
             status = "ok" if o.rel_l2 <= self.budget else "OVER BUDGET"
-            lines.append(f"  {o.name.ljust(width)}  {o.max_abs:10.3e}  {o.rel_l2:10.3e}  {status}")
+            top1 = f"  (top-1 agreement {o.top1:.3f})" if o.top1 is not None else ""
+            lines.append(f"  {o.name.ljust(width)}  {o.max_abs:10.3e}  {o.rel_l2:10.3e}  {status}{top1}")
         lines.append("verify: PASSED" if self.passed else "verify: FAILED (relative L2 error over budget)")
         return "\n".join(lines)
 
@@ -174,20 +186,9 @@ def _resolve_shape(name: str, dims: Sequence[Any], overrides: Mapping[str, Any],
     return tuple(shape)
 
 
-def _model_proto(model_source: Any):
-    """The ModelProto of a path / bytes / proto, without loading external weights."""
-    import onnx
-
-    if isinstance(model_source, onnx.ModelProto):
-        return model_source
-    if isinstance(model_source, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model_source))
-    return onnx.load(os.fspath(model_source), load_external_data=False)
-
-
 def _embedding_sizes(model_source: Any) -> dict[str, int]:
     """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
-    proto = _model_proto(model_source)
+    proto = load_proto(model_source)
     graph = proto.graph
     rows = {init.name: int(init.dims[0]) for init in graph.initializer if len(init.dims) >= 1}
     consumers: dict[str, list] = {}
@@ -260,25 +261,6 @@ def compare(expected: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
     return float(np.abs(diff).max()), (error / norm if norm > 0 else error)
 
 
-def _uses_ortsparse(model_source: Any) -> bool:
-    proto = _model_proto(model_source)
-    return any(o.domain == "ai.ortsparse" for o in proto.opset_import)
-
-
-def _session(model_source: Any, with_library: bool):
-    import onnxruntime as ort
-
-    from . import inference_session
-
-    if with_library:
-        return inference_session(model_source)
-    if hasattr(model_source, "SerializeToString"):
-        model_source = model_source.SerializeToString()
-    elif isinstance(model_source, os.PathLike):
-        model_source = os.fspath(model_source)
-    return ort.InferenceSession(model_source, providers=["CPUExecutionProvider"])
-
-
 def verify_models(
     original: Any,
     rewritten: Any,
@@ -297,8 +279,8 @@ def verify_models(
 
     if runs < 1:
         raise VerifyInputError("verify needs at least one input set")
-    reference = _session(original, _uses_ortsparse(original))
-    candidate = _session(rewritten, True)
+    reference = open_session(original)  # the op library registered when the model uses it
+    candidate = open_session(rewritten)
     overrides = dict(shapes or {})
     vocab = _embedding_sizes(original)
     output_names = [o.name for o in reference.get_outputs()]
@@ -315,9 +297,11 @@ def verify_models(
         actual = candidate.run(output_names, feeds)
         for name, e, a in zip(output_names, expected, actual):
             max_abs, rel = compare(e, a)
+            top1 = top1_agreement(e, a) if "logits" in name else None
             previous = worst.get(name)
             if previous is not None:
                 max_abs, rel = max(max_abs, previous.max_abs), max(rel, previous.rel_l2)
-            worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel)
+                top1 = None if top1 is None or previous.top1 is None else min(top1, previous.top1)
+            worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel, top1)
     return VerifyResult(outputs=[worst[n] for n in output_names], budget=budget, budget_reason=budget_reason,
                         runs=runs, input_shapes=input_shapes)

@@ -117,7 +117,7 @@ def _write(path, data: bytes):
                        str(tmp / "o.onnx")], "cannot read"),
     (lambda src, tmp: [str(_write(tmp / "g.onnx", b"\x00\xff" * 999)), "-o", str(tmp / "o.onnx")], "cannot read"),
     (lambda src, tmp: [str(_write(tmp / "e.onnx", b"")), "-o", str(tmp / "o.onnx")], "is empty"),
-    (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--kwta-k", "1.5"], "k_frac=1.5"),
+    (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--kwta-k", "1.5"], "argument --kwta-k: 1.5 is not a finite number in (0, 1]"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--kwta-target", "ffn"], "invalid choice"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--config", str(tmp / "none.json")], "cannot read"),
     (lambda src, tmp: [str(src), "-o", str(tmp / "o.onnx"), "--verify", "1", "--verify-shape", "seq"],

@@ -103,11 +103,37 @@ def test_swapped_in_place_and_exact(packed, rotary, rng):
     assert np.array_equal(actual[1], expected[1]) and np.array_equal(actual[2], expected[2])
 
 
+def test_window_sized_kv_buffers_are_swapped_in_place_and_exact(rng):
+    """sliding_window_cache=1 (the builder's default for sliding-window layers): taken, the attribute
+    passed through; the rewritten layer matches onnxruntime's over a decode that evicts rows."""
+    model = genai_layer(local_window_size=8, sliding_window_cache=1)
+    out, report = rewrite_model(model, EXACT)
+    (node,) = gqa_nodes(out)
+    a = attrs_of(node)
+    assert a["sliding_window_cache"] == 1 and a["local_window_size"] == 8
+    assert "local window 8 (window-sized KV buffers)" in report.attention[0].notes
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = ortsparse.inference_session(out)
+    kv = {"theirs": [np.zeros((1, HKV, 10, D), np.float32)] * 2, "ours": [np.zeros((1, HKV, 10, D), np.float32)] * 2}
+    for total in range(1, 30):  # capacity 10, window 8: rows evicted 3 at a time from step 11 on
+        x = rng.standard_normal((1, 1, HIDDEN)).astype(np.float32)
+        outputs = {}
+        for name, session in (("theirs", theirs), ("ours", ours)):
+            outputs[name] = session.run(None, {"x": x, "past_key": kv[name][0], "past_value": kv[name][1],
+                                               "seqlens_k": np.array([total - 1], np.int32),
+                                               "total": np.array(total, np.int32)})
+            kv[name] = outputs[name][1:]
+        np.testing.assert_allclose(outputs["ours"][0], outputs["theirs"][0], rtol=1e-5, atol=1e-6)
+        resident = total if total <= 10 else total - 3 * -(-(total - 10) // 3)
+        for mine, theirs_kv in zip(outputs["ours"][1:], outputs["theirs"][1:]):
+            assert np.array_equal(mine[:, :, :resident], theirs_kv[:, :, :resident])
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(extra_inputs=("", "", "", "k_scale")), "uses input(s) 12 (k_scale)"),
     (dict(qk_output=1), "qk_output=1"),
     (dict(outputs=4), "output_qk in use"),
-    (dict(sliding_window_cache=1), "sliding_window_cache=1"),
+    (dict(sliding_window_cache=1), "sliding_window_cache=1 without past_key / past_value or local_window_size > 0"),
     (dict(k_quant_type="PER_CHANNEL"), "k_quant_type='PER_CHANNEL'"),
     (dict(kv_cache_bit_width=4), "kv_cache_bit_width"),
     (dict(dtype=TensorProto.FLOAT16), "has dtype FLOAT16"),

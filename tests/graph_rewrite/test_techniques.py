@@ -165,24 +165,20 @@ def test_library_resolves_kwta_auto_like_the_cli(fakes):
     assert RewriteConfig(techniques={"fakeb": on, "kwta": explicit}).choice("kwta").enabled
 
 
-def test_deprecated_kwta_keywords_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="kwta="):
-        old = RewriteConfig(kwta=KwtaSettings(k_frac=0.25), kwta_target="all")
-    choice = old.choice("kwta")
-    assert choice == TechniqueChoice(KwtaSettings(k_frac=0.25), enabled=True, target="all")  # on, as before
-    with pytest.warns(DeprecationWarning):
-        assert old.kwta == KwtaSettings(k_frac=0.25) and old.kwta_enabled and old.kwta_target == "all"
-    with pytest.warns(DeprecationWarning):
-        assert not RewriteConfig(kwta_enabled=False).choice("kwta").enabled
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="KWTA given twice"):
-        RewriteConfig(kwta_target="all", techniques={"kwta": TechniqueChoice(KwtaSettings())})
-    with pytest.warns(DeprecationWarning):
-        entry = LayerOverride("*", kwta={"k_frac": 0.9})
-    assert entry.setting("kwta") == {"k_frac": 0.9} and entry.techniques == {"kwta": {"k_frac": 0.9}}
+def test_config_has_one_spelling_of_kwta():
+    """KWTA is techniques["kwta"] like any other technique: no second spelling in configs or reports."""
+    with pytest.raises(TypeError):
+        RewriteConfig(kwta=KwtaSettings(k_frac=0.25))  # noqa (the pre-release keyword is gone)
+    with pytest.raises(TypeError):
+        LayerOverride("*", kwta={"k_frac": 0.9})
+    entry = LayerOverride("*", techniques={"kwta": {"k_frac": 0.9}})
+    assert entry.setting("kwta") == {"k_frac": 0.9}
+    with pytest.raises(ConfigError, match="unknown technique"):
+        LayerOverride("*", techniques={"kwtaa": {}})
     report = rewrite_model(tg.gpt2_like(), kwta_config("all", k_frac=0.25))[1]
-    data = report.to_dict()["config"]  # the old report fields stay for one release
-    assert (data["kwta"]["k_frac"], data["kwta_enabled"], data["kwta_target"]) == (0.25, True, "all")
-    assert data["techniques"]["kwta"]["enabled"] is True
+    data = report.to_dict()["config"]
+    assert "kwta_enabled" not in data and data["techniques"]["kwta"]["enabled"] is True
+    assert data["techniques"]["kwta"]["settings"]["k_frac"] == 0.25 and data["techniques"]["kwta"]["target"] == "all"
 
 
 def test_flags_are_data_and_round_trip_through_argparse():

@@ -59,11 +59,20 @@ def test_bench_rows_cover_every_model_runner_and_context():
     candidates = [speed.Candidate("dense", model), speed.Candidate("ortsparse", rewritten),
                   speed.Candidate("genai", GENAI, ("ort", "og"))]
     payload = speed.bench(candidates, TOKENS, contexts=(4, 9), threads=(1,), steps=3, warmup=1, prefill_chunk=4,
-                          runs=2, log=lambda *_: None)
+                          rounds=2, log=lambda *_: None)
     rows = payload["rows"]
+    # rounds are spread over the run: every setting of round 1 before any of round 2
+    assert [r["run"] for r in rows] == [0] * 8 + [1] * 8
+    assert len(payload["ratios"]) == 8
+    for summary in payload["ratios"]:
+        group = [r["speedup"] for r in rows if (r["context"], r["model"], r["runner"]) ==
+                 (summary["context"], summary["model"], summary["runner"])]
+        assert summary["speedup"]["rounds"] == 2
+        assert summary["speedup"]["min"] == min(group) and summary["speedup"]["max"] == max(group)
+        assert summary["speedup"]["min"] <= summary["speedup"]["median"] <= summary["speedup"]["max"]
     assert {(r["context"], r["model"], r["runner"]) for r in rows} == {
         (c, m, k) for c in (4, 9) for m, k in [("dense", "ort"), ("ortsparse", "ort"), ("genai", "ort"), ("genai", "og")]}
-    assert len(rows) == 2 * 4 * 2  # two runs of every setting
+    assert len(rows) == 2 * 4 * 2  # two rounds of every setting
     assert all(r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 for r in rows)
     assert all(r["speedup"] == 1.0 and r["top1_agreement"] == 1.0 for r in rows if r["model"] == "dense")
     # the genai graph has the dense export's weights: same predictions through both runners
@@ -77,11 +86,12 @@ def test_bench_rows_cover_every_model_runner_and_context():
     assert len(payload["stability"]) == 8 and all(s["spread"] >= 0 for s in payload["stability"])
     text = speed.markdown(payload, "cmd", "title")
     assert text.count("\n| 1 | ") == 8 + 8 and "Stability" in text  # the table and the stability rows
+    assert "Neighbour: none" in text and "speedup min / median" in text
 
 
 def test_bench_shortens_the_prompt_to_the_models_length():
     payload = speed.bench([speed.Candidate("genai", GENAI, ("og",))], TOKENS, contexts=(128,), threads=(1,), steps=3,
-                          warmup=1, log=lambda *_: None)
+                          warmup=1, rounds=1, log=lambda *_: None)
     (row,) = payload["rows"]
     assert row["positions"] == [124, 127] and row["prompt"] == 124  # the tiny model holds 128 positions
 
@@ -105,9 +115,11 @@ def test_cli_bench_writes_the_report(tmp_path, capsys):
     stem = tmp_path / "bench"
     code = main(["bench", f"dense={KV}", f"genai={GENAI}", "--contexts", "8", "--threads", "1", "--steps", "2",
                  "--warmup", "1", "--corpus", str(corpus), "--rewrite", "genai", "--kwta-target", "mlp",
-                 "--kwta-k", "0.5", "-o", str(stem)])
+                 "--kwta-k", "0.5", "--rounds", "2", "--neighbour", "stream", "-o", str(stem)])
     assert code == 0
     payload = json.loads(stem.with_suffix(".json").read_text())
+    assert payload["loop"]["rounds"] == 2 and payload["neighbour"]["kind"] == "stream"
+    assert payload["neighbour"]["read_gbs"] > 0 and payload["neighbour"]["buffer_mb"] >= 256
     assert {(r["model"], r["runner"]) for r in payload["rows"]} == {
         ("dense", "ort"), ("genai", "ort"), ("genai", "og"), ("genai+ortsparse", "ort"), ("genai+ortsparse", "og")}
     gated = [r for r in payload["rows"] if r["model"] == "genai+ortsparse"]
@@ -115,3 +127,68 @@ def test_cli_bench_writes_the_report(tmp_path, capsys):
     assert payload["config"]["rewrite"] == "genai"
     assert "genai+ortsparse | og" in stem.with_suffix(".md").read_text()
     assert main(["bench", "nonsense", "--corpus", str(corpus)]) == 2
+
+
+def test_stream_neighbour_streams_and_stops():
+    """The neighbour reads a buffer larger than the L3 while the block runs and is gone after it."""
+    import time
+
+    from ortsparse.benchmarking import StreamNeighbour
+
+    with StreamNeighbour(max_seconds=60) as beside:
+        pid = beside.process.pid
+        time.sleep(0.5)
+        assert beside.process.poll() is None
+    assert beside.process.poll() is not None  # stopped, not left running
+    assert beside.result["read_gbs"] > 0 and beside.result["buffer_mb"] >= 256
+    assert pid > 0
+
+
+def test_bench_refuses_zero_rounds():
+    with pytest.raises(ValueError, match="rounds"):
+        speed.bench([speed.Candidate("genai", GENAI, ("og",))], TOKENS, contexts=(8,), threads=(1,), rounds=0)
+
+
+def test_request_shapes_parse_and_refuse():
+    from ortsparse.harness.request import RequestShape, parse_requests
+
+    assert parse_requests("512:64, 4096:256") == [RequestShape(512, 64), RequestShape(4096, 256)]
+    for bad in ("512", "512:0", "0:5", "a:b", "512:64,", "-3:4"):
+        with pytest.raises(ValueError, match="PROMPT:ANSWER|no request"):
+            parse_requests(bad)
+
+
+def test_request_bench_times_prompt_and_answer(tmp_path):
+    """A whole request per model: the first token's time plus the answer's steps make the total; the
+    same model twice agrees on every answer token and its ratios sit around 1."""
+    from ortsparse.harness.request import RequestShape, request_bench, request_markdown
+
+    candidates = [speed.Candidate("genai", GENAI, ("og", "ort")), speed.Candidate("copy", GENAI, ("og",))]
+    payload = request_bench(candidates, TOKENS, [RequestShape(20, 6), RequestShape(40, 1)], rounds=2,
+                            log=lambda *_: None)
+    rows = payload["rows"]
+    assert len(rows) == 2 * 2 * 3  # rounds x requests x (model, runner)
+    for r in rows:
+        assert r["total_s"] == pytest.approx(r["ttft_s"] + r["decode_s"])
+        assert r["answer_agreement"] == 1.0  # same weights, same tokens
+        if r["answer"] == 1:
+            assert r["decode_s"] == 0 and np.isnan(r["decode_speedup"])
+    reference = [r for r in rows if (r["model"], r["runner"]) == ("genai", "og")]
+    assert all(r["total_speedup"] == 1.0 for r in reference)
+    assert {(r["request"], r["model"], r["runner"]) for r in payload["ratios"]} == {
+        (q, m, k) for q in ("20+6", "40+1") for m, k in [("genai", "og"), ("genai", "ort"), ("copy", "og")]}
+    text = request_markdown(payload, "cmd")
+    assert text.count("\n| 1 | ") == 6 and "first token" in text
+    with pytest.raises(ValueError, match="does not fit"):
+        request_bench(candidates, TOKENS, [RequestShape(120, 20)], rounds=1, log=lambda *_: None)
+
+
+def test_cli_bench_request_writes_the_report(tmp_path):
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, TOKENS)
+    stem = tmp_path / "req"
+    assert main(["bench", f"genai={GENAI}", "--runners", "og", "--threads", "1", "--corpus", str(corpus),
+                 "--request", "16:4", "--rounds", "1", "-o", str(stem)]) == 0
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert payload["requests"] == ["16+4"] and len(payload["rows"]) == 1
+    assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "16", "-o", str(stem)]) == 2

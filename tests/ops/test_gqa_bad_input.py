@@ -29,7 +29,8 @@ def error_of(fn) -> str:
     ({"local_window_size": -5}, "local_window_size=-5 must be -1 (none) or >= 0"),
     ({"causal": 0, "local_window_size": 4}, "local_window_size=4 needs causal=1"),
     ({"qk_output": 1}, "qk_output=1 is not supported"),
-    ({"sliding_window_cache": 1}, "sliding_window_cache=1 is not supported"),
+    ({"sliding_window_cache": 1}, "sliding_window_cache=1 needs local_window_size > 0, got -1"),
+    ({"sliding_window_cache": 2, "local_window_size": 4}, "sliding_window_cache=2 must be 0 or 1"),
     ({"k_quant_type": "PER_TENSOR"}, "k_quant_type='PER_TENSOR' is not supported"),
     ({"kv_cache_bit_width": 8}, "kv_cache_bit_width=8 is not supported"),
     ({"do_rotary": 2}, "do_rotary=2 must be 0 or 1"),
@@ -210,3 +211,50 @@ def test_fuzzed_shapes_and_lengths_never_crash():
         outcomes["ok"] += 1
     print(outcomes)
     assert outcomes["ok"] > 50 and outcomes["error"] > 50, outcomes
+
+
+def test_fuzzed_window_buffers_never_crash():
+    """sliding_window_cache=1 with random windows, buffers (some below the window), lengths far past
+    the buffer, prompts and chunks: each call succeeds with finite outputs or fails with the op's
+    one-line error."""
+    rng = np.random.default_rng(11)
+    sessions = {}
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(300):
+        window = int(rng.integers(1, 6))
+        cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=8, local_window=window, rotary=bool(rng.integers(0, 2)))
+        select = str(rng.choice(["none", "pages"]))
+        key = (cfg, select)
+        if key not in sessions:
+            sessions[key] = G.session(cfg, ours=True, free=True, select=select, topk=2, min_keys=0,
+                                      sliding_window_cache=1)
+        b = int(rng.integers(1, 4))
+        s = int(rng.integers(1, 12))
+        buffer = int(rng.integers(window - 1, window + 6))
+        if rng.random() < 0.4:
+            total = s
+            seqlens = rng.integers(0, s, b) if rng.random() < 0.3 else np.full(b, s - 1)
+        else:
+            s = 1 if b != 1 else s
+            seqlens = rng.integers(s - 1, max(s, 4 * buffer + 2), b)
+            total = int(seqlens.max()) + 1
+        if rng.random() < 0.15:
+            seqlens = seqlens + int(rng.choice([-100, 100]))
+        feeds = {"query": rng.standard_normal((b, s, cfg.hidden), dtype=np.float32),
+                 "key": rng.standard_normal((b, s, cfg.kv_hidden), dtype=np.float32),
+                 "value": rng.standard_normal((b, s, cfg.kv_hidden), dtype=np.float32),
+                 "seqlens_k": np.asarray(seqlens, np.int32), "total_sequence_length": np.asarray([total], np.int32),
+                 "past_key": rng.standard_normal((b, 2, buffer, 8), dtype=np.float32),
+                 "past_value": rng.standard_normal((b, 2, buffer, 8), dtype=np.float32)}
+        if cfg.rotary:
+            feeds["cos_cache"] = np.ones((int(rng.integers(1, 6 * buffer + 12)), cfg.half), np.float32)
+            feeds["sin_cache"] = np.zeros_like(feeds["cos_cache"])
+        try:
+            out = sessions[key].run(None, feeds)
+        except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.Fail) as error:
+            assert "PopcountGroupQueryAttention" in str(error), str(error)
+            outcomes["error"] += 1
+            continue
+        assert all(np.isfinite(o).all() for o in out) and out[1].shape == (b, 2, buffer, 8)
+        outcomes["ok"] += 1
+    assert outcomes["ok"] > 50 and outcomes["error"] > 30, outcomes

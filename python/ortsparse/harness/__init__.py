@@ -8,8 +8,10 @@ the harness: runtime, graph_rewrite, verify, benchmarking, rewrite_flags; pyproj
 
 - studies: ``calibrate``, ``event_workloads``, ``sweep``, ``zoo`` (``ortsparse validate``);
 - commands that are libraries too: ``quality``, ``speed`` (``ortsparse bench``);
-- measurements: ``perplexity``, ``embeddings``, ``output_error``, ``decode`` (the real decode loop);
-- data: ``corpus`` (token windows, sentence sets), ``op_metrics`` (keep ratios from the counters);
+- measurements: ``perplexity``, ``embeddings``, ``output_error``, ``decode`` (the real decode loop),
+  ``head_placement`` (where an ungated quantized LM head runs faster, timed on the machine);
+- data: ``corpus`` (token windows, sentence sets), ``op_metrics`` (keep ratios from the counters),
+  ``text`` (a text's token ids and the BOS its tokenizer adds);
 - ``models`` (``ortsparse models``: the registry, ``model_path``, ``quantized_model``);
 - ``baselines`` (MatMulNBits int4/int8), ``export_genai`` (onnxruntime-genai builder models);
 - ``export_smollm2``, ``export_minilm`` (torch exporters);

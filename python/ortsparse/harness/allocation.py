@@ -42,10 +42,19 @@ from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_l
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.rules import dequantize_nbits
 from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
-from .corpus import default_sentences, lm_windows, load_corpus_tokens, load_sentences, sentence_batches
+from .corpus import (
+    default_sentences,
+    first_scored,
+    lm_windows,
+    load_corpus_tokens,
+    load_sentences,
+    sentence_batches,
+    text_per_window,
+)
 from .embeddings import compare_embeddings, mean_pool
+from .head_placement import DENSE_ON_OURS, glob_escape
 from .models import model_path
-from .perplexity import compare_lm, perplexity
+from .perplexity import compare_lm, log_softmax_blocks, perplexity, score_logits
 
 THRESHOLD_PREFIX = "ortsparse_probe_threshold/"
 SCORES = ("l2", "l2_weighted")
@@ -100,11 +109,6 @@ class Unit:
 
 
 _BLOCK_RE = re.compile(r"(?:layers?|blocks?|h|layer)[./_](\d+)[./]")
-
-
-def glob_escape(name: str) -> str:
-    """``name`` as a glob matching only itself (override entries match node names by glob)."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def _block_index(name: str) -> int | None:
@@ -314,12 +318,6 @@ def measure_curves(units: Sequence[Unit], inputs: Mapping[str, np.ndarray], scor
 # --------------------------------------------------------------------------- losses on the probe graph
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    rows = logits.astype(np.float64)
-    rows = rows - rows.max(axis=-1, keepdims=True)
-    return rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
-
-
 class ProbeSession:
     """One onnxruntime session of the probe graph; ``run(thresholds, batch)`` feeds the thresholds
     (layer index -> value; the others 0 = dense) with a batch."""
@@ -345,31 +343,40 @@ class ProbeSession:
 
 class LmLoss:
     """Losses of a decoder on fixed windows, against its dense run: ``kl`` (mean KL(dense || gated)
-    of the next-token distribution, nats; for probes) and ``dppl`` (ppl ratio - 1; the budget)."""
+    of the next-token distribution, nats; for probes) and ``dppl`` (ppl ratio - 1; the budget).
+    Scored are the predictions from position ``first`` on (1 after a BOS: corpus.first_scored). The
+    log softmax is taken a block of rows at a time (perplexity.log_softmax_blocks); the dense run's
+    log-probabilities kept for ``kl`` are float32, the size of one window's logits."""
 
     kind = "lm"
 
     def __init__(self, probe: ProbeSession, windows: np.ndarray, keep_logprobs: bool,
-                 baseline_nll: float | None = None) -> None:
+                 baseline_nll: float | None = None, first: int = 0) -> None:
         self.probe = probe
         self.windows = np.asarray(windows)
+        self.first = first
         self.dense_logprobs: list[np.ndarray] = []
         nll = 0.0
         for window in self.windows:
-            logp = _log_softmax(probe.run({}, window)[0, :-1])
-            nll += float(-logp[np.arange(len(window) - 1), window[1:]].sum())
+            logits = self._logits({}, window)
+            nll += float(score_logits(logits, window[first + 1:])[0].sum())
             if keep_logprobs:
-                self.dense_logprobs.append(logp.astype(np.float32))
-        self.scored = self.windows.shape[0] * (self.windows.shape[1] - 1)
+                logp = np.empty(logits.shape, dtype=np.float32)
+                for start, stop, block in log_softmax_blocks(logits):
+                    logp[start:stop] = block
+                self.dense_logprobs.append(logp)
+        self.scored = self.windows.shape[0] * (self.windows.shape[1] - 1 - first)
         # dppl is against the dense model itself, or against a reference (e.g. the fp32 model of a
         # quantized one: the budget then covers quantization and gating together).
         self.dense_nll = nll / self.scored if baseline_nll is None else baseline_nll
 
+    def _logits(self, thresholds: Mapping[int, float], window: np.ndarray) -> np.ndarray:
+        return self.probe.run(thresholds, window)[0, self.first:-1]
+
     def nll(self, thresholds: Mapping[int, float]) -> float:
         total = 0.0
         for window in self.windows:
-            logp = _log_softmax(self.probe.run(thresholds, window)[0, :-1])
-            total += float(-logp[np.arange(len(window) - 1), window[1:]].sum())
+            total += float(score_logits(self._logits(thresholds, window), window[self.first + 1:])[0].sum())
         return total / self.scored
 
     def dppl(self, thresholds: Mapping[int, float]) -> float:
@@ -378,8 +385,9 @@ class LmLoss:
     def kl(self, thresholds: Mapping[int, float]) -> float:
         total = 0.0
         for window, dense in zip(self.windows, self.dense_logprobs):
-            logp = _log_softmax(self.probe.run(thresholds, window)[0, :-1])
-            total += float(np.sum(np.exp(dense) * (dense - logp)))
+            for start, stop, logp in log_softmax_blocks(self._logits(thresholds, window)):
+                block = dense[start:stop].astype(np.float64)
+                total += float(np.sum(np.exp(block) * (block - logp)))
         return total / self.scored
 
     budget_loss = dppl
@@ -563,16 +571,14 @@ class Allocation:
         }
 
 
-# KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
-DENSE_ON_OURS = {"k_frac": 1.0, "block": 1}
-
-
 def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> list[str]:
-    """The LM heads stored as MatMulNBits that are not gated: the allocation writes them dense on our
+    """The LM heads stored as MatMulNBits that are not gated: candidates for running dense on our
     quantized kernel. At one token the head is the widest layer (576 x 49152 in SmolLM2, a fifth of a
-    decode step's weight bytes) and our decode kernel streams it faster than MatMulNBits
-    (reports/quant_kernel.md); it keeps the MatMulNBits node's accuracy_level (its numerics), and the
-    held-out check then measures it.
+    decode step's weight bytes); whether our kernel streams it faster than MatMulNBits depends on the
+    shape and the machine (faster on SmolLM2's head, reports/quant_kernel.md; slower on Gemma-3's
+    640 x 262144), so ``calibrate.gating_search`` keeps only the ones a measurement finds faster
+    (:func:`ortsparse.harness.head_placement.place_heads`). They keep the MatMulNBits node's
+    accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576)."""
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
@@ -614,23 +620,27 @@ def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capt
 def allocate_lm(model: Any, calibration_tokens: Any, max_dppl: float = 0.02, *, target: str = "both",
                 score: str = "l2", margin: float = 0.75, windows: int = 8, window_len: int = 512,
                 level: float = 0.02, steps: int = 8, max_rows: int = 2048, reference: Any = None,
-                log: Callable[[str], None] = print) -> Allocation:
+                bos: int | None = None, log: Callable[[str], None] = print) -> Allocation:
     """Per-layer thresholds for a full-sequence LM export whose dppl on the calibration windows
-    (``windows`` x ``window_len`` tokens from the start of ``calibration_tokens``) stays within
-    ``margin * max_dppl``. Probes use the window after them (the first one when there is none).
-    ``reference``: measure the dppl against this model (same windows) instead of ``model``."""
+    (``windows`` x ``window_len`` positions from the start of ``calibration_tokens``, each starting
+    with ``bos`` when given: corpus.lm_windows) stays within ``margin * max_dppl``. Probes use the
+    window after them (the first one when there is none). ``reference``: measure the dppl against
+    this model (same windows) instead of ``model``."""
     model = load_proto(model, load_weights=True)
     tokens = np.asarray(calibration_tokens).reshape(-1)
-    verify = lm_windows(tokens, windows, window_len)
-    spare = tokens.size >= (windows + 1) * window_len
-    probe = lm_windows(tokens, 1, window_len, offset=windows * window_len if spare else 0)
+    verify = lm_windows(tokens, windows, window_len, bos=bos)
+    text = text_per_window(window_len, bos)
+    spare = tokens.size >= (windows + 1) * text
+    probe = lm_windows(tokens, 1, window_len, offset=windows * text if spare else 0, bos=bos)
     layers = gated_layers(model, target)
     baseline = None
     if reference is not None:
-        baseline = math.log(perplexity(reference, tokens, windows, window_len)["ppl"])
+        baseline = perplexity(reference, tokens, windows, window_len, bos=bos)["nll"]
+    first = first_scored(bos)
     return _allocate(model, layers, score, list(verify),
-                     lambda session: LmLoss(session, probe, keep_logprobs=True).kl,
-                     lambda session: LmLoss(session, verify, keep_logprobs=False, baseline_nll=baseline).dppl,
+                     lambda session: LmLoss(session, probe, keep_logprobs=True, first=first).kl,
+                     lambda session: LmLoss(session, verify, keep_logprobs=False, baseline_nll=baseline,
+                                            first=first).dppl,
                      margin * max_dppl, level=level, steps=steps, max_rows=max_rows, log=log)
 
 

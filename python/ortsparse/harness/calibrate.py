@@ -24,20 +24,21 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .. import tt
+from .. import flag_types, tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
-from ..graph_rewrite.output_paths import check_outputs, write_text_files
-from ..runtime import genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
-from . import allocation
-from .corpus import SPLITS, encoder_batches, lm_windows, load_corpus_tokens, split_held_out
+from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
+from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
+from . import allocation, head_placement
+from .corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out,
+                     text_per_window)
 from .embeddings import compare_embeddings
 from .models import model_path
-from .perplexity import compare_lm, perplexity
+from .perplexity import compare_lm, describe_spread, perplexity
 from .speed import decode_speed
-from .text import text_tokens
+from .text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -177,8 +178,8 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 
 def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
                   target: str = "both", greedy: bool = False, greedy_rounds: int = 8, reference: Any = None,
-                  method: str = "uniform", score: str = "l2",
-                  log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                  method: str = "uniform", score: str = "l2", bos: BosChoice | int | None = None,
+                  threads: int = 1, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
     the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
     override entries and the search: ``history`` (each tried point: sparsity, loss = dppl,
@@ -188,30 +189,37 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
     the total loss of quantization and gating); default ``model`` itself. ``method``: ``uniform`` (one
     sparsity for every layer, then optional ``greedy`` per-role steps) or ``allocated`` (per-layer
     sparsities from measured sensitivities, :mod:`ortsparse.harness.allocation`; ``score`` l2 or
-    l2_weighted)."""
+    l2_weighted). ``bos``: the token every window starts with (see perplexity.perplexity). An ungated
+    quantized LM head is put dense on our kernel only when a measurement with ``threads`` threads finds
+    it faster there (head_placement; the record is under ``allocation.head_placement``)."""
+    bos = as_bos(bos)
     if method == "allocated":
         result = allocation.allocate_lm(model, calib_tokens, budget, margin=1.0, target=target, score=score,
-                                        windows=windows, window_len=window_len, reference=reference, log=log)
+                                        windows=windows, window_len=window_len, reference=reference, bos=bos.id,
+                                        log=log)
+        result.dense_on_ours, placement = head_placement.place_heads(model, result.dense_on_ours, threads=threads,
+                                                                     log=log)
         history = [{"stage": "allocated", "mu": h["mu"], "loss": h["loss"], "skipped_fraction": h["skipped"]}
                    for h in result.history]
         return result.entries(), {
             "method": "allocated", "score": score, "history": history, "sparsity": result.sparsity(),
             "budget": budget, "skipped_fraction": result.skipped_fraction(),
             "calibration_dppl": result.calibration_loss, "layers": len(result.layers), "target": target,
-            "allocation": result.report(),
+            "allocation": {**result.report(), "head_placement": placement}, "bos": bos.to_dict(),
         }
     if method != "uniform":
         raise ValueError(f"unknown calibration method {method!r} (uniform, allocated)")
-    calib = lm_windows(calib_tokens, windows, window_len)
+    calib = lm_windows(calib_tokens, windows, window_len, bos=bos.id)
     layers = target_layers(model, target)
-    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}")
+    log(f"calibrate: {len(layers)} layers ({target}), {len(calib)} calibration windows of {window_len}; "
+        f"{bos.describe()}")
     capture_quantiles(model, layers, calib, log=log)
-    dense = perplexity(model if reference is None else reference, calib_tokens, windows, window_len)["ppl"]
+    dense = perplexity(model if reference is None else reference, calib_tokens, windows, window_len, bos=bos)["ppl"]
     total = sum(layer.weight_bytes for layer in layers) or 1
 
     def evaluate(sparsity: dict[str, float]) -> float:
         rewritten = rewritten_with(model, overrides_for(layers, sparsity))
-        return perplexity(rewritten, calib_tokens, windows, window_len)["ppl"] / dense - 1.0
+        return perplexity(rewritten, calib_tokens, windows, window_len, bos=bos)["ppl"] / dense - 1.0
 
     best, history = search(layers, evaluate, budget, greedy, log=log, max_rounds=greedy_rounds)
     for step in history:
@@ -222,7 +230,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
         "method": "uniform", "history": history, "sparsity": best, "budget": budget,
         "skipped_fraction": skipped_bytes(layers, best) / total,
         "calibration_dppl": max(accepted) if accepted else 0.0,
-        "layers": len(layers), "target": target,
+        "layers": len(layers), "target": target, "bos": bos.to_dict(),
     }
 
 
@@ -230,8 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="LM export (default: cached SmolLM2 full.torchscript; a KV-cache "
                         "decoder or an onnxruntime-genai folder is scored with an empty past) or an encoder")
     parser.add_argument("-o", "--output", required=True, help="override file to write (JSON)")
-    parser.add_argument("--max-dppl", type=float, default=0.02, help="LM budget: ppl_rewritten/ppl_dense - 1")
-    parser.add_argument("--min-cosine", type=float, default=None,
+    parser.add_argument("--max-dppl", type=flag_types.positive_float, default=0.02,
+                        help="LM budget: ppl_rewritten/ppl_dense - 1")
+    parser.add_argument("--min-cosine", type=flag_types.finite_float(-1.0, 1.0), default=None,
                         help="encoder budget: mean embedding cosine floor (switches to the encoder mode)")
     parser.add_argument("--target", default="all-decoder", choices=["mlp", "attn", "both", "down", "all-decoder", "all"],
                         help="layers to calibrate (all-decoder = mlp + attn; the head stays dense; all = with the head)")
@@ -245,17 +254,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", metavar="FILE", help="a UTF-8 text instead of --tokens (tokenized with --tokenizer, "
                         "else the tokenizer.json beside MODEL); split as --tokens is")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
-    parser.add_argument("--margin", type=float, default=0.75,
+    parser.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                        help="the token every window starts with: auto (default) = BOS when the model's tokenizer "
+                             "adds one (tokenizer_config.json add_bos_token, else tokenizer.json's template), "
+                             "none, or a token id")
+    parser.add_argument("--margin", type=flag_types.fraction, default=0.75,
                         help="calibration windows must stay within margin x budget, so the held-out result "
                              "has room to differ (default 0.75)")
     parser.add_argument("--split", choices=SPLITS, default="halves",
                         help="held-out vs calibration tokens: halves (first half held out; default) or interleaved "
                              "(alternate windows: both see the same mix of the text)")
-    parser.add_argument("--calib-windows", type=int, default=4)
-    parser.add_argument("--eval-windows", type=int, default=8)
-    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--calib-windows", type=flag_types.positive_int, default=4)
+    parser.add_argument("--eval-windows", type=flag_types.positive_int, default=8)
+    parser.add_argument("--window-len", type=flag_types.window_len, default=512)
     parser.add_argument("--greedy", action="store_true", help="per-role greedy refinement after the uniform search")
-    parser.add_argument("--greedy-rounds", type=int, default=8, help="at most this many greedy steps (default 8)")
+    parser.add_argument("--greedy-rounds", type=flag_types.non_negative_int, default=8,
+                        help="at most this many greedy steps (default 8)")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model (e.g. the fp32 model "
                         "of a quantized MODEL: the budget then covers quantization and gating together)")
     parser.add_argument("--bench", action="store_true", help="also measure decode tokens/s (KV export)")
@@ -263,15 +277,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
+    staged: dict[str, tuple[str, str]] = {}
+    code = _calibrate(args, lambda path, what, text: staged.__setitem__(path, (what, text)))
+    write_text_files(staged, _inputs(args))  # the override file and its report together, after every check
+    return code
+
+
+def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None]) -> int:
     target = "both" if args.target == "all-decoder" else args.target
     log = print
-    check_outputs([(args.output, "override file"), (_report_path(args), "report")], _inputs(args))  # before the long run
     if args.min_cosine is not None and args.method == "allocated":
-        return allocation.run(args, target, lambda path, what, text: _write(args, path, what, text), _report_path(args), log)
+        return allocation.run(args, target, write, _report_path(args), log)
     if args.min_cosine is not None:
         if not args.model:
             args.model = str(model_path("minilm", "torchscript"))
-        return _run_encoder(args, target, log)
+        return _run_encoder(args, target, log, write)
     model_file = args.model
     if not model_file:
         model_file = str(model_path("smollm2", "full.torchscript"))
@@ -282,19 +303,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
                           vocab_size(model, default=None))
               if args.text else load_corpus_tokens(args.tokens))
-    eval_tokens, calib_tokens = split_held_out(tokens, args.window_len, args.split)
+    bos = resolve_bos(args.bos, args.model or model_file, args.tokenizer, vocab_size(model, default=None))
+    eval_tokens, calib_tokens = split_held_out(tokens, text_per_window(args.window_len, bos.id), args.split)
+    source = args.text or args.tokens or "the default corpus"
+    for part, flag, count in ((eval_tokens, "--eval-windows", args.eval_windows),
+                              (calib_tokens, "--calib-windows", args.calib_windows)):
+        check_windows(part.size, count, args.window_len, windows_flag=flag, max_positions=context_length(model_file),
+                      source=f"the {'held-out' if part is eval_tokens else 'calibration'} part of {source} "
+                             f"(--split {args.split})")
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
                                    greedy_rounds=args.greedy_rounds, reference=reference, method=args.method,
-                                   score=args.score, log=log)
+                                   score=args.score, bos=bos, log=log)
     best, history = found["sparsity"], found["history"]
-    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
+    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
-                          window_len=args.window_len)
+                          window_len=args.window_len, bos=bos)
     report = {
         "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
-        "model": model_file, "reference": reference, "split": args.split, "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
+        "model": model_file, "reference": reference, "split": args.split, "bos": bos.to_dict(),
+        "windows": held_out["window_construction"], "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "method": args.method, "sparsity": best, "history": history,
         "skipped_weight_fraction_of_targeted": found["skipped_fraction"],
         **({"allocation": found["allocation"]} if "allocation" in found else {}),
@@ -306,8 +335,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench:
         report["bench"] = _bench_with(model_file, entries, log)
     report_path = _report_path(args)
-    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
-    log(f"calibrate: wrote {args.output}; held-out dppl {held_out['dppl']:+.4f}, top-1 agreement "
+    write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
+    log(f"calibrate: held-out windows: {held_out['window_construction']}")
+    log(f"calibrate: wrote {args.output}; held-out {describe_spread(held_out)}, top-1 agreement "
         f"{held_out.get('top1_agreement', float('nan')):.3f}, skipped {report['skipped_weight_fraction_of_targeted']:.1%} "
         f"of targeted weight bytes; report {report_path}")
     return 0 if held_out["dppl"] <= args.max_dppl else 1
@@ -317,16 +347,15 @@ def _report_path(args) -> str:
     return args.report or str(Path(args.output).with_suffix(".report.json"))
 
 
-def _inputs(args) -> list:
+def _inputs(args) -> Inputs:
     """What calibrate reads (never overwritten by its outputs)."""
-    return [args.model, args.tokens, args.text, args.reference]
+    inputs = Inputs().add_model(args.model).add(args.tokens, "the tokens").add(args.text, "the text")
+    if args.text:
+        inputs.add(tokenizer_read(args.model, args.tokenizer), "the tokenizer")
+    return inputs.add_model(args.reference, "the reference model")
 
 
-def _write(args, path: str, what: str, text: str) -> None:
-    write_text_files({path: (what, text)}, _inputs(args))
-
-
-def _run_encoder(args, target: str, log) -> int:
+def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None]) -> int:
     model = onnx.load(args.model)
     layers = target_layers(model, target)
     batches = encoder_batches()
@@ -340,13 +369,13 @@ def _run_encoder(args, target: str, log) -> int:
     best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log,
                            max_rounds=args.greedy_rounds)
     entries = overrides_for(layers, best)
-    _write(args, args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
+    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     final = compare_embeddings(model, rewritten_with(model, entries))
     report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": args.model,
               "min_cosine": args.min_cosine, "sparsity": best, "history": history,
               "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
     report_path = _report_path(args)
-    _write(args, report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
+    write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: wrote {args.output}; cosine mean {final['cosine_mean']:.4f} min {final['cosine_min']:.4f}")
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 

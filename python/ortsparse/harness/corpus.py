@@ -3,7 +3,9 @@ batches (encoders), and where the cache keeps both.
 
 Window ``i`` of a corpus is ``token_ids[offset + i*L : offset + (i+1)*L]``: consecutive,
 non-overlapping, from the start of the array unless ``offset`` says otherwise (calibration takes
-later windows so it never sees the evaluation ones). A sentence set is ``input_ids`` and
+later windows so it never sees the evaluation ones). With a BOS token (the model's tokenizer adds
+one, :func:`ortsparse.harness.text.tokenizer_bos`) window ``i`` is ``[bos] + token_ids[offset +
+i*(L-1) : offset + (i+1)*(L-1)]``: still L positions, L-1 of them text. A sentence set is ``input_ids`` and
 ``attention_mask`` ``[n, S]`` (padded), optionally ``token_type_ids`` (a ``.npz`` or a mapping).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..graph_rewrite.errors import ModelFileError
 from .cache import models_dir
 from .models import cached_file
 
@@ -58,20 +61,57 @@ def split_held_out(token_ids: Any, window_len: int, how: str = "halves") -> tupl
     return windows[0::2].reshape(-1), windows[1::2].reshape(-1)
 
 
-def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: int = 0) -> np.ndarray:
-    """``[windows, window_len]`` int64: window i = ``token_ids[offset + i*L : offset + (i+1)*L]``."""
+def text_per_window(window_len: int, bos: int | None = None) -> int:
+    """Text tokens in a window of ``window_len`` positions (one fewer when a BOS comes first)."""
+    return window_len - (bos is not None)
+
+
+def first_scored(bos: int | None = None) -> int:
+    """Position of a window's first scored prediction. Scored are the predictions of the window's
+    text tokens 2..n from the tokens before them; the first text token is context only. With a BOS,
+    the BOS position's prediction (the first text token, cut from mid-text, from nothing) is not
+    scored either, so a window with and without BOS scores the same text tokens."""
+    return 0 if bos is None else 1
+
+
+def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: int = 0,
+               bos: int | None = None) -> np.ndarray:
+    """``[windows, window_len]`` int64: window i = ``token_ids[offset + i*L : offset + (i+1)*L]``;
+    with ``bos``: ``[bos] + token_ids[offset + i*(L-1) : offset + (i+1)*(L-1)]``."""
     tokens = np.asarray(token_ids).reshape(-1)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
-    if windows < 1 or window_len < 2:
-        raise ValueError(f"need windows >= 1 and window_len >= 2 (got {windows} x {window_len})")
+    shortest = 2 + (bos is not None)  # at least one scored prediction
+    if windows < 1 or window_len < shortest:
+        raise ValueError(f"need windows >= 1 and window_len >= {shortest} (got {windows} x {window_len})")
     if offset < 0:
         raise ValueError(f"offset {offset} is negative")
-    needed = offset + windows * window_len
+    text = text_per_window(window_len, bos)
+    needed = offset + windows * text
     if needed > tokens.size:
-        raise ValueError(f"{windows} windows of {window_len} tokens from offset {offset} need {needed} tokens; "
+        raise ValueError(f"{windows} windows of {text} text tokens from offset {offset} need {needed} tokens; "
                          f"the token array has {tokens.size}")
-    return tokens[offset:needed].astype(np.int64).reshape(windows, window_len)
+    body = tokens[offset:needed].astype(np.int64).reshape(windows, text)
+    if bos is None:
+        return body
+    return np.concatenate([np.full((windows, 1), bos, dtype=np.int64), body], axis=1)
+
+
+def check_windows(available: int, windows: int, window_len: int, *, offset: int = 0, source: str = "the tokens",
+                  max_positions: int | None = None, windows_flag: str = "--windows") -> None:
+    """A one-line :class:`ModelFileError` (CLI exit 2), before any model runs, when ``windows`` windows
+    of ``window_len`` tokens from ``offset`` need more than the ``available`` tokens of ``source``, or
+    a window is longer than the model's ``max_positions`` (its longest sequence, when known)."""
+    if max_positions is not None and window_len > max_positions:
+        raise ModelFileError(f"--window-len {window_len} is longer than the model's context of {max_positions} "
+                             f"tokens; give --window-len {max_positions} or less")
+    needed = offset + windows * window_len
+    if needed > available:
+        fit = max(0, (available - offset) // window_len)
+        start = f" from --offset {offset}" if offset else ""
+        raise ModelFileError(f"{windows_flag} {windows} x --window-len {window_len}{start} need {needed} tokens; "
+                             f"{source} has {available} (room for {fit} such window(s): fewer or shorter "
+                             "windows, or a longer text)")
 
 
 def load_sentences(sentences: Any) -> dict[str, np.ndarray]:

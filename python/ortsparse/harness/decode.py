@@ -109,8 +109,11 @@ class GenaiStepper:
         self.model = og.Model(config)
         self.generator = None
         self.uses_library = bool(self.info.session_options.get("custom_ops_library"))
-        # The CPU cache is float32 whatever the weights' precision.
-        self.kv_bytes_per_position = 2 * self.info.layers * self.info.kv_heads * self.info.head_size * 4
+        # The CPU cache is float32 whatever the weights' precision; window-sized buffers (the
+        # sliding-window layers the config lists) do not grow.
+        window = self.info.config["model"]["decoder"].get("sliding_window")
+        windowed = len(window.get("layers") or []) if isinstance(window, dict) else 0
+        self.kv_bytes_per_position = 2 * (self.info.layers - windowed) * self.info.kv_heads * self.info.head_size * 4
 
     @property
     def max_positions(self) -> int | None:

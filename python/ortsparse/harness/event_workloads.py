@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .._library import metrics, reset_metrics
+from .. import flag_types
+from .._library import DOMAIN, metrics, reset_metrics
 from ..graph_rewrite import RewriteConfig
 from ..graph_rewrite.techniques import EventSettings, KwtaSettings, TechniqueChoice
 from ..runtime import open_session
@@ -48,7 +49,7 @@ def add_reset_input(model: Any, name: str = RESET_INPUT):
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    nodes = [n for n in out.graph.node if n.op_type == "EventDrivenMatMul" and n.domain == "ai.ortsparse"]
+    nodes = [n for n in out.graph.node if n.op_type == "EventDrivenMatMul" and n.domain == DOMAIN]
     if not nodes:
         raise ValueError("the model has no EventDrivenMatMul node")
     for node in nodes:
@@ -298,18 +299,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=WORKLOADS + ("smollm2",), action="append",
                         help="(repeatable; default search, edits, mlp; smollm2 = axis sequence on text)")
-    parser.add_argument("--windows", type=int, default=2, help="smollm2: windows (default 2)")
-    parser.add_argument("--window-len", type=int, default=256, help="smollm2: tokens per window (default 256)")
-    parser.add_argument("--count", type=int, default=16, help="streams per workload (default 16)")
-    parser.add_argument("--topk", type=float, nargs="+", default=[0.25], help="event topk values to sweep")
-    parser.add_argument("--delta-theta", type=float, nargs="+", default=[0.02])
-    parser.add_argument("--gap-tol", type=float, default=0.03)
-    parser.add_argument("--gap-every", type=int, default=0)
-    parser.add_argument("--age-max", type=int, default=0)
-    parser.add_argument("--block", type=int, default=1)
+    parser.add_argument("--windows", type=flag_types.positive_int, default=2, help="smollm2: windows (default 2)")
+    parser.add_argument("--window-len", type=flag_types.window_len, default=256,
+                        help="smollm2: tokens per window (default 256)")
+    parser.add_argument("--count", type=flag_types.positive_int, default=16, help="streams per workload (default 16)")
+    parser.add_argument("--topk", type=flag_types.fraction, nargs="+", default=[0.25],
+                        help="event topk values to sweep")
+    parser.add_argument("--delta-theta", type=flag_types.non_negative_float, nargs="+", default=[0.02])
+    parser.add_argument("--gap-tol", type=flag_types.non_negative_float, default=0.03)
+    parser.add_argument("--gap-every", type=flag_types.non_negative_int, default=0)
+    parser.add_argument("--age-max", type=flag_types.non_negative_int, default=0)
+    parser.add_argument("--block", type=flag_types.positive_int, default=1)
     parser.add_argument("--target", default="all")
-    parser.add_argument("--mlp-rows", type=int, default=1, help="mlp: rows of X per call (default 1)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mlp-rows", type=flag_types.positive_int, default=1,
+                        help="mlp: rows of X per call (default 1)")
+    parser.add_argument("--threads", type=flag_types.threads, default=1)
     parser.add_argument("-o", "--output", help="write the results as JSON")
     args = parser.parse_args(argv)
     results = []

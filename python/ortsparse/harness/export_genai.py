@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .cache import ModelBuildError
-from .export_smollm2 import GREEDY_TOKENS, PROMPT, load
+from .export_smollm2 import GREEDY_TOKENS, PROMPT, load, torch_greedy
 
 Log = Callable[[str], None]
 
@@ -184,7 +184,8 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
           reference: list[int] | None) -> dict:
     """The ``genai`` entry of ``ortsparse models``: the HF folder, then one builder folder per
     precision in ``genai_dirs``, each checked by a greedy continuation against ``reference``
-    (torch's greedy tokens; fp32 must equal them). Returns what goes into the manifest."""
+    (torch's greedy tokens, computed here from the GGUF model when None; fp32 must equal them).
+    Returns what goes into the manifest."""
     import onnxruntime_genai as og  # the models extra
 
     started = time.perf_counter()
@@ -196,6 +197,8 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
     log(f"  loading {gguf_path.name} (dequantizing Q4_1 to fp32) ...")
     model, tokenizer = load(gguf_path)
     seconds["load"] = round(time.perf_counter() - started, 1)
+    if reference is None:  # the entry stands alone: no smollm2 exports needed for the check
+        reference = torch_greedy(model, tokenizer)
     t0 = time.perf_counter()
     write_folder(hf_dir, lambda tmp, m=model: save_hf_folder(m, tokenizer, tmp))
     seconds["hf folder"] = round(time.perf_counter() - t0, 1)
@@ -221,3 +224,84 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
     seconds["total"] = round(time.perf_counter() - started, 1)
     return {"checks": checks, "seconds": seconds, "onnxruntime_genai": og.__version__,
             "builder_options": {p: builder_options(p) for p in genai_dirs}}
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny Gemma-3-style folder: sliding-window layers with window-sized KV buffers
+
+TINY_GEMMA3_LAYERS = ("sliding_attention", "sliding_attention", "sliding_attention", "full_attention")
+
+# The builder run in a child process, with the one change transformers 5 needs: Gemma3TextConfig
+# nests its rope settings per layer type, while the builder (onnxruntime-genai 0.18) reads the
+# global ones at the top level and the local base frequency as rope_local_base_freq.
+_GEMMA3_BUILDER = """
+import sys
+from onnxruntime_genai.models import builder
+hf, out, cache = sys.argv[1:4]
+extra = builder.parse_extra_options(None, hf, out, "fp32", "cpu", cache, None)
+config = extra["hf_details"]["hf_config"]
+rope = getattr(config, "rope_parameters", None)
+if isinstance(rope, dict) and "full_attention" in rope:
+    config.rope_parameters = dict(rope["full_attention"])
+    config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+builder.create_model(None, hf, out, "fp32", "cpu", cache, **extra)
+"""
+
+
+def save_tiny_gemma3_hf(dest: Path, *, window: int = 8, seed: int = 0) -> None:
+    """A random-weight ``Gemma3ForCausalLM`` of tiny sizes as an HF folder with a tokenizer of one
+    character per id: 4 layers (3 sliding-window of ``window`` keys, then 1 global), hidden 64, 4 query
+    / 2 KV heads of 16, vocab 256, untied lm_head. Weights N(0, 1/fan_in), embeddings N(0, 1/64),
+    norm scales N(0, 0.09) (Gemma adds 1); lm_head rows of the special ids 0-2 are zero, so greedy
+    decoding never ends on EOS."""
+    import torch  # the models extra
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=len(TINY_GEMMA3_LAYERS), num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, query_pre_attn_scalar=16, sliding_window=window,
+                              layer_types=list(TINY_GEMMA3_LAYERS), max_position_embeddings=256, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = Gemma3ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            std = 0.3 if parameter.dim() < 2 else 1 / 8 if "embed" in name else parameter.shape[-1] ** -0.5
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+        model.lm_head.weight[:3] = 0.0
+    model.save_pretrained(dest)
+    vocab = {(f"<{i}>" if i < 3 else chr(0x100 + i)): i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<1>", eos_token="<2>", unk_token="<0>",
+                            pad_token="<0>").save_pretrained(dest)
+
+
+def build_tiny_gemma3(out: Path, *, window: int = 8, seed: int = 0, log: Log = print) -> float:
+    """The onnxruntime-genai builder's fp32 CPU folder of :func:`save_tiny_gemma3_hf`'s model in
+    ``out`` (written atomically; the builder's defaults, so the sliding-window layers get window-sized
+    KV buffers: GroupQueryAttention with ``sliding_window_cache=1``). Returns seconds."""
+    import tempfile
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = Path(tmp) / "hf"
+        save_tiny_gemma3_hf(hf, window=window, seed=seed)
+
+        def writer(folder: Path) -> None:
+            built = Path(tmp) / "genai"
+            command = [sys.executable, "-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache")]
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if done.returncode != 0:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                last = lines[-1] if lines else done.returncode
+                raise ModelBuildError(f"onnxruntime-genai builder (tiny Gemma-3) failed: {last}")
+            for name in GENAI_FILES:
+                shutil.copy2(built / name, folder / name)
+
+        write_folder(out, writer)
+    seconds = time.perf_counter() - started
+    log(f"wrote {out} ({seconds:.0f} s)")
+    return seconds

@@ -25,16 +25,17 @@ from typing import Any
 
 import onnx
 
+from .. import flag_types
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import ModelFileError, rewrite_model
 from ..graph_rewrite.genai import model_input
 from ..rewrite_flags import add_technique_arguments, config_from_args
-from ..runtime import load_proto, vocab_size
-from .corpus import default_corpus, default_sentences, load_corpus_tokens
+from ..runtime import context_length, load_proto, vocab_size
+from .corpus import check_windows, default_corpus, default_sentences, load_corpus_tokens
 from .embeddings import compare_embeddings
 from .output_error import compare_outputs
-from .perplexity import compare_lm
-from .text import text_tokens
+from .perplexity import compare_lm, describe_spread
+from .text import resolve_bos, text_tokens
 
 EXIT_OK, EXIT_OVER_BUDGET, EXIT_USAGE = 0, 1, 2
 KINDS = ("auto", "lm", "embedding", "generic")
@@ -79,22 +80,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument("--text", metavar="FILE", help="a UTF-8 text to score instead of --corpus (tokenized with "
                     "--tokenizer, else the tokenizer.json beside MODEL)")
     lm.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder) for --text")
-    lm.add_argument("--windows", type=int, default=8, help="number of windows (default 8)")
-    lm.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
-    lm.add_argument("--offset", type=int, default=0, help="first token of the first window (default 0)")
-    lm.add_argument("--max-dppl", type=float, metavar="FRAC", help="exit 1 when dppl exceeds this")
+    lm.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                    help="the token every window starts with: auto (default) = BOS when the model's tokenizer adds "
+                         "one (tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
+    lm.add_argument("--windows", type=flag_types.positive_int, default=8, help="number of windows (default 8)")
+    lm.add_argument("--window-len", type=flag_types.window_len, default=512, help="tokens per window (default 512)")
+    lm.add_argument("--offset", type=flag_types.non_negative_int, default=0,
+                    help="first token of the first window (default 0)")
+    lm.add_argument("--max-dppl", type=flag_types.any_finite, metavar="FRAC",
+                    help="exit 1 when dppl exceeds this")
     emb = parser.add_argument_group("embedding")
     emb.add_argument("--sentences", metavar="FILE.npz",
                      help="input_ids/attention_mask[/token_type_ids] (default: the cache's minilm/sentences.npz)")
-    emb.add_argument("--batch-size", type=int, default=32)
-    emb.add_argument("--min-cosine", type=float, metavar="COS", help="exit 1 when the mean cosine is below this")
+    emb.add_argument("--batch-size", type=flag_types.positive_int, default=32)
+    emb.add_argument("--min-cosine", type=flag_types.finite_float(-1.0, 1.0), metavar="COS",
+                     help="exit 1 when the mean cosine is below this")
     gen = parser.add_argument_group("generic")
-    gen.add_argument("--runs", type=int, default=4, help="generated input sets (default 4)")
+    gen.add_argument("--runs", type=flag_types.positive_int, default=4, help="generated input sets (default 4)")
     gen.add_argument("--shape", action="append", metavar="SPEC", help="dynamic dims: dim=INT or input=AxBxC")
-    gen.add_argument("--budget", type=float, help="relative L2 budget (default 1e-4 if exact, else 0.5)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--budget", type=flag_types.non_negative_float,
+                     help="relative L2 budget (default 1e-4 if exact, else 0.5)")
+    gen.add_argument("--seed", type=flag_types.seed, default=0)
     add_technique_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: ORT's)")
+    parser.add_argument("--threads", type=flag_types.threads, default=None, help="intra-op threads (default: ORT's)")
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
@@ -103,12 +111,11 @@ def _format(result: Mapping[str, Any]) -> str:
     kind = result["kind"]
     lines = []
     if kind == "lm":
-        lines.append(f"perplexity: {result['windows']} windows x {result['window_len']} tokens from offset "
-                     f"{result['offset']} ({result['tokens']} scored tokens)")
+        lines.append(f"perplexity: {result['window_construction']}")
         lines.append(f"  {'model':10s} {'ppl':>10s} {'nll':>8s}")
         lines.append(f"  {'dense':10s} {result['ppl_dense']:10.4f} {result['nll_dense']:8.4f}")
         lines.append(f"  {'rewritten':10s} {result['ppl_rewritten']:10.4f} {result['nll_rewritten']:8.4f}")
-        lines.append(f"  dppl {result['dppl']:+.4%}   top-1 agreement {result['top1_agreement']:.4f}")
+        lines.append(f"  {describe_spread(result)}   top-1 agreement {result['top1_agreement']:.4f}")
     elif kind == "embedding":
         lines.append(f"embedding cosine over {result['sentences']} sentences: mean {result['cosine_mean']:.6f}  "
                      f"min {result['cosine_min']:.6f} (sentence {result['cosine_min_index']})")
@@ -126,10 +133,15 @@ def _format(result: Mapping[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..graph_rewrite.output_paths import check_outputs, write_text_files
+    from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
+    from .text import tokenizer_read
 
     say = (lambda text: None) if args.quiet else print
-    inputs = [args.model, args.rewritten, args.corpus, args.text, args.sentences, args.config]  # never overwritten
+    inputs = (Inputs().add_model(args.model).add_model(args.rewritten, "the rewritten model")  # never overwritten
+              .add(args.corpus, "the corpus").add(args.text, "the text").add(args.sentences, "the sentence set")
+              .add(args.config, "the config file"))
+    if args.text:
+        inputs.add(tokenizer_read(args.model, args.tokenizer), "the tokenizer")
     check_outputs([(args.json, "JSON report")], inputs)  # before the long run
     if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")
@@ -141,17 +153,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     kind = detect_kind(args.model) if args.kind == "auto" else args.kind
     options = {"intra_op_num_threads": args.threads} if args.threads else None
-    report = None
-    if args.rewritten:
-        if not Path(args.rewritten).is_file():
-            parser.error(f"rewritten model {args.rewritten} does not exist")
-        rewritten: Any = args.rewritten
-    else:
-        rewritten, report = rewrite_in_memory(args.model, config_from_args(args))
-        say(report.summary())
-    progress = not args.quiet and sys.stderr.isatty()
-    code = EXIT_OK
-    if kind == "lm" and args.text:
+    if args.rewritten and not Path(args.rewritten).is_file():
+        parser.error(f"rewritten model {args.rewritten} does not exist")
+    if kind == "lm" and args.text:  # the text and its windows are checked before the rewrite
         if args.corpus:
             parser.error("give --text or --corpus, not both")
         corpus = Path(args.text)
@@ -163,8 +167,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
         tokens = load_corpus_tokens(corpus)
     if kind == "lm":
-        result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
-                            session_options=options, progress=progress)
+        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
+        check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
+                      max_positions=context_length(args.model))
+    report = None
+    if args.rewritten:
+        rewritten: Any = args.rewritten
+    else:
+        rewritten, report = rewrite_in_memory(args.model, config_from_args(args))
+        say(report.summary())
+    progress = not args.quiet and sys.stderr.isatty()
+    code = EXIT_OK
+    if kind == "lm":
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(4)  # a failing run is reported below, in one line
+        try:
+            result = compare_lm(args.model, rewritten, tokens, args.windows, args.window_len, offset=args.offset,
+                                session_options=options, progress=progress, bos=bos)
+        except Exception as error:
+            if not type(error).__module__.startswith("onnxruntime"):
+                raise
+            reason = str(error).splitlines()[0].split("Status Message:")[-1].strip()
+            parser.error(f"onnxruntime could not score windows of {args.window_len} tokens on {args.model}: "
+                         f"{reason} (a --window-len longer than the model's context does this)")
+        finally:
+            onnxruntime.set_default_logger_severity(2)
         result["corpus"] = str(corpus)
         if args.max_dppl is not None and result["dppl"] > args.max_dppl:
             code = EXIT_OVER_BUDGET

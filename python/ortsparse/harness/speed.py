@@ -33,9 +33,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..benchmarking import check_report, machine_info, read_bandwidth_gbs, report_header, write_report
+from .. import flag_types
+from ..benchmarking import (NEIGHBOURS, check_report, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs,
+                            report_header, write_report)
+from ..benchmarking import neighbour as neighbour_process
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
+from ..graph_rewrite.output_paths import Inputs
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_decoder, load_proto
@@ -43,6 +47,7 @@ from .corpus import load_corpus_tokens
 from .decode import decode_loop, open_stepper, plan
 from .models import genai_folder_path, model_path
 from .op_metrics import keep_ratios
+from .request import RequestShape, parse_requests, request_bench, request_markdown
 
 LINEAR_OPS = {"MatMul", "Gemm", "KwtaBlockMatMul", "MatMulNBits"}
 RUNNERS = ("ort", "og")
@@ -158,14 +163,19 @@ def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None =
 
 def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
           threads: Sequence[int] = (1, 2), steps: int = 64, warmup: int = 4, prefill_chunk: int = 512,
-          offset: int = 0, runs: int = 1, reference: str | None = None,
+          offset: int = 0, rounds: int = 3, reference: str | None = None, neighbour: str | None = None,
           log: Callable[[str], None] = print) -> dict:
-    """The real decode loop over every candidate (and runner) at every thread count and context;
-    ``runs`` back-to-back loops per setting (their medians' spread is the loop's stability).
-    ``reference``: the model whose predictions the others are compared with (default the first).
-    Returns the report payload (rows, stability, bandwidth, machine)."""
+    """The real decode loop over every candidate (and runner) at every thread count and context,
+    repeated in ``rounds`` rounds spread over the run (round 1 visits every setting, then round 2 ...;
+    inside a loop the models alternate step by step), so that each ratio is measured at several
+    moments of the machine's mood: the report gives its minimum (the claim) and median.
+    ``reference``: the model the others are compared with (default the first). ``neighbour``:
+    ``"stream"`` runs :class:`ortsparse.benchmarking.StreamNeighbour` beside the whole benchmark.
+    Returns the report payload (rows, ratios, stability, bandwidth, machine, neighbour)."""
     if not candidates:
         raise ValueError("no model to benchmark")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1 (got {rounds})")
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique: {', '.join(names)}")
@@ -176,52 +186,89 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
     bandwidth = read_bandwidth_gbs()
     tables = {c.name: weight_table(c.graph) for c in candidates}
     rows: list[dict] = []
+    sessions: dict[int, dict] = {}
     for n_threads in threads:
         log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
-        steppers = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
-        limits = [s.max_positions for s in steppers.values() if s.max_positions]
-        labelled = {key_label(k): s for k, s in steppers.items()}
-        for context in contexts:
-            loop = plan(context, steps, warmup, offset=offset, max_positions=min(limits) if limits else None)
-            for run in range(runs):
-                log(f"threads {n_threads}, context {context} (positions {loop.first_position}-{loop.last_position}), "
-                    f"run {run + 1}/{runs}")
-                result = decode_loop(labelled, tokens, loop, prefill_chunk=prefill_chunk,
-                                     reference=key_label(reference_key), log=log)
-                ratios = keep_ratios(result.pop("_metrics"))
-                base = result[key_label(reference_key)]["tokens_per_s"]
-                mean_position = loop.prompt + loop.warmup + (loop.steps + 1) / 2
-                for candidate in candidates:
-                    weights = tables[candidate.name].bytes(ratios)
-                    gated = [ratios[n] for n in tables[candidate.name].gated if n in ratios]
-                    for key in candidate.keys():
-                        r = result[key_label(key)]
-                        kv = steppers[key].kv_bytes_per_position * mean_position
-                        copy = 2 * kv if steppers[key].copies_cache else 0.0
-                        total = weights + kv + copy
-                        bound = bandwidth["numpy_matvec_gbs"] * 1e9 / total
-                        rows.append(dict(
-                            context=context, prompt=loop.prompt, positions=[loop.first_position, loop.last_position],
-                            threads=n_threads, run=run, model=key[0], runner=key[1],
-                            tokens_per_s=r["tokens_per_s"], median_ms=1e3 * r["median_s"],
-                            p10_ms=1e3 * r["p10_s"], p90_ms=1e3 * r["p90_s"], speedup=r["tokens_per_s"] / base,
-                            top1_agreement=r["top1_agreement"], next_token_accuracy=r["next_token_accuracy"],
-                            prefill_tokens_per_s=r["prefill_tokens_per_s"],
-                            weight_mb=weights / 1e6, kv_mb=kv / 1e6, kv_copy_mb=copy / 1e6, bytes_mb=total / 1e6,
-                            bound_tokens_per_s=bound, achieved_over_bound=r["tokens_per_s"] / bound,
-                            nodes=tables[candidate.name].nodes, steps=loop.steps, warmup=loop.warmup,
-                            keep_ratio=float(np.mean(gated)) if gated else None))
-                        log(f"  {key_label(key)}: {r['tokens_per_s']:.1f} tok/s (x{r['tokens_per_s'] / base:.2f}), "
-                            f"top-1 {r['top1_agreement']:.3f}, {total / 1e6:.0f} MB/step")
-        del steppers, labelled
-        gc.collect()
+        sessions[n_threads] = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
+    with neighbour_context(neighbour) as beside:
+        for round_index in range(rounds):
+            for n_threads in threads:
+                steppers = sessions[n_threads]
+                limits = [s.max_positions for s in steppers.values() if s.max_positions]
+                labelled = {key_label(k): s for k, s in steppers.items()}
+                for context in contexts:
+                    loop = plan(context, steps, warmup, offset=offset, max_positions=min(limits) if limits else None)
+                    log(f"round {round_index + 1}/{rounds}, threads {n_threads}, context {context} "
+                        f"(positions {loop.first_position}-{loop.last_position})")
+                    result = decode_loop(labelled, tokens, loop, prefill_chunk=prefill_chunk,
+                                         reference=key_label(reference_key), log=log)
+                    rows += _loop_rows(result, candidates, tables, steppers, loop, bandwidth, reference_key,
+                                       context=context, threads=n_threads, round_index=round_index, log=log)
+    neighbour_info = beside.result if beside is not None else None
+    del sessions
+    gc.collect()
     return dict(machine=machine_info(), bandwidth=bandwidth, reference=reference, rows=rows,
-                stability=stability(rows), loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk,
-                                                     offset=offset, runs=runs))
+                ratios=ratio_rows(rows), stability=stability(rows), neighbour=neighbour_info or {"kind": "none"},
+                loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk, offset=offset, rounds=rounds))
+
+
+def neighbour_context(kind: str | None):
+    """:func:`ortsparse.benchmarking.neighbour` (a name the harness can patch in tests)."""
+    return neighbour_process(kind)
+
+
+def _loop_rows(result: dict, candidates: Sequence[Candidate], tables: Mapping[str, WeightTable],
+               steppers: Mapping, loop, bandwidth: Mapping[str, float], reference_key: tuple[str, str], *,
+               context: int, threads: int, round_index: int, log: Callable[[str], None]) -> list[dict]:
+    """The report rows of one decode loop: speed, agreement and bytes per step of every model."""
+    ratios = keep_ratios(result.pop("_metrics"))
+    base = result[key_label(reference_key)]["tokens_per_s"]
+    base_prefill = result[key_label(reference_key)]["prefill_tokens_per_s"]
+    mean_position = loop.prompt + loop.warmup + (loop.steps + 1) / 2
+    rows = []
+    for candidate in candidates:
+        weights = tables[candidate.name].bytes(ratios)
+        gated = [ratios[n] for n in tables[candidate.name].gated if n in ratios]
+        for key in candidate.keys():
+            r = result[key_label(key)]
+            kv = steppers[key].kv_bytes_per_position * mean_position
+            copy = 2 * kv if steppers[key].copies_cache else 0.0
+            total = weights + kv + copy
+            bound = bandwidth["numpy_matvec_gbs"] * 1e9 / total
+            rows.append(dict(
+                context=context, prompt=loop.prompt, positions=[loop.first_position, loop.last_position],
+                threads=threads, run=round_index, model=key[0], runner=key[1],
+                tokens_per_s=r["tokens_per_s"], median_ms=1e3 * r["median_s"],
+                p10_ms=1e3 * r["p10_s"], p90_ms=1e3 * r["p90_s"], speedup=r["tokens_per_s"] / base,
+                top1_agreement=r["top1_agreement"], next_token_accuracy=r["next_token_accuracy"],
+                prefill_tokens_per_s=r["prefill_tokens_per_s"],
+                prefill_speedup=r["prefill_tokens_per_s"] / base_prefill,
+                weight_mb=weights / 1e6, kv_mb=kv / 1e6, kv_copy_mb=copy / 1e6, bytes_mb=total / 1e6,
+                bound_tokens_per_s=bound, achieved_over_bound=r["tokens_per_s"] / bound,
+                nodes=tables[candidate.name].nodes, steps=loop.steps, warmup=loop.warmup,
+                keep_ratio=float(np.mean(gated)) if gated else None))
+            log(f"  {key_label(key)}: {r['tokens_per_s']:.1f} tok/s (x{r['tokens_per_s'] / base:.2f}), "
+                f"top-1 {r['top1_agreement']:.3f}, {total / 1e6:.0f} MB/step")
+    return rows
+
+
+def ratio_rows(rows: Sequence[Mapping]) -> list[dict]:
+    """Per (threads, context, model, runner): the speedup over the rounds as minimum / median /
+    maximum (:func:`ortsparse.benchmarking.ratio_summary`), and tokens/s minimum and median."""
+    groups: dict[tuple, list[Mapping]] = {}
+    for r in rows:
+        groups.setdefault((r["threads"], r["context"], r["model"], r["runner"]), []).append(r)
+    out = []
+    for (t, c, m, k), group in groups.items():
+        speed = ratio_summary([r["tokens_per_s"] for r in group])
+        out.append(dict(threads=t, context=c, model=m, runner=k, speedup=ratio_summary([r["speedup"] for r in group]),
+                        tokens_per_s=dict(min=speed["min"], median=speed["median"]),
+                        prefill_speedup=ratio_summary([r["prefill_speedup"] for r in group])))
+    return out
 
 
 def stability(rows: Sequence[Mapping]) -> list[dict]:
-    """Per (threads, context, model, runner) with more than one run: the spread of the runs'
+    """Per (threads, context, model, runner) with more than one round: the spread of the rounds'
     median step times, max / min - 1."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
@@ -231,7 +278,7 @@ def stability(rows: Sequence[Mapping]) -> list[dict]:
 
 
 def median_rows(rows: Sequence[Mapping]) -> list[dict]:
-    """One row per (threads, context, model, runner): the run with the median tokens/s."""
+    """One row per (threads, context, model, runner): the round with the median tokens/s."""
     groups: dict[tuple, list[Mapping]] = {}
     for r in rows:
         groups.setdefault((r["threads"], r["context"], r["model"], r["runner"]), []).append(r)
@@ -251,28 +298,37 @@ def markdown(payload: dict, command: str, title: str) -> str:
 def markdown_body(payload: dict) -> list[str]:
     """The report's text and tables (without the header: title, command, machine)."""
     loop = payload["loop"]
+    rounds = loop.get("rounds", loop.get("runs", 1))
     lines = [f"Real decode loop: corpus prompt from token {loop['offset']}, chunked prefill ({loop['prefill_chunk']}), "
-              f"then {loop['warmup']} warm-up + {loop['steps']} timed teacher-forced steps, the KV cache growing; "
-              "models advanced round-robin in one process; median step time. Runner `ort`: the graph in an ONNX "
-              "Runtime session (present K/V bound as the next past); `og`: onnxruntime_genai.Generator "
-              "(shared KV buffer). 2 threads with allow_spinning=0. Speedup and top-1 agreement vs "
-              f"`{payload['reference']}`; next-token accuracy vs the corpus. MB/step = linear weights (gated at "
-              "their measured keep ratio) + K/V read by attention + the past-to-present copy of separate buffers. "
-              "Bound = read bandwidth / MB per step. K/V counts the whole cache for every model (what exact "
-              "attention reads): a model whose attention selects keys reads less, so its achieved/bound can "
-              "exceed 1.", "",
-              "| threads | context | model | runner | tok/s | ms/step (p10-p90) | speedup | top-1 agr. | next-tok acc. | "
-              "MB/step (weights + KV + copy) | bound tok/s | achieved/bound | prefill tok/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"then {loop['warmup']} warm-up + {loop['steps']} timed teacher-forced steps, the KV cache growing; "
+             "models advanced round-robin in one process; median step time. Runner `ort`: the graph in an ONNX "
+             "Runtime session (present K/V bound as the next past); `og`: onnxruntime_genai.Generator "
+             "(shared KV buffer). 2 threads with allow_spinning=0. Speedup and top-1 agreement vs "
+             f"`{payload['reference']}`; next-token accuracy vs the corpus. {rounds} round(s) spread over the run "
+             "(every setting once per round); the speedup is given as its **minimum** over the rounds (the claim) "
+             "and median, the other columns are from the round with the median tok/s. MB/step = linear weights "
+             "(gated at their measured keep ratio) + K/V read by attention + the past-to-present copy of separate "
+             "buffers. Bound = read bandwidth / MB per step. K/V counts the whole cache for every model (what "
+             "exact attention reads): a model whose attention selects keys reads less, so its achieved/bound can "
+             "exceed 1.", "", neighbour_line(payload.get("neighbour")), "",
+             "| threads | context | model | runner | tok/s (min-median) | ms/step (p10-p90) | speedup min / median | "
+             "top-1 agr. | next-tok acc. | MB/step (weights + KV + copy) | bound tok/s | achieved/bound | "
+             "prefill tok/s | prefill speedup min / median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summaries = {(r["threads"], r["context"], r["model"], r["runner"]): r
+                 for r in payload.get("ratios") or ratio_rows(payload["rows"])}
     for r in sorted(median_rows(payload["rows"]), key=lambda r: (r["threads"], r["context"])):
+        summary = summaries[(r["threads"], r["context"], r["model"], r["runner"])]
+        speed, ratio, prefill = summary["tokens_per_s"], summary["speedup"], summary["prefill_speedup"]
         lines.append(
-            f"| {r['threads']} | {r['context']} | {r['model']} | {r['runner']} | {r['tokens_per_s']:.1f} | "
-            f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f}) | {r['speedup']:.2f} | "
+            f"| {r['threads']} | {r['context']} | {r['model']} | {r['runner']} | {speed['min']:.1f}-{speed['median']:.1f} | "
+            f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f}) | **{ratio['min']:.2f}** / {ratio['median']:.2f} | "
             f"{r['top1_agreement']:.3f} | {r['next_token_accuracy']:.3f} | {r['bytes_mb']:.0f} ({r['weight_mb']:.0f} + "
             f"{r['kv_mb']:.0f} + {r['kv_copy_mb']:.0f}) | {r['bound_tokens_per_s']:.0f} | "
-            f"{r['achieved_over_bound']:.2f} | {r['prefill_tokens_per_s']:.0f} |")
+            f"{r['achieved_over_bound']:.2f} | {r['prefill_tokens_per_s']:.0f} | "
+            f"{prefill['min']:.2f} / {prefill['median']:.2f} |")
     if payload["stability"]:
-        lines += ["", "Stability (median step time of back-to-back runs, max/min - 1):", "",
+        lines += ["", "Stability (median step time of each round, max/min - 1):", "",
                   "| threads | context | model | runner | medians (ms) | spread |", "|---|---|---|---|---|---|"]
         for s in payload["stability"]:
             lines.append(f"| {s['threads']} | {s['context']} | {s['model']} | {s['runner']} | "
@@ -283,18 +339,26 @@ def markdown_body(payload: dict) -> list[str]:
 def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] = DEFAULT_CONTEXTS) -> None:
     """The decode loop's flags (``ortsparse bench``, bench/baselines.py)."""
     loop = parser.add_argument_group("decode loop")
-    loop.add_argument("--contexts", type=int, nargs="+", default=list(contexts),
+    loop.add_argument("--contexts", type=flag_types.positive_int, nargs="+", default=list(contexts),
                       help=f"prompt lengths before the decode steps (default {' '.join(map(str, contexts))}; "
                            "shortened to fit the models' longest sequence)")
-    loop.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+    loop.add_argument("--threads", type=flag_types.threads, nargs="+", default=[1, 2],
                       help="intra-op threads (default 1 2; above 1 with allow_spinning=0)")
-    loop.add_argument("--steps", type=int, default=64, help="timed decode steps per context (default 64)")
-    loop.add_argument("--warmup", type=int, default=4, help="untimed decode steps first (default 4)")
-    loop.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
-    loop.add_argument("--runs", type=int, default=1,
-                      help="back-to-back loops per setting; the report gives the spread of their medians (default 1)")
+    loop.add_argument("--steps", type=flag_types.positive_int, default=64,
+                      help="timed decode steps per context (default 64)")
+    loop.add_argument("--warmup", type=flag_types.non_negative_int, default=4,
+                      help="untimed decode steps first (default 4)")
+    loop.add_argument("--prefill-chunk", type=flag_types.positive_int, default=512,
+                      help="prefill chunk in tokens (default 512)")
+    loop.add_argument("--rounds", "--runs", dest="rounds", type=flag_types.positive_int, default=3,
+                      help="rounds spread over the run, every setting once per round; ratios are reported as "
+                           "their minimum and median over the rounds (default 3; --runs is the old name)")
+    loop.add_argument("--neighbour", "--neighbor", choices=NEIGHBOURS, default="none",
+                      help="what runs beside the benchmark: none, or stream (a process on another core summing a "
+                           "buffer larger than the L3, as a user's other programs would; default none)")
     loop.add_argument("--corpus", metavar="TOKENS.npy", help="token ids (default: the cache's britannica corpus)")
-    loop.add_argument("--offset", type=int, default=0, help="first corpus token of the prompt (default 0)")
+    loop.add_argument("--offset", type=flag_types.non_negative_int, default=0,
+                      help="first corpus token of the prompt (default 0)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -308,7 +372,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewrite", metavar="NAME", help="the model the technique flags rewrite (default the first)")
     parser.add_argument("--reference", metavar="NAME", help="the model the others are compared with (default the first)")
     add_loop_arguments(parser)
-    parser.add_argument("-o", "--output", default="reports/bench", help="report stem (.json and .md)")
+    parser.add_argument("--request", type=_requests, metavar="PROMPT:ANSWER[,...]",
+                        help="measure whole requests instead of decode steps: each prompt in one call (time to first "
+                             "token), then the answer's decode steps; e.g. 512:64,4096:256 (--contexts, --steps, "
+                             "--warmup and --prefill-chunk do not apply)")
+    parser.add_argument("-o", "--output", metavar="STEM",
+                        help="also write the report as STEM.json and STEM.md (default: print the table only)")
     add_technique_arguments(parser)
     # A rewrite is added only when a technique flag is given: its default stays off the namespace
     # (argparse.SUPPRESS) so that run() can tell, and is filled in there.
@@ -320,6 +389,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _TECHNIQUE_DEFAULTS: dict[str, Any] = {}
+
+
+def _requests(text: str) -> list[RequestShape]:
+    try:
+        return parse_requests(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def technique_requested(args: argparse.Namespace) -> bool:
@@ -350,8 +426,13 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     requested = technique_requested(args)
-    inputs = [args.config, args.corpus, *(m for m in (args.models or []) if Path(m).exists())]  # never overwritten
-    check_report(args.output, inputs)
+    inputs = Inputs().add(args.config, "the config file").add(args.corpus, "the corpus")  # never overwritten
+    for spec in args.models or []:
+        path = spec.split("=", 1)[1] if "=" in spec else spec
+        if path and Path(path).exists():
+            inputs.add_model(path, f"the input model {spec}")
+    if args.output:
+        check_report(args.output, inputs)
     config = config_from_args(args)
     specs = args.models or ["ours", "ours-int4", "ours-int8"]
     try:
@@ -366,9 +447,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if target not in names:
                 parser.error(f"--rewrite {target}: not one of the models ({', '.join(names)})")
             candidates.append(rewritten_candidate(candidates[names.index(target)], config, Path(workdir)))
-        payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
-                        warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset, runs=args.runs,
-                        reference=args.reference)
+        if args.request:
+            payload = request_bench(candidates, tokens, args.request, threads=args.threads, rounds=args.rounds,
+                                    offset=args.offset, reference=args.reference, neighbour=args.neighbour)
+        else:
+            payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
+                            warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
+                            rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
     payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
@@ -377,28 +462,38 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         payload["config"] = {"override_file": args.config, "rewrite": args.rewrite or candidates[0].name,
                              "techniques": {name: dataclasses.asdict(choice)
                                             for name, choice in config.techniques.items()}}
-    paths = write_report(args.output, payload, markdown(payload, command, "Decode speed, real loop"),
-                         protected=inputs)
+    table = request_markdown(payload, command) if args.request else markdown(payload, command,
+                                                                                 "Decode speed, real loop")
+    if not args.output:  # reports only where the user names them
+        print(table)
+        return 0
+    paths = write_report(args.output, payload, table, protected=inputs)
     print("wrote", *paths)
     return 0
 
 
 def decode_speed(models: Mapping[str, Any], tokens: np.ndarray | None = None, *, context: int = 128,
-                 steps: int = 32, warmup: int = 4, threads: int = 1, log: Callable[[str], None] | None = None) -> dict:
+                 steps: int = 32, warmup: int = 4, threads: int = 1, rounds: int = 3, neighbour: str | None = None,
+                 log: Callable[[str], None] | None = None) -> dict:
     """Tokens/s of a few KV graphs or genai folders in the real loop at one context and thread count
-    (tune, sweeps and calibration use it): name -> ``tokens_per_s``, ``top1_agreement`` (vs the
-    first), ``keep_ratio`` (mean over gated nodes, when any). A genai folder runs through
-    onnxruntime_genai's Generator, as apps run it; a graph in an ORT session."""
+    (tune, sweeps and calibration use it), over ``rounds`` rounds: name -> ``tokens_per_s`` (median
+    over the rounds), ``speedup`` (vs the first model: the **minimum** over the rounds, the claim),
+    ``speedup_median``, ``top1_agreement`` (vs the first), ``weight_mb``, ``keep_ratio`` (mean over
+    gated nodes, when any). A genai folder runs through onnxruntime_genai's Generator, as apps run
+    it; a graph in an ORT session."""
     tokens = load_corpus_tokens() if tokens is None else tokens
     candidates = [Candidate(n, s) for n, s in models.items()]
     for candidate in candidates:
         if candidate.is_genai:
             candidate.runners = ("og",)
-    payload = bench(candidates, tokens, contexts=(context,), threads=(threads,),
-                    steps=steps, warmup=warmup, log=log or (lambda text: None))
+    payload = bench(candidates, tokens, contexts=(context,), threads=(threads,), steps=steps, warmup=warmup,
+                    rounds=rounds, neighbour=neighbour, log=log or (lambda text: None))
+    summaries = {r["model"]: r for r in payload["ratios"]}
     out = {}
-    for row in payload["rows"]:
-        out[row["model"]] = {key: row[key] for key in ("tokens_per_s", "top1_agreement", "speedup", "weight_mb",
-                                                        "keep_ratio")}
+    for row in median_rows(payload["rows"]):
+        summary = summaries[row["model"]]
+        out[row["model"]] = {**{key: row[key] for key in ("top1_agreement", "weight_mb", "keep_ratio")},
+                             "tokens_per_s": summary["tokens_per_s"]["median"],
+                             "speedup": summary["speedup"]["min"], "speedup_median": summary["speedup"]["median"],
+                             "rounds": rounds}
     return out
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..benchmarking import check_report, machine_info, write_report
+from .. import flag_types
+from ..benchmarking import check_report, machine_info
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..graph_rewrite.output_paths import write_files
+from ..graph_rewrite.output_paths import Inputs, write_files
 from .corpus import load_corpus_tokens
 from .models import model_path
 from .perplexity import perplexity
@@ -114,15 +116,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", help="full-sequence export (default: cached SmolLM2)")
     parser.add_argument("--kv", help="KV-cache export (default: cached SmolLM2)")
     parser.add_argument("--scopes", nargs="+", default=["mlp", "down", "both"])
-    parser.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 32, 64])
+    parser.add_argument("--keeps", type=flag_types.fraction, nargs="+", default=[0.9, 0.75, 0.6, 0.5, 0.4])
+    parser.add_argument("--blocks", type=flag_types.positive_int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--scores", nargs="+", default=["l2"], choices=["l2", "mean_abs", "l2_weighted"])
     parser.add_argument("--tokens", help="token ids (.npy) for perplexity (default: the cached britannica corpus)")
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--window-len", type=int, default=512)
-    parser.add_argument("--context", type=int, default=128, help="prompt length before the timed decode steps")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps of the real loop (default 32)")
-    parser.add_argument("-o", "--output", default="reports/sweep_kwta", help="report stem (.json .md .png)")
+    parser.add_argument("--windows", type=flag_types.positive_int, default=4)
+    parser.add_argument("--window-len", type=flag_types.window_len, default=512)
+    parser.add_argument("--context", type=flag_types.positive_int, default=128,
+                        help="prompt length before the timed decode steps")
+    parser.add_argument("--steps", type=flag_types.positive_int, default=32,
+                        help="timed decode steps of the real loop (default 32)")
+    parser.add_argument("-o", "--output", required=True, metavar="STEM",
+                        help="report stem: STEM.json, STEM.md and STEM.png (e.g. reports/sweep_kwta)")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         full_path, kv_path = Path(args.full), Path(args.kv)
     else:
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
-    inputs = [full_path, kv_path, args.tokens]  # never overwritten by the report
+    inputs = (Inputs().add_model(full_path, "the full-sequence model").add_model(kv_path, "the KV-cache model")
+              .add(args.tokens, "the tokens"))  # never overwritten by the report
     check_report(args.output, inputs, ".png")
     full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
     tokens = load_corpus_tokens(args.tokens)
@@ -140,8 +146,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command = "ortsparse sweep " + " ".join(sys.argv[2:])
     png = args.output + ".png"
     title = f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, decode ctx {args.context}"
-    write_files({png: ("plot", lambda staged: plot(results, staged, title))}, inputs, create_dirs=True)
-    write_report(args.output, dict(machine=machine_info(), command=command, results=results),
-                 markdown(results, command, png), protected=inputs)
+    payload = json.dumps(dict(machine=machine_info(), command=command, results=results), indent=1)
+    text = markdown(results, command, png)
+    write_files({args.output + ".json": ("JSON report", lambda staged: staged.write_text(payload, encoding="utf-8")),
+                 args.output + ".md": ("markdown report", lambda staged: staged.write_text(text, encoding="utf-8")),
+                 png: ("plot", lambda staged: plot(results, staged, title))}, inputs, create_dirs=True)  # together
     print("wrote", args.output + ".json", args.output + ".md", png)
     return 0

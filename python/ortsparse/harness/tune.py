@@ -32,20 +32,21 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .. import flag_types
 from ..benchmarking import machine_info, versions
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
-from ..graph_rewrite.genai import check_folder_output, model_input, rewrite_genai_folder
-from ..graph_rewrite.output_paths import OutputFiles, check_output_path
+from ..graph_rewrite.genai import model_input, rewrite_genai_folder, written_by_ortsparse
+from ..graph_rewrite.output_paths import Inputs, OutputFiles
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..runtime import genai_decoder, genai_folder, vocab_size
 from .calibrate import gating_search
-from .corpus import split_held_out
-from .perplexity import compare_lm
+from .corpus import split_held_out, text_per_window
+from .perplexity import compare_lm, describe_spread
 from .speed import decode_speed
-from .text import find_tokenizer, text_tokens
+from .text import BosChoice, as_bos, find_tokenizer, resolve_bos, text_tokens
 
 LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
 MIN_WINDOW = 128
@@ -61,10 +62,12 @@ class TextSplit:
     window_len: int
 
 
-def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, context: int | None = None) -> TextSplit:
+def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, context: int | None = None,
+               bos: int | None = None) -> TextSplit:
     """The text cut into windows, alternately held out and calibrating (both see the same mix of the
     text: corpus.split_held_out), ``windows`` of each; windows shrink (to 128 tokens) and then
-    become fewer (down to 1) when the text is short; too short even for that is a ModelFileError."""
+    become fewer (down to 1) when the text is short; too short even for that is a ModelFileError.
+    With a ``bos`` each window holds one text token fewer (corpus.lm_windows)."""
     half = tokens.size // 2
     while window_len > MIN_WINDOW and windows * window_len > half:
         window_len //= 2
@@ -74,10 +77,11 @@ def split_text(tokens: np.ndarray, windows: int = 8, window_len: int = 512, cont
                              f"(a {MIN_WINDOW}-token calibration window and a held-out one)")
     # Alternate pieces of one window, or of the long context when one is checked (whole multiples of
     # the window, so the long check reads contiguous text and every window lies inside one piece).
-    piece = window_len * max(1, -(-(context or 0) // window_len))
+    text = text_per_window(window_len, bos)
+    piece = text * max(1, -(-text_per_window(context or 0, bos) // text))
     held_out, calibration = split_held_out(tokens, piece, "interleaved")
-    if min(held_out.size, calibration.size) < windows * window_len:  # too short for long pieces: the long
-        held_out, calibration = split_held_out(tokens, window_len, "interleaved")  # check then says so
+    if min(held_out.size, calibration.size) < windows * text:  # too short for long pieces: the long
+        held_out, calibration = split_held_out(tokens, text, "interleaved")  # check then says so
     return TextSplit(calibration, held_out, windows, window_len)
 
 
@@ -97,13 +101,14 @@ def _gating_config(entries: list[dict[str, Any]], attention=None, max_gated_rows
 def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02, margin: float = 0.75,
          context: int | None = None, threads: int = 1, speed_steps: int = 32, report_stem: str | Path | None = None,
          protected: dict | None = None, reference: str | Path | None = None, method: str = "allocated", log=print,
-         progress: bool = False, windows: int = 8) -> dict[str, Any]:
+         progress: bool = False, windows: int = 8, bos: BosChoice | int | None = None) -> dict[str, Any]:
     """Tune ``model`` on ``tokens`` within ``max_dppl`` (held-out); write ``output`` and the report.
     Returns the report; ``report["written"]`` is False when the budget was missed (nothing written).
     ``progress``: a bar over the steps (and the held-out windows) on stderr. ``reference``: measure
     dppl against this model (the fp32 model of a quantized ``model``: the budget is then the total
     loss), default ``model``. ``windows``: calibration windows and as many held-out ones (8: with 4,
-    SmolLM2's calibration dppl varied by +/-1% between neighbouring settings, too noisy to search on)."""
+    SmolLM2's calibration dppl varied by +/-1% between neighbouring settings, too noisy to search on).
+    ``bos``: the token every window starts with (run() asks the model's tokenizer: text.resolve_bos)."""
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -117,28 +122,22 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     folder = genai_folder(source) if source.is_dir() else None
     decoder = model_input(source)
     out = Path(output)
-    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
-    reads = {decoder: "the input model", **(protected or {})}
-    if folder is None:
-        check_output_path(out, what="output", protected=reads)
-    else:
-        check_folder_output(folder, out)  # before the long part
-    for suffix, what in ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot")):
-        check_output_path(f"{stem}{suffix}", what=what, protected=reads)
+    outputs, targets = tune_outputs(source, out, report_stem, protected, reference)  # checked before the long part
     graph = onnx.load(str(decoder))
     baseline = graph if reference is None else str(model_input(reference))
     max_positions = genai_decoder(folder).context_length if folder is not None else None
+    bos = as_bos(bos)
     split = split_text(tokens, windows, window_len=min(512, max_positions or 512),
-                       context=context if context is not None and context >= LONG_CONTEXT else None)
+                       context=context if context is not None and context >= LONG_CONTEXT else None, bos=bos.id)
     if context is not None and max_positions is not None and context > max_positions:
         raise ModelFileError(f"--context {context} is longer than the model's {max_positions} positions")
     log(f"tune: {tokens.size} tokens -> {split.windows} calibration and {split.windows} held-out windows of "
-        f"{split.window_len}")
+        f"{split.window_len}; {bos.describe()}")
 
     # 1. Gating thresholds, searched on the calibration windows.
     entries, search = gating_search(graph, split.calibration, max_dppl * margin, windows=split.windows,
                                     window_len=split.window_len, reference=None if reference is None else baseline,
-                                    method=method, log=log)
+                                    method=method, bos=bos, threads=threads, log=log)
 
     step("calibrated")
     # 2. Attention selection, when the context is long and the text can check it.
@@ -159,15 +158,17 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
 
     tuned_graph, rewrite_report = rewrite_model(graph, config)
     held_out = compare_lm(baseline, tuned_graph, split.held_out, windows=split.windows, window_len=split.window_len,
-                          progress=progress)
+                          progress=progress, bos=bos)
     long_check = None
     if attention is not None:
-        long_check = compare_lm(baseline, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress)
+        long_check = compare_lm(baseline, tuned_graph, split.held_out, windows=1, window_len=context, progress=progress,
+                                bos=bos)
     worst = max(held_out["dppl"], long_check["dppl"] if long_check else -1.0)
     report: dict[str, Any] = {
         "command": "ortsparse tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None,
         "model": str(source), "reference": None if reference is None else str(reference), "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context,
-        "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len,
+        "tokens": int(tokens.size), "windows": split.windows, "window_len": split.window_len, "bos": bos.to_dict(),
+        "window_construction": held_out["window_construction"],
         "gating": search, "attention": attention.attributes() if attention else None,
         "attention_note": attention_note, "rewrite": rewrite_report.to_dict()["counts"],
         "held_out": {k: v for k, v in held_out.items() if not isinstance(v, np.ndarray)},
@@ -191,7 +192,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     # 4. Speed in the real loop, 5. the outputs (written together).
     config = _gating_config(entries, attention, DEPLOY_MAX_GATED_ROWS)  # what is written (prompts dense)
     report["max_gated_rows"] = DEPLOY_MAX_GATED_ROWS
-    with tempfile.TemporaryDirectory(prefix="ortsparse-tune-") as workdir, OutputFiles(reads) as outputs:
+    with tempfile.TemporaryDirectory(prefix="ortsparse-tune-") as workdir, outputs:
         if folder is not None:
             staged = rewrite_genai_folder(folder, Path(workdir) / "tuned", config).folder
             candidates = {"input": folder, "tuned": staged}
@@ -208,22 +209,44 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
         except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
             report["speed"] = {"error": f"decode loop not run: {str(error).splitlines()[0]}"}
         step("speed measured")
-        targets = {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in
-                   ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))}
         report["written"] = True
         report["seconds"] = round(time.perf_counter() - started, 1)
         outputs.write_text(targets[".json"], json.dumps(report, indent=1, default=float) + "\n")
         outputs.write_text(targets[".md"], markdown(report))
         outputs.write(targets[".png"], lambda path: plot(report, path))
         if folder is not None:
-            rewrite_genai_folder(folder, out, config)
+            rewrite_genai_folder(folder, out, config, outputs=outputs)
         else:
-            rewrite_file(decoder, out, config, progress=False, inputs=protected or {})
-        outputs.commit()
+            rewrite_file(decoder, out, config, progress=False, outputs=outputs)
+        outputs.commit()  # the model and its reports together
     step("written")
     bar.close()
     log(summary(report))
     return report
+
+
+REPORT_FILES = ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))
+
+
+def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path | None = None,
+                 protected: dict | None = None, reference: str | Path | None = None
+                 ) -> tuple[OutputFiles, dict[str, Path]]:
+    """What tune reads (``model`` and its data or folder, ``reference``, ``protected``: the text and
+    tokenizer) and writes (``output``, a file or, for a genai folder, a folder; the report files
+    ``<stem>.json/.md/.png``), declared and checked (graph_rewrite/output_paths.py): the
+    OutputFiles to stage them in, and the report destinations by suffix. Nothing is written."""
+    source = Path(model)
+    folder = genai_folder(source) if source.is_dir() else None
+    reads = Inputs(protected or {}).add_model(folder or source, "the source folder" if folder else "the input model")
+    reads.add_model(reference, "the reference model")
+    outputs = OutputFiles(reads)
+    out = Path(output)
+    if folder is None:
+        outputs.add(out, "output")
+    else:
+        outputs.add_folder(out, "output", replaceable=written_by_ortsparse)
+    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
+    return outputs, {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in REPORT_FILES}
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -234,8 +257,9 @@ def summary(report: dict[str, Any]) -> str:
              f"  layers gated: {gated}; gated weight bytes skipped (calibration): "
              f"{100 * report['gating']['skipped_fraction']:.1f}%"
              + (f"; dense on our kernel: {', '.join(dense)}" if dense else ""),
-             f"  held-out: dppl {100 * held['dppl']:+.2f}% (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
+             f"  held-out: {describe_spread(held)} (budget {100 * report['max_dppl']:.1f}%), top-1 agreement "
              f"{held['top1_agreement']:.3f} on {report['windows']} x {report['window_len']} tokens",
+             f"  windows: {report.get('window_construction', '')}",
              f"  attention: {report['attention_note']}"]
     if report.get("max_gated_rows"):
         lines.append(f"  calls of more than {report['max_gated_rows']} rows (prompts) run dense in the written model")
@@ -258,6 +282,7 @@ def markdown(report: dict[str, Any]) -> str:
     against = f" vs {Path(report['reference']).name}" if report.get("reference") else ""
     lines += [f"Text: {report['tokens']} tokens; {report['windows']} calibration + {report['windows']} held-out "
               f"windows of {report['window_len']}; budget {100 * report['max_dppl']:.1f}% dppl{against} (held-out)", "",
+              f"Held-out windows: {report.get('window_construction', '')}.", "",
               "| | dppl (held-out) | top-1 agreement | gated bytes skipped | decode tok/s |", "|---|---|---|---|---|"]
     speed = report.get("speed") or {}
     base = speed.get("input", {}).get("tokens_per_s")
@@ -271,6 +296,11 @@ def markdown(report: dict[str, Any]) -> str:
     if base and tuned:
         lines += ["", f"Decode: real loop at context {report['speed_context']}, {report.get('speed_runner', 'ORT')}, "
                       f"models alternating."]
+    lines += ["", f"Held-out {describe_spread(held)}: the budget check reads the mean; a difference smaller "
+                  "than the spread is within window-to-window noise."]
+    placement = report["gating"].get("allocation", {}).get("head_placement") or []
+    lines += [f"LM head {record['name']}: {record['note']} (timed on this machine, sessions alternating): "
+              + ("dense on our kernel" if record["on_ours"] else "MatMulNBits kept") + "." for record in placement]
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {100 * report['held_out_long']['dppl']:+.2f}%.")
@@ -313,19 +343,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="an ONNX decoder (.onnx) or an onnxruntime-genai folder")
     parser.add_argument("--text", metavar="FILE", required=True, help="a UTF-8 text like the model's real inputs")
     parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its folder); default: beside MODEL")
+    parser.add_argument("--bos", default="auto", metavar="auto|none|ID",
+                        help="the token every window starts with: auto (default) = BOS when the tokenizer adds one "
+                             "(tokenizer_config.json add_bos_token, else tokenizer.json's template), none, or an id")
     parser.add_argument("-o", "--output", metavar="OUT", required=True,
                         help="the tuned model (.onnx), or a new folder for a genai MODEL")
-    parser.add_argument("--max-dppl", type=float, default=0.02, help="held-out perplexity budget (default 0.02)")
-    parser.add_argument("--margin", type=float, default=0.75,
+    parser.add_argument("--max-dppl", type=flag_types.finite_float(0.0, 10.0, min_open=True, max_open=True),
+                        default=0.02, help="held-out perplexity budget (default 0.02)")
+    parser.add_argument("--margin", type=flag_types.fraction, default=0.75,
                         help="the search on calibration windows stays within margin x budget (default 0.75)")
-    parser.add_argument("--context", type=int, default=None,
+    parser.add_argument("--context", type=flag_types.positive_int, default=None,
                         help="the context the model will run at; >= 2048 also tunes attention selection")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
                         "a quantized MODEL (the budget then covers quantization and gating together)")
     parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",
                         help="per-layer sparsities from measured sensitivities (default), or one for every layer")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the speed check (default 1)")
-    parser.add_argument("--windows", type=int, default=8, metavar="N",
+    parser.add_argument("--threads", type=flag_types.threads, default=1,
+                        help="intra-op threads of the speed check (default 1)")
+    parser.add_argument("--windows", type=flag_types.int_in(1, 64), default=8, metavar="N",
                         help="calibration windows, and as many held-out ones, of up to 512 tokens (default 8)")
     parser.add_argument("--report", metavar="STEM", help="report files STEM.json/.md/.png (default: OUT.tune)")
 
@@ -341,10 +376,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"model {args.model} does not exist")
     decoder = model_input(args.model)
     tokenizer = find_tokenizer(args.model, args.tokenizer)
+    protected = {Path(args.text): "the text", tokenizer: "the tokenizer"}
+    tune_outputs(args.model, args.output, args.report, protected, args.reference)  # before reading the text
     tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
+    bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, progress=sys.stderr.isatty(),
-                  reference=args.reference, method=args.method, windows=args.windows,
-                  protected={Path(args.text): "the text", tokenizer: "the tokenizer",
-                             **({model_input(args.reference): "the reference model"} if args.reference else {})})
+                  reference=args.reference, method=args.method, windows=args.windows, bos=bos,
+                  protected=protected)
     return 0 if report["written"] else 1

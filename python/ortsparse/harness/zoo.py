@@ -47,9 +47,10 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import flag_types
 from ..benchmarking import json_default, versions
 from ..graph_rewrite import load_model, rewrite_model
-from ..graph_rewrite.output_paths import check_outputs, write_text_files
+from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import open_session
 from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs,
@@ -502,16 +503,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(= --zoo fast: tiny + generated)")
     parser.add_argument("--list", action="store_true", help="list the models and exit")
     check = parser.add_argument_group("checking")
-    check.add_argument("--runs", type=int, default=2, help="generated input sets per model (default 2)")
+    check.add_argument("--runs", type=flag_types.positive_int, default=2,
+                       help="generated input sets per model (default 2)")
     check.add_argument("--shape", action="append", metavar="SPEC",
                        help="dynamic dim sizes: dim=INT or input=AxBxC (as rewrite-onnx --verify-shape)")
-    check.add_argument("--budget", type=float, default=None, metavar="REL",
+    check.add_argument("--budget", type=flag_types.non_negative_float, default=None, metavar="REL",
                        help="relative L2 error allowed when some layer is approximate (default 0.5); "
                             "exact rewrites always use 1e-4")
-    check.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
-    check.add_argument("--timing-runs", type=int, default=5,
+    check.add_argument("--seed", type=flag_types.seed, default=0, help="seed of the generated inputs")
+    check.add_argument("--timing-runs", type=flag_types.non_negative_int, default=5,
                        help="alternated timed runs per model and side, medians (default 5; 0: no timing)")
-    check.add_argument("--threads", type=int, default=1, help="intra-op threads, spinning off (default 1)")
+    check.add_argument("--threads", type=flag_types.threads, default=1,
+                       help="intra-op threads, spinning off (default 1)")
     add_technique_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -535,7 +538,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("validate: no models to validate", file=sys.stderr)
         return EXIT_USAGE
     config = config_from_args(args)
-    inputs = [*(entry.path for entry in entries if entry.path), args.config]  # never overwritten
+    inputs = Inputs().add(args.config, "the config file")  # never overwritten
+    for item in args.models:  # a folder named here is an input folder: nothing is written into it
+        inputs.add_model(item, f"the input model {item}" if not Path(item).is_dir() else f"the input folder {item}")
+    for entry in entries:
+        inputs.add_model(entry.path, f"the input model {entry.path}")
     outputs = {args.markdown: "markdown table", args.json: "JSON results"}
     check_outputs([(args.markdown, "markdown table"), (args.json, "JSON results")], inputs)  # before the long run
 

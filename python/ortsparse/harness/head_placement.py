@@ -1,0 +1,151 @@
+"""Where an ungated quantized LM head runs, decided by a measurement on this machine: as stored
+(``MatMulNBits``) or on our kernel keeping every row (``KwtaBlockMatMul`` with :data:`DENSE_ON_OURS`).
+
+At one decode token the head is the widest layer. On SmolLM2's 576 x 49152 int8 head our kernel was
+faster; on Gemma-3's 640 x 262144 head it was slower (issue 29). So each candidate
+head is timed: a single-node graph holding the head's real weights, as MatMulNBits and as its
+rewrite, fed one decode row ``[1, 1, K]``, both sessions in this process with the same threads,
+alternating for a second or two (session set-up included, 4-12 s for a 640 x 262144 int8 head on
+this 2-core machine under load, ~4 s for SmolLM2's). Each alternation is a pair of runs back to back
+(the same load on both). Ours is kept only when it is faster in more pairs than chance explains
+(one-sided sign test, p < :data:`SIGNIFICANCE`): under load the two medians of the same 640 x 262144
+head came out 1.08x one way and 0.92x the other in two runs, so a plain "faster median" flipped.
+Otherwise — slower, a tie, or within the noise — MatMulNBits stays (the graph as it was). A head our
+rewrite does not take, or whose inputs are not constant, stays as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+from ..graph_rewrite.config import parse_overrides
+from ..runtime import open_session, thread_options
+
+# KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
+DENSE_ON_OURS = {"k_frac": 1.0, "block": 1}
+OURS_OP = "KwtaBlockMatMul"
+SIGNIFICANCE = 0.05  # of the sign test that ours wins more pairs than chance
+
+
+def glob_escape(name: str) -> str:
+    """A node name as an override ``match`` pattern that matches only that name."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+@dataclasses.dataclass
+class HeadTiming:
+    """One head's measurement: microseconds per decode-row call (medians over ``runs`` alternations),
+    the median of the paired ratios ours / MatMulNBits, and the sign test on the pairs that decides."""
+
+    name: str
+    k: int
+    n: int
+    matmulnbits_us: float | None
+    ours_us: float | None
+    runs: int
+    on_ours: bool
+    note: str
+    ratio: float | None = None
+    ours_wins: int | None = None  # pairs in which ours was faster
+    p_value: float | None = None  # one-sided sign test: ours faster in this many pairs by chance
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        if self.matmulnbits_us is None or self.ours_us is None:
+            return f"{self.name}: stays MatMulNBits ({self.note})"
+        where = "dense on our kernel" if self.on_ours else "stays MatMulNBits"
+        return (f"{self.name} ({self.k} x {self.n}): MatMulNBits {self.matmulnbits_us:.0f} us, ours dense "
+                f"{self.ours_us:.0f} us per decode row, paired ratio {self.ratio:.3f}, ours faster in "
+                f"{self.ours_wins}/{self.runs} pairs (sign test p {self.p_value:.2g}; alternating, this machine): "
+                f"{where}")
+
+
+def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int, int]:
+    """(a graph of the node ``name`` alone with its constant inputs, K, N); input ``A`` [1, 1, K]."""
+    node = next((n for n in model.graph.node if n.name == name), None)
+    if node is None:
+        raise ValueError(f"no node {name!r} in the model")
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    k, n = int(attributes["K"]), int(attributes["N"])
+    initializers = {t.name: t for t in model.graph.initializer}
+    constants = []
+    for value in node.input[1:]:
+        if not value:
+            continue
+        if value not in initializers:
+            raise ValueError(f"input {value!r} is not a constant initializer")
+        constants.append(initializers[value])
+    single = onnx.NodeProto()
+    single.CopyFrom(node)
+    single.input[0] = "A"
+    del single.output[:]
+    single.output.append("Y")
+    graph = helper.make_graph([single], "head", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [1, 1, k])],
+                              [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [1, 1, n])], constants)
+    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx", node.domain)]
+    head = helper.make_model(graph, opset_imports=opsets)
+    head.ir_version = model.ir_version
+    return head, k, n
+
+
+def sign_test(wins: int, pairs: int) -> float:
+    """P(at least ``wins`` of ``pairs`` fair coin flips): one-sided sign test."""
+    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2.0 ** pairs
+
+
+def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5,
+              max_runs: int = 400) -> HeadTiming:
+    """MatMulNBits vs our dense form of the head ``name`` of ``model`` (weights loaded), alternating
+    for about ``seconds`` (at least 5 runs each, after one warm-up run each)."""
+    try:
+        nbits, k, n = single_node_model(model, name)
+    except (ValueError, KeyError) as error:
+        return HeadTiming(name, 0, 0, None, None, 0, False, f"not measured: {error}")
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+                           overrides=parse_overrides({"layers": [{"match": glob_escape(name),
+                                                                  "kwta": dict(DENSE_ON_OURS)}]}))
+    ours, _ = rewrite_model(nbits, config)
+    if not any(node.op_type == OURS_OP for node in ours.graph.node):
+        return HeadTiming(name, k, n, None, None, 0, False, "our rewrite does not take this head")
+    options = thread_options(threads)
+    sessions = {"matmulnbits": open_session(nbits, options), "ours": open_session(ours, options)}
+    feed = {"A": np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)}
+    times: dict[str, list[float]] = {key: [] for key in sessions}
+    for session in sessions.values():
+        session.run(None, feed)  # warm-up: first-run allocations and packing
+    deadline = time.perf_counter() + seconds
+    while len(times["ours"]) < max_runs and (len(times["ours"]) < 5 or time.perf_counter() < deadline):
+        for key, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feed)
+            times[key].append(time.perf_counter() - start)
+    nbits_us, ours_us = (1e6 * float(np.median(times[key])) for key in ("matmulnbits", "ours"))
+    ratio = float(np.median(np.divide(times["ours"], times["matmulnbits"])))
+    pairs = len(times["ours"])
+    wins = int(np.sum(np.less(times["ours"], times["matmulnbits"])))
+    p_value = sign_test(wins, pairs)
+    on_ours = p_value < SIGNIFICANCE
+    verdict = "faster on ours" if on_ours else "not shown faster on ours"
+    return HeadTiming(name, k, n, nbits_us, ours_us, pairs, on_ours,
+                      f"ours/MatMulNBits time {ratio:.3f} (median of paired runs), ours faster in {wins}/{pairs} "
+                      f"pairs: {verdict}", ratio, wins, p_value)
+
+
+def place_heads(model: onnx.ModelProto, candidates: Sequence[str], *, threads: int = 1, seconds: float = 1.5,
+                log: Callable[[str], None] = print) -> tuple[list[str], list[dict[str, Any]]]:
+    """(the ``candidates`` — ungated MatMulNBits heads — that are faster dense on our kernel, one
+    measurement record per candidate)."""
+    timings = [time_head(model, name, threads=threads, seconds=seconds) for name in candidates]
+    for timing in timings:
+        log(f"head placement: {timing.describe()}")
+    return [t.name for t in timings if t.on_ours], [t.to_dict() for t in timings]
