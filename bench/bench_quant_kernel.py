@@ -7,6 +7,8 @@ process, alternating, medians per round, minimum and median over rounds.
   (_kernels.quant_bench: one pass over every copy, per-call time measured inside C++; 1 thread runs
   inline, 2 threads use a two-thread runner that sleeps between calls, like ORT with
   session.intra_op.allow_spinning=0).
+- in-l2 (not in the default --regimes): one layer of <= 1 MiB reused, so the weights stay in L2 and the
+  kernels are compute-bound (what a core pays per byte when it is slow or the data is near);
 - in-cache: copies whose total is <= 8 MiB (skipped for layers larger than 16 MiB);
   out-of-cache: distinct copies totalling >= 96 MiB (3x the 32 MiB L3).
 - ours runs both decode numerics: accuracy_level 4 (int8 activations, int8 dot products: what a
@@ -39,6 +41,7 @@ from ortsparse.benchmarking import (command_line, kernel_bench_parser, kernel_be
 SHAPES = [(576, 576), (576, 192), (576, 3072), (1536, 576), (576, 49152), (4096, 11008), (640, 262144)]
 KEEPS = [1.0, 0.5]
 LEVELS = (4, 0)  # our decode numerics: MatMulNBits accuracy_level 4 (int8 activations) and 0 (fp32)
+IN_L2_BYTES = 1024 * 1024
 IN_CACHE_BYTES = 8 * 1024 * 1024
 OUT_OF_CACHE_BYTES = 96 * 1024 * 1024
 
@@ -81,7 +84,11 @@ def ort_session(tensors, k, n, bits, block, threads):
 
 def run_case(k, n, m, bits, block, zero_points, regime, threads, repeats, rounds, rng):
     lb = layer_bytes(k, n, bits, block, zero_points)
-    if regime == "in-cache":
+    if regime == "in-l2":  # one layer reused: compute-bound (the cost per byte the core itself pays)
+        if lb > IN_L2_BYTES:
+            return []
+        copies = 1
+    elif regime == "in-cache":
         if lb > 2 * IN_CACHE_BYTES:
             return []
         copies = max(1, min(8, IN_CACHE_BYTES // lb))
