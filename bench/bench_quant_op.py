@@ -8,7 +8,7 @@ kernel on the same tensors in the C++ loop beside them, so the cost of running i
 visible. Variants: dense (k_frac 1, every row), keep ~0.72 by a threshold on |x| (what calibrated
 gating does at ~28% skipped).
 
-usage: python bench/bench_quant_op.py [--shape 576 960] [--copies 96] [--runs 60]
+usage: python bench/bench_quant_op.py [--shape 576 960] [--copies 96] [--runs 60] [--glu] [--clock thread|wall]
 """
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ def gated(model, settings):
     return rewrite_model(model, config, fuse=False)[0]
 
 
+def with_glu(model, n):
+    """Our nodes as the fused gate/up layer of a SwiGLU MLP (glu="silu": silu(first half) * second half),
+    the output N / 2 wide."""
+    for node in model.graph.node:
+        if node.op_type == "KwtaBlockMatMul":
+            node.attribute.append(helper.make_attribute("glu", "silu"))
+    del model.graph.value_info[:]
+    model.graph.output[0].type.tensor_type.shape.dim[2].dim_value = n // 2
+    return model
+
+
 def session(model, ours):
     options = ortsparse.session_options(intra_op_num_threads=1, allow_spinning=False) if ours else ort.SessionOptions()
     if not ours:
@@ -81,17 +92,26 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=["thread", "wall"], default="thread",
                         help="thread: CPU time of the calling thread (1 thread runs every node on it), so that time "
                              "the OS gives other programs on a shared machine is not counted; wall: elapsed time")
+    parser.add_argument("--glu", action="store_true",
+                        help="our session nodes fuse gate and up (glu=silu, N = both halves; SmolLM2's MLP: "
+                             "--shape 576 3072); the loop and MatMulNBits compute the product only")
     args = parser.parse_args(argv)
     k, n = args.shape
+    if args.glu and n % 2:
+        parser.error("--glu needs an even N")
     rng = np.random.default_rng(0)
     tensors = [quantized(rng, k, n) for _ in range(args.copies)]
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     threshold = float(np.quantile(np.abs(x), 0.28))
     kept = np.flatnonzero(np.abs(x[0, 0]) >= threshold).astype(np.int32)
     base = nbits_graph(tensors, k, n)
-    sessions = {"MatMulNBits (ORT)": session(base, False),
-                "ours dense, session": session(gated(base, KwtaSettings(k_frac=1.0)), True),
-                f"ours keep {kept.size / k:.2f}, session": session(gated(base, KwtaSettings(k_frac=1.0, threshold=threshold)), True)}
+    ours = {"dense": gated(base, KwtaSettings(k_frac=1.0)),
+            f"keep {kept.size / k:.2f}": gated(base, KwtaSettings(k_frac=1.0, threshold=threshold))}
+    if args.glu:
+        ours = {name: with_glu(model, n) for name, model in ours.items()}
+    sessions = {"MatMulNBits (ORT)" + (", no GLU" if args.glu else ""): session(base, False),
+                **{f"ours {name}, session" + (", glu" if args.glu else ""): session(model, True)
+                   for name, model in ours.items()}}
     # The rewrite carries MatMulNBits' accuracy_level 4 over: the loop runs the same numerics.
     loop = [K.QuantMatMul(b, s, None, k, n, 8, 32, accuracy_level=4) for b, s in tensors]
     loops = {"ours dense, C++ loop": None, f"ours keep {kept.size / k:.2f}, C++ loop": [kept]}
