@@ -187,7 +187,8 @@ class WeightPreparer:
             stem = weight.value.name + ("_T" if weight.transposed else "")
             made = [self.new_initializer(f"{stem}_{suffix}", array) if array is not None else None
                     for suffix, array in ((f"Q{settings.bits}", b), ("scales", scales), ("zero_points", zero_points))]
-            self._quantized[key] = NBitsWeight(*made, k=k, n=n, bits=settings.bits, block_size=settings.block_size)
+            self._quantized[key] = NBitsWeight(*made, k=k, n=n, bits=settings.bits, block_size=settings.block_size,
+                                               accuracy_level=int(settings.accuracy_level))
             self._sources.append(weight.value)
         return self._quantized[key]
 

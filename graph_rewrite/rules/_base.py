@@ -66,8 +66,9 @@ class NBitsWeight:
     ``zero_points`` uint8 packed like MatMulNBits packs them, or None (8 at 4 bits, 128 at 8 bits).
 
     An op that gates this form takes ``sources`` (B, scales, zero points) through untouched, with
-    ``attributes()`` (K, N, bits, block_size); ``matrix()`` dequantizes, for techniques that need
-    numbers (never to replace the stored form)."""
+    ``attributes()`` (K, N, bits, block_size, and the source's accuracy_level when it is not 0, so the
+    rewritten layer keeps MatMulNBits' numerics: 4 = int8 activations); ``matrix()`` dequantizes, for
+    techniques that need numbers (never to replace the stored form)."""
 
     b: ir.Value
     scales: ir.Value
@@ -76,6 +77,7 @@ class NBitsWeight:
     n: int
     bits: int
     block_size: int
+    accuracy_level: int = 0
 
     @property
     def form(self) -> str:
@@ -90,7 +92,8 @@ class NBitsWeight:
         return (self.b, self.scales) + ((self.zero_points,) if self.zero_points is not None else ())
 
     def attributes(self) -> dict[str, int]:
-        return {"K": self.k, "N": self.n, "bits": self.bits, "block_size": self.block_size}
+        level = {"accuracy_level": self.accuracy_level} if self.accuracy_level else {}
+        return {"K": self.k, "N": self.n, "bits": self.bits, "block_size": self.block_size, **level}
 
     def matrix(self) -> np.ndarray:
         """W [K, N] float32 as MatMulNBits defines it: (q - zero_point) · scale per (column, K-block)."""

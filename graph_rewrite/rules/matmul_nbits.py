@@ -9,18 +9,18 @@ Before -> After::
         [N, blocks] or [N·blocks]; zero_points: constant uint8 (packed as MatMulNBits packs them);
         bias: constant float32 broadcastable to [N]
     ->
-    Y = ai.ortsparse.<op>(A, B, scales, zero_points?, bias?, K, N, bits, block_size, <settings>)
+    Y = ai.ortsparse.<op>(A, B, scales, zero_points?, bias?, K, N, bits, block_size[, accuracy_level],
+                          <settings>)
 
 B, scales and zero points are passed through untouched (an initializer shared with another node,
 e.g. int4 genai's lm_head weight that the embedding's GatherBlockQuantized also reads, stays
 shared). Only an op that gates the quantized form as stored takes such a layer (KWTA and the
 bitmap gate: ``KwtaBlockMatMul``); techniques whose ops need float weights leave it as it is.
 
-``accuracy_level`` is not carried over: the op has no such attribute. Its numerics instead: rows
-decoded one by one (fewer than 4 dense rows, or any gated row) are fp32 products of the
-dequantized weights, as accuracy_level 0 computes them (up to rounding); a call with >= 4 dense
-rows rounds the activations to int8 per (row, K-block) and sums exactly in int32, as accuracy_level
-4 does (within that rounding).
+``accuracy_level`` is carried over (when not 0): the op computes as MatMulNBits at that level
+does. At 4 every row rounds its activations to int8 per K-block (over the row's kept inputs) and
+sums exactly in int32; at 0-3 a row decoded alone (fewer than 4 dense rows, or any gated row) is an
+fp32 product of the dequantized weights, and a call with >= 4 dense rows takes the int8 path.
 
 Near-misses (the layer stays as it is, the report says why): ``g_idx`` present (act-order: the K
 rows are permuted into blocks, which the op's layout cannot express), bits other than 4 or 8,
@@ -49,6 +49,7 @@ from ._base import (
 OP_TYPE = "MatMulNBits"
 BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128)
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 _ZERO_POINTS, _G_IDX, _BIAS = 3, 4, 5  # MatMulNBits' optional inputs
 
 
@@ -121,7 +122,10 @@ def nbits_weight(node: ir.Node) -> tuple[MatchResult, NBitsWeight | None]:
         if not _matrix_or_flat(_shape(tensor), n, packed):
             return result.fail(f"{label}: zero_points '{zero_points.name}' has shape {_shape(tensor)}; need "
                                f"{[n, packed]} or {[n * packed]}", node), None
-    return result, NBitsWeight(node.inputs[1], node.inputs[2], zero_points, k, n, bits, block)
+    level = attributes.get_int("accuracy_level", 0)
+    if level not in ACCURACY_LEVELS:
+        return result.fail(f"{label} has accuracy_level={level}; MatMulNBits' levels are 0-4", node), None
+    return result, NBitsWeight(node.inputs[1], node.inputs[2], zero_points, k, n, bits, block, level)
 
 
 def check_nbits_layer(linear: ir.Node, x: ir.Value) -> MatchResult:

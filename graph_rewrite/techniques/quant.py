@@ -19,7 +19,7 @@ else reads it)::
     Y = com.microsoft.MatMulNBits(X, W_Q8, W_scales[, W_zero_points], , b?, K, N, bits, block_size,
                                   accuracy_level)                                  (not gated)
     Y = ai.ortsparse.KwtaBlockMatMul(X, W_Q8, W_scales, W_zero_points?, b?, K, N, bits, block_size,
-                                     <gate settings>)                              (gated)
+                                     accuracy_level, <gate settings>)              (gated)
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..graph_utils import MS_DOMAIN
 from ..rules import FLOAT32, dequantize_nbits
-from ..rules.matmul_nbits import BLOCK_SIZES
+from ..rules.matmul_nbits import ACCURACY_LEVELS, BLOCK_SIZES
 from ..rules.matmul_nbits import OP_TYPE as MATMUL_NBITS
 from ..targets import TARGETS
 from .base import BIAS, TARGET, WEIGHT, WEIGHTS, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
@@ -40,7 +40,6 @@ from .kwta import KWTA
 from .pack import PACK
 
 QUANT_DTYPES = ("int8", "int4")
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 _GATES = {"pack": PACK, "kwta": KWTA}  # the gates that take a quantized weight, in lead order
 
 
@@ -89,8 +88,10 @@ class QuantSettings(TechniqueSettings):
         return packed, scales, (None if self.symmetric else zero_points)
 
     def node_attributes(self, k: int, n: int) -> dict[str, int]:
-        """K, N, bits, block_size of the quantized form (what an op needs to read it)."""
-        return {"K": int(k), "N": int(n), "bits": self.bits, "block_size": int(self.block_size)}
+        """K, N, bits, block_size of the quantized form (what an op needs to read it), and its
+        accuracy_level when not 0 (a gated op computes as the MatMulNBits it replaces would)."""
+        level = {"accuracy_level": int(self.accuracy_level)} if self.accuracy_level else {}
+        return {"K": int(k), "N": int(n), "bits": self.bits, "block_size": int(self.block_size), **level}
 
     def is_exact(self, k: int) -> bool:
         return False  # quantization changes the weights

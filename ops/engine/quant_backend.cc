@@ -135,6 +135,12 @@ std::vector<float> QuantWeights::block_norms(const BlockPartition& partition) co
   return norms;
 }
 
+bool int8_decode_for_accuracy_level(int64_t accuracy_level) {
+  if (accuracy_level < 0 || accuracy_level > 4)
+    fail("attribute accuracy_level=", accuracy_level, " is not one of MatMulNBits' levels 0-4");
+  return accuracy_level == 4;
+}
+
 QuantBackend::QuantBackend(std::shared_ptr<const QuantWeights> weights, QuantTuning tuning)
     : weights_(std::move(weights)), tuning_(tuning) {}
 
@@ -162,6 +168,7 @@ void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, c
 
 // Decode: per token, its K-blocks split into a few chunks; each task streams the kept rows of its
 // blocks (whole panel rows) into a partial sum per column, and the partials are added at the end.
+// A layer of decode_panel_tasks panels or more is split by panel instead (no partials to add).
 void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
                               const float* bias, float* y, const QuantKernels& kernels,
                               const TaskRunner& runner) const {
@@ -170,23 +177,33 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   struct Task {
     size_t token, b0, b1, nrows, lookahead;  // lookahead: list entries after this task's (prefetched only)
     const int32_t* rows;
+    size_t panel0, panel1, slot;  // its panels, and the partial sum it writes (partial + slot * width)
   };
   thread_local std::vector<Task> tasks;
   thread_local std::vector<size_t> token_tasks;  // first task of each token, then the end
   thread_local AlignedBuffer<float> partial_buffer, acc_buffer;
   tasks.clear();
   token_tasks.clear();
+  size_t slots = 0;
   for (size_t t : tokens) {
     token_tasks.push_back(tasks.size());
     const size_t count = gated.row_count(t, k);
-    const size_t chunks = std::max<size_t>(
-        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
     // A gated token's list may be empty (and its pointer null): the kernels read rows == nullptr as
     // "every row", so an empty list points at a dummy entry instead.
     static const int32_t kNoRow = 0;
     const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
+    if (p.num_panels >= tuning_.decode_panel_tasks) {
+      // A wide layer (a head): one task per panel, every kept row; the panels' columns are disjoint,
+      // so the tasks write one partial sum and nothing is added up at the end.
+      for (size_t panel = 0; panel < p.num_panels; ++panel)
+        tasks.push_back(Task{t, 0, nb, rows ? count : 0, 0, rows, panel, panel + 1, slots});
+      ++slots;
+      continue;
+    }
+    const size_t chunks = std::max<size_t>(
+        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
     for (size_t c = 0; c < chunks; ++c) {
-      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr};
+      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr, 0, p.num_panels, slots++};
       if (rows) {
         const int32_t* lo = std::lower_bound(rows, rows + count, static_cast<int32_t>(task.b0 * p.block));
         const int32_t* hi = std::lower_bound(lo, rows + count, static_cast<int32_t>(std::min(k, task.b1 * p.block)));
@@ -198,34 +215,83 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     }
   }
   token_tasks.push_back(tasks.size());
-  if (partial_buffer.size() < tasks.size() * width) partial_buffer.resize(tasks.size() * width);
+  // int8 decode: each token's kept activations quantized once (its gated-off rows zeroed first, so
+  // that a block's scale is its kept rows' amax), shared by the token's tasks.
+  const size_t ldq = nb * p.block;
+  thread_local AlignedBuffer<float> masked_buffer;
+  thread_local AlignedBuffer<int8_t> xq_buffer;
+  thread_local std::vector<float> xscale_buffer;
+  thread_local std::vector<int32_t> xsum_buffer;
+  thread_local AlignedBuffer<int32_t> iacc_buffer;
+  if (tuning_.int8_decode) {
+    if (xq_buffer.size() < tokens.size() * ldq) xq_buffer.resize(tokens.size() * ldq);
+    if (masked_buffer.size() < ldq) masked_buffer.resize(ldq);
+    xscale_buffer.resize(tokens.size() * nb);
+    xsum_buffer.resize(tokens.size() * nb);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const size_t t = tokens[i];
+      const float* xt = x + t * k;
+      if (!gated.dense[t]) {
+        float* masked = masked_buffer.data();
+        std::fill(masked, masked + k, 0.0f);
+        for (size_t at = gated.offset[t]; at < gated.offset[t + 1]; ++at) masked[gated.rows[at]] = xt[gated.rows[at]];
+        xt = masked;
+      }
+      kernels.quantize(xt, k, p.block, nb, 1.0f, xq_buffer.data() + i * ldq, nullptr, xscale_buffer.data() + i * nb,
+                       xsum_buffer.data() + i * nb);
+    }
+    if (iacc_buffer.size() < tasks.size() * p.panel) iacc_buffer.resize(tasks.size() * p.panel);
+  }
+  if (partial_buffer.size() < slots * width) partial_buffer.resize(slots * width);
   if (acc_buffer.size() < tasks.size() * p.panel) acc_buffer.resize(tasks.size() * p.panel);
   float* const partial = partial_buffer.data();
   float* const acc = acc_buffer.data();
   const Task* const task_list = tasks.data();
   size_t stream_bytes = 0;
   for (const Task& task : tasks)
-    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) * width * p.bits / 8;
+    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) *
+                    (task.panel1 - task.panel0) * p.panel * p.bits / 8;
   const SerialTaskRunner serial;
   const TaskRunner& dispatch = stream_bytes < tuning_.decode_parallel_min_bytes ? static_cast<const TaskRunner&>(serial)
                                                                                 : runner;
-  dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
-    const Task& task = task_list[i];
-    for (size_t panel = 0; panel < p.num_panels; ++panel)
-      kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
-                     partial + i * width + panel * p.panel, acc + i * p.panel);
-  });
+  if (tuning_.int8_decode) {
+    int32_t* const iacc = iacc_buffer.data();
+    const int8_t* const xq = xq_buffer.data();
+    const float* const xscale = xscale_buffer.data();
+    const int32_t* const xsum = xsum_buffer.data();
+    const size_t* const first_task = token_tasks.data();
+    dispatch.run(tasks.size(), [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
+      const Task& task = task_list[i];
+      // The token's position in `tokens`: the last token whose first task is <= i.
+      const size_t slot = static_cast<size_t>(std::upper_bound(first_task, first_task + tokens.size(), i) - first_task) - 1;
+      QuantDecodeActivations acts;
+      acts.q = xq + slot * ldq;
+      acts.scale = xscale + slot * nb;
+      acts.sum = xsum + slot * nb;
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
+        kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
+                            partial + task.slot * width + panel * p.panel, iacc + i * p.panel);
+    });
+  } else {
+    dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
+      const Task& task = task_list[i];
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
+        kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
+                       partial + task.slot * width + panel * p.panel, acc + i * p.panel);
+    });
+  }
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
     const float s = gated.scale[t];
     float* yt = y + t * n;
-    const float* p0 = partial + first * width;
-    if (last - first == 1) {
+    const size_t slot0 = tasks[first].slot, slot1 = tasks[last - 1].slot + 1;
+    const float* p0 = partial + slot0 * width;
+    if (slot1 - slot0 == 1) {
       for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * p0[j];
       continue;
     }
     for (size_t j = 0; j < n; ++j) yt[j] = p0[j];
-    for (size_t c = first + 1; c < last; ++c) {
+    for (size_t c = slot0 + 1; c < slot1; ++c) {
       const float* pc = partial + c * width;
       for (size_t j = 0; j < n; ++j) yt[j] += pc[j];
     }

@@ -20,6 +20,7 @@ namespace ortsparse::engine {
 // The packed layout and the kernel table are defined next to the kernels.
 using kernels::kQuantGroup;
 using kernels::QuantActivations;
+using kernels::QuantDecodeActivations;
 using kernels::QuantKernels;
 using kernels::QuantPacked;
 
@@ -75,10 +76,18 @@ class QuantWeights {
 };
 
 struct QuantTuning {
+  // Decode tokens with int8 activations (MatMulNBits accuracy_level 4: kernels' decode_int8) rather
+  // than fp32 products of the dequantized weights (accuracy_level 0: decode).
+  bool int8_decode = false;
   // A decode token's blocks are split into at most this many tasks of at least
   // decode_min_chunk_rows kept rows (partial sums added at the end; every task streams full rows).
   size_t decode_row_chunks = 4;
   size_t decode_min_chunk_rows = 128;
+  // A layer with at least this many column panels (a wide head: Gemma-3's 640x262144 has 16) splits a
+  // decode token by panel instead, one task per panel over every kept row: no partial sums to write
+  // and add (4 x N floats per token at 4 chunks). Tasks never depend on the thread count, so neither
+  // do the results.
+  size_t decode_panel_tasks = 4;
   // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread: waking
   // a pool thread (ORT's pool, spinning off) cost more than a small layer's second task saved. Only
   // the dispatch changes — the same tasks, partial sums and reduction order — so results do not.
@@ -88,6 +97,12 @@ struct QuantTuning {
   // The GEMM's column chunks are split into at most this many tasks.
   size_t prefill_max_tasks = 8;
 };
+
+// MatMulNBits' accuracy_level (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8: the minimum precision of
+// the activations in the products) as the decode numerics: int8 activations at 4, fp32 products of
+// the dequantized weights below (fp16 / bf16 are not modelled: fp32 is at least as precise).
+// Anything outside [0, 4] fail()s.
+bool int8_decode_for_accuracy_level(int64_t accuracy_level);
 
 class QuantBackend final : public WeightBackend {
  public:

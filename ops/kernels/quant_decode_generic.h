@@ -93,5 +93,49 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
   }
 }
 
+// The int8 decode's row walk (decode_int8): per K-block of the panel, its kept rows in passes of up
+// to kPass rows (a multiple of 4) handed over as quads, the unit of one int8 dot product lane: each
+// quad's activations packed into one int32 (row 4i + e of the pass in byte e), a pass's last quad
+// padded with activation 0 and the pass's last row (already in L1, so the padding costs no bytes).
+// run_pass(quads, mode, rows, ahead, packed, block) with rows / ahead 4 * quads entries.
+template <size_t kPass, class RunPass>
+void for_each_int8_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const int8_t* xq,
+                        const int32_t* rows, size_t nrows, size_t lookahead, RunPass&& run_pass) {
+  static_assert(kPass % 4 == 0, "passes are whole quads");
+  const size_t width = p.panel;
+  const uint8_t* q = p.panel_q(panel);
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  const size_t list_end = nrows + lookahead, distance = prefetch_rows(p.row_bytes, kPass);
+  size_t next = 0;
+  if (b0 < b1) prefetch_block_scales(scales, zp, width, b0);
+  for (size_t b = b0; b < b1; ++b) {
+    size_t begin = 0, end = 0;
+    if (!block_kept_range(p, b, rows, nrows, next, begin, end)) continue;
+    if (b + 1 < p.num_blocks) prefetch_block_scales(scales, zp, width, b + 1);
+    for (size_t i = begin; i < end; i += kPass) {
+      const size_t count = std::min(kPass, end - i), quads = (count + 3) / 4;
+      const bool first = i == begin, last = i + kPass >= end;
+      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
+      const uint8_t* qr[kPass];
+      const uint8_t* pf[kPass];
+      int32_t packed[kPass / 4] = {};
+      for (size_t e = 0; e < count; ++e) {
+        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
+        qr[e] = q + r * p.row_bytes;
+        packed[e / 4] |= static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint8_t>(xq[r])) << (8 * (e % 4)));
+        const size_t ahead = i + e + distance;
+        const size_t ra = rows ? (ahead < list_end ? static_cast<size_t>(rows[ahead]) : r) : (ahead < p.k ? ahead : r);
+        pf[e] = q + ra * p.row_bytes;
+      }
+      for (size_t e = count; e < quads * 4; ++e) {
+        qr[e] = qr[count - 1];
+        pf[e] = pf[count - 1];
+      }
+      run_pass(static_cast<int>(quads), mode, qr, pf, packed, b);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ortsparse::kernels::generic

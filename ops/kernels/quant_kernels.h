@@ -10,6 +10,11 @@
 //    exactly), then out[n] += scale * (acc[n] - zp * sum_r x[r]). That is an fp32 product of the
 //    dequantized weights (MatMulNBits accuracy_level 0) up to rounding: the zero-point term is
 //    subtracted per block instead of per weight.
+//  * decode_int8 (accuracy_level 4): the token's kept activations quantized per K-block exactly as
+//    prefill quantizes them (amax over the block's kept rows; gated-off rows are 0), exact int32 dot
+//    products dot[n] = sum over the kept rows r of q(x[r]) * q[r, n], then per block
+//    out[n] = fma(wscale, fma(-zp, ascale * sum_r q(x[r]), float(dot) * ascale), out[n]): the same
+//    fp32 operations in the same order on every ISA, so every ISA gives bit-identical results.
 //  * prefill: activations quantized per (token, K-block) to int8, symmetric, a = round_even(x * 127 /
 //    amax) with scale amax / 127 (MatMulNBits accuracy_level 4); exact int32 dot products with the
 //    unsigned weights, then out[n] += wscale * (ascale * dot - zp * ascale * sum(a)) in fp32.
@@ -74,6 +79,15 @@ struct QuantActivations {
   const int32_t* sum = nullptr;   // [m][num_blocks]: sum of the block's q
 };
 
+// One decode token's activations for `decode_int8`, quantized by `quantize` (gate scale 1) from x
+// with its gated-off rows set to 0: q indexed by K row (only kept rows are read), per K-block
+// scale = amax / 127 and sum = sum of the block's q.
+struct QuantDecodeActivations {
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  const int32_t* sum = nullptr;
+};
+
 struct QuantKernels {
   // One token, one panel, K-blocks [b0, b1): out[0:panel] = sum over those blocks b of
   // scale[b, :] * (sum_{r in rows of b} x[r] * q[r, :] - zp[b, :] * sum_{r in rows of b} x[r]).
@@ -86,6 +100,12 @@ struct QuantKernels {
   void (*decode)(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x, const int32_t* rows,
                  size_t nrows, size_t lookahead, float* out, float* acc);
 
+  // `decode` with int8 activations (see Numerics): out[0:panel] = sum over blocks b in [b0, b1) with a
+  // kept row of wscale[b, :] * (a.scale[b] * dot_b[:] - zp[b, :] * a.scale[b] * a.sum[b]). Rows,
+  // lookahead and out as `decode`; acc: scratch of `panel` int32.
+  void (*decode_int8)(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const QuantDecodeActivations& a,
+                      const int32_t* rows, size_t nrows, size_t lookahead, float* out, int32_t* acc);
+
   // Tokens t < a.m, columns [c0, c1) of a panel (multiples of kQuantGroup):
   //   ys[t][j - c0] = (bias ? bias[j - c0] : 0) + sum_b wscale[b, j] * (a.scale[t, b] * dot(t, b, j)
   //                   - zp[b, j] * a.scale[t, b] * a.sum[t, b])     for j < c0 + valid,
@@ -96,7 +116,8 @@ struct QuantKernels {
                   float* const* ys, size_t valid, const float* bias, uint8_t* scratch);
   size_t (*prefill_scratch_bytes)(const QuantPacked& p, size_t m);
 
-  // One token's activations for `prefill`: q and q16 [num_blocks * block] (past K: 0), scale and sum
+  // One token's activations for `prefill`: q and q16 [num_blocks * block] (past K: 0; q16 may be null:
+  // not written, as the decode needs none), scale and sum
   // [num_blocks], as quantize_activations defines them (every ISA gives identical values: the
   // rounding is one fp32 product rounded half to even).
   void (*quantize)(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q,

@@ -105,6 +105,131 @@ void decode_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const 
 }
 
 // ---------------------------------------------------------------------------------------------
+// Int8 decode
+// ---------------------------------------------------------------------------------------------
+
+// Rows per pass (2 quads): more would spill the 16 ymm registers.
+constexpr size_t kInt8PassRows = 8;
+
+// Half h (32 columns) of a row's group g as unsigned bytes in column order (4 bits: the low nibbles
+// of the group's 32 bytes are columns 0-31, the high nibbles 32-63).
+template <int kBits>
+inline __m256i half_bytes(const uint8_t* row, size_t g, size_t h) {
+  if constexpr (kBits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kQuantGroup + 32 * h));
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * (kQuantGroup / 2)));
+    return _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(0x0F));
+  }
+}
+
+// Four rows' 32 columns into dot-product order: dword d of 128-bit lane L of v[j] holds the four
+// rows' bytes of column 16 L + 4 j + d (row e in byte e).
+inline void interleave_quad(const __m256i r[4], __m256i v[4]) {
+  const __m256i ab_lo = _mm256_unpacklo_epi8(r[0], r[1]), ab_hi = _mm256_unpackhi_epi8(r[0], r[1]);
+  const __m256i cd_lo = _mm256_unpacklo_epi8(r[2], r[3]), cd_hi = _mm256_unpackhi_epi8(r[2], r[3]);
+  v[0] = _mm256_unpacklo_epi16(ab_lo, cd_lo);
+  v[1] = _mm256_unpackhi_epi16(ab_lo, cd_lo);
+  v[2] = _mm256_unpacklo_epi16(ab_hi, cd_hi);
+  v[3] = _mm256_unpackhi_epi16(ab_hi, cd_hi);
+}
+
+// Without VNNI: vpmaddubsw (unsigned x signed bytes, pairs summed to int16) and vpmaddwd by 1 (pairs
+// of int16 summed to int32) give the same quad sums. 4-bit weights (<= 15) cannot saturate the
+// int16 pairs; 8-bit weights can (255 * 127 * 2 > 32767), so they enter centred, c = w - 128, as
+// |c| (<= 128, unsigned) times a with c's sign (|a| <= 127): pairs stay within 2 * 128 * 127, and
+// 128 * sum(a) is added back at the end.
+template <int kBits>
+inline __m256i quad_dot(__m256i acc, __m256i w, __m256i a) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kBits == 8) {
+    const __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(a, centred));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones));
+  }
+}
+
+template <int kBits, int Q, Mode kMode>
+void int8_pass(const uint8_t* const* rows, const uint8_t* const* ahead, const int32_t* packed, size_t groups,
+               int32_t* acc, float* out, const float* scales, const uint8_t* zp, float default_zp, float ascale,
+               float ascale_sum, int32_t centre_correction) {
+  __m256i aq[Q];
+  for (int i = 0; i < Q; ++i) aq[i] = _mm256_set1_epi32(packed[i]);
+  constexpr size_t kGroupBytes = kQuantGroup * kBits / 8;
+  for (size_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 4 * Q; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + g * kGroupBytes), _MM_HINT_T0);
+    for (size_t h = 0; h < 2; ++h) {
+      int32_t* ag = acc + g * kQuantGroup + 32 * h;
+      __m256i s[4];
+      for (int v = 0; v < 4; ++v)
+        s[v] = (kMode == kMiddle || kMode == kLast) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + 8 * v))
+                                                    : _mm256_setzero_si256();
+      for (int i = 0; i < Q; ++i) {
+        __m256i r[4], w[4];
+        for (int e = 0; e < 4; ++e) r[e] = half_bytes<kBits>(rows[4 * i + e], g, h);
+        interleave_quad(r, w);
+        for (int v = 0; v < 4; ++v) s[v] = quad_dot<kBits>(s[v], w[v], aq[i]);
+      }
+      if (kMode == kFirst || kMode == kMiddle) {
+        for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(ag + 8 * v), s[v]);
+      } else {
+        // Back to column order: n[i] = columns 8 i .. 8 i + 7 of the half.
+        const __m256i n[4] = {_mm256_permute2x128_si256(s[0], s[1], 0x20), _mm256_permute2x128_si256(s[2], s[3], 0x20),
+                              _mm256_permute2x128_si256(s[0], s[1], 0x31), _mm256_permute2x128_si256(s[2], s[3], 0x31)};
+        const __m256 sa = _mm256_set1_ps(ascale), sas = _mm256_set1_ps(ascale_sum);
+        const __m256i centre = _mm256_set1_epi32(centre_correction);
+        for (int v = 0; v < 4; ++v) {
+          const size_t col = g * kQuantGroup + 32 * h + 8 * v;
+          const __m256 z = zp ? bytes_to_float(zp + col) : _mm256_set1_ps(default_zp);
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(n[v], centre));
+          const __m256 t = _mm256_fnmadd_ps(z, sas, _mm256_mul_ps(dot, sa));
+          _mm256_storeu_ps(out + col, _mm256_fmadd_ps(_mm256_loadu_ps(scales + col), t, _mm256_loadu_ps(out + col)));
+        }
+      }
+    }
+  }
+}
+
+template <int kBits, int Q>
+void int8_pass_mode(Mode mode, const uint8_t* const* rows, const uint8_t* const* ahead, const int32_t* packed,
+                    size_t groups, int32_t* acc, float* out, const float* scales, const uint8_t* zp, float default_zp,
+                    float ascale, float ascale_sum, int32_t centre) {
+  switch (mode) {
+    case kFirst: return int8_pass<kBits, Q, kFirst>(rows, ahead, packed, groups, acc, out, scales, zp, default_zp, ascale, ascale_sum, centre);
+    case kMiddle: return int8_pass<kBits, Q, kMiddle>(rows, ahead, packed, groups, acc, out, scales, zp, default_zp, ascale, ascale_sum, centre);
+    case kLast: return int8_pass<kBits, Q, kLast>(rows, ahead, packed, groups, acc, out, scales, zp, default_zp, ascale, ascale_sum, centre);
+    case kOnly: return int8_pass<kBits, Q, kOnly>(rows, ahead, packed, groups, acc, out, scales, zp, default_zp, ascale, ascale_sum, centre);
+  }
+}
+
+template <int kBits>
+void decode_int8(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const QuantDecodeActivations& a,
+                 const int32_t* rows, size_t nrows, size_t lookahead, float* out, int32_t* acc) {
+  const size_t width = p.panel, groups = width / kQuantGroup;
+  const float default_zp = p.default_zp;
+  for (size_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j, _mm256_setzero_ps());
+  generic::for_each_int8_pass<kInt8PassRows>(
+      p, panel, b0, b1, a.q, rows, nrows, lookahead,
+      [&](int quads, Mode mode, const uint8_t* const* qr, const uint8_t* const* pf, const int32_t* packed, size_t b) {
+        const float* sb = p.panel_scales(panel) + b * width;
+        const uint8_t* zb = p.zero_points ? p.panel_zero_points(panel) + b * width : nullptr;
+        const float sa = a.scale[b], sas = sa * static_cast<float>(a.sum[b]);
+        const int32_t centre = kBits == 8 ? 128 * a.sum[b] : 0;
+        generic::with_pass_rows<static_cast<int>(kInt8PassRows / 4)>(quads, [&](auto q) {
+          int8_pass_mode<kBits, decltype(q)::value>(mode, qr, pf, packed, groups, acc, out, sb, zb, default_zp, sa, sas,
+                                                    centre);
+        });
+      });
+}
+
+void decode_int8_any(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const QuantDecodeActivations& a,
+                     const int32_t* rows, size_t nrows, size_t lookahead, float* out, int32_t* acc) {
+  (p.bits == 4 ? decode_int8<4> : decode_int8<8>)(p, panel, b0, b1, a, rows, nrows, lookahead, out, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Prefill (int16 pairs)
 // ---------------------------------------------------------------------------------------------
 
@@ -257,7 +382,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
     }
     if (!finite) {
       std::fill(q + r0, q + r0 + block, int8_t{0});
-      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      if (q16) std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
       scale[b] = std::numeric_limits<float>::quiet_NaN();
       sum[b] = 0;
       continue;
@@ -270,7 +395,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
       const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load(i + 8), inv))));
       total = _mm256_add_epi32(total, _mm256_add_epi32(a, c));
       const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);  // 16 int16 in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
+      if (q16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), w16);
       const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), w8);
     }
@@ -291,7 +416,7 @@ void prefill_any(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const
 }  // namespace
 
 const QuantKernels& quant_kernels_avx2() {
-  static const QuantKernels table{decode_any, prefill_any, pair_scratch_bytes, quantize};
+  static const QuantKernels table{decode_any, decode_int8_any, prefill_any, pair_scratch_bytes, quantize};
   return table;
 }
 

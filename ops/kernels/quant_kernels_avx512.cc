@@ -116,7 +116,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
     const float top = _mm512_reduce_max_ps(amax);
     if (std::isnan(_mm512_reduce_add_ps(nonfinite))) {
       std::fill(q + r0, q + r0 + block, int8_t{0});
-      std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
+      if (q16) std::fill(q16 + r0, q16 + r0 + block, int16_t{0});
       scale[b] = std::numeric_limits<float>::quiet_NaN();
       sum[b] = 0;
       continue;
@@ -130,7 +130,7 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
       const __m512i iv = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
       total = _mm512_add_epi32(total, iv);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r0 + i), _mm512_cvtsepi32_epi8(iv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), _mm512_cvtsepi32_epi16(iv));
+      if (q16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + r0 + i), _mm512_cvtsepi32_epi16(iv));
     }
     sum[b] = _mm512_reduce_add_epi32(total);
     scale[b] = top / 127.0f * gate_scale;
@@ -143,11 +143,16 @@ void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float g
 void quant_prefill_avx512_vnni(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a,
                                float* const* ys, size_t valid, const float* bias, uint8_t* scratch);
 size_t quant_prefill_avx512_vnni_scratch_bytes(const QuantPacked& p, size_t m);
+void quant_decode_int8_avx512_vnni(const QuantPacked& p, size_t panel, size_t b0, size_t b1,
+                                   const QuantDecodeActivations& a, const int32_t* rows, size_t nrows, size_t lookahead,
+                                   float* out, int32_t* acc);
 
 const QuantKernels& quant_kernels_avx512() {
   static const QuantKernels table = [] {
-    QuantKernels t{decode_any, quant_prefill_avx512_vnni, quant_prefill_avx512_vnni_scratch_bytes, quantize};
-    if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int16 prefill
+    QuantKernels t{decode_any, quant_decode_int8_avx512_vnni, quant_prefill_avx512_vnni,
+                   quant_prefill_avx512_vnni_scratch_bytes, quantize};
+    if (!cpu_features().avx512vnni) {  // AVX-512 without VNNI: the AVX2 int8 decode and int16 prefill
+      t.decode_int8 = quant_kernels_avx2().decode_int8;
       t.prefill = quant_kernels_avx2().prefill;
       t.prefill_scratch_bytes = quant_kernels_avx2().prefill_scratch_bytes;
     }

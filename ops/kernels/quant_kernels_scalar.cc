@@ -45,6 +45,30 @@ void decode(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const floa
   }
 }
 
+void decode_int8(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const QuantDecodeActivations& a,
+                 const int32_t* rows, size_t nrows, size_t /*lookahead*/, float* out, int32_t* acc) {
+  const size_t width = p.panel;
+  const uint8_t* q = p.panel_q(panel);
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  std::fill(out, out + width, 0.0f);
+  size_t next = 0;
+  for (size_t b = b0; b < b1; ++b) {
+    size_t begin = 0, end = 0;
+    if (!block_kept_range(p, b, rows, nrows, next, begin, end)) continue;
+    std::fill(acc, acc + width, 0);
+    for (size_t i = begin; i < end; ++i) {
+      const size_t r = rows ? static_cast<size_t>(rows[i]) : i;
+      const int32_t xq = a.q[r];
+      const uint8_t* row = q + r * p.row_bytes;
+      for (size_t j = 0; j < width; ++j) acc[j] += xq * q_at(row, p.bits, j);
+    }
+    const float sa = a.scale[b], sas = sa * static_cast<float>(a.sum[b]);
+    for (size_t j = 0; j < width; ++j)
+      out[j] = std::fma(scales[b * width + j], std::fma(-zp_at(zp, p, b, j), sas, static_cast<float>(acc[j]) * sa), out[j]);
+  }
+}
+
 void prefill(const QuantPacked& p, size_t panel, size_t c0, size_t c1, const QuantActivations& a, float* const* ys,
              size_t valid, const float* bias, uint8_t* scratch) {
   const size_t width = p.panel, nb = p.num_blocks;
@@ -109,12 +133,13 @@ namespace {
 void quantize(const float* x, size_t k, size_t block, size_t num_blocks, float gate_scale, int8_t* q, int16_t* q16,
               float* scale, int32_t* sum) {
   quantize_activations(x, k, block, num_blocks, gate_scale, q, scale, sum);
-  for (size_t r = 0; r < num_blocks * block; ++r) q16[r] = q[r];
+  if (q16)
+    for (size_t r = 0; r < num_blocks * block; ++r) q16[r] = q[r];
 }
 }  // namespace
 
 const QuantKernels& quant_kernels_scalar() {
-  static const QuantKernels table{decode, prefill, prefill_scratch_bytes, quantize};
+  static const QuantKernels table{decode, decode_int8, prefill, prefill_scratch_bytes, quantize};
   return table;
 }
 

@@ -81,7 +81,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     const engine::KwtaConfig config = read_kwta_attributes(attrs, "", 0.5f);
     const int64_t block = attrs.get_int("block", 1);
     quantized_ = input_type(info, 1) == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-    std::shared_ptr<const engine::WeightBackend> backend = quantized_ ? quant_backend(info, attrs) : dense_backend(info);
+    std::shared_ptr<const engine::WeightBackend> backend = quantized_ ? quant_backend(info, attrs) : dense_backend(info, attrs);
     const size_t k = backend->k();
     if (k == 0) fail("the weights have K = 0 rows: K must be >= 1");
     if (block < 1 || static_cast<size_t>(block) > k)
@@ -127,8 +127,11 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   }
 
  private:
-  static std::shared_ptr<const engine::WeightBackend> dense_backend(const OrtKernelInfo* info) {
+  static std::shared_ptr<const engine::WeightBackend> dense_backend(const OrtKernelInfo* info, const Attributes& attrs) {
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
+    if (attrs.get_int("accuracy_level", 0) != 0)
+      fail("attribute accuracy_level=", attrs.get_int("accuracy_level", 0),
+           " belongs to the quantized form (uint8 input B); a float W is multiplied in fp32");
     if (input_present(info, 3) || input_present(info, 4))
       fail("inputs zero_points / bias (#3, #4) belong to the quantized form, whose input 1 is MatMulNBits' uint8 B; "
            "with a float W the inputs are (X, W, B?)");
@@ -164,7 +167,9 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
       t.zero_points_shape = zp.shape;
       t.zero_points_are_float = zp.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     }
-    return std::make_shared<const engine::QuantBackend>(std::make_shared<const engine::QuantWeights>(t));
+    engine::QuantTuning tuning;
+    tuning.int8_decode = engine::int8_decode_for_accuracy_level(attrs.get_int("accuracy_level", 0));
+    return std::make_shared<const engine::QuantBackend>(std::make_shared<const engine::QuantWeights>(t), tuning);
   }
 
   bool quantized_ = false;

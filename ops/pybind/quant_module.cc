@@ -144,7 +144,8 @@ class QuantMatMul {
  public:
   QuantMatMul(py::array b, py::array scales, py::object zero_points, int64_t k, int64_t n, int64_t bits,
               int64_t block_size, size_t max_panel, const std::string& isa, size_t prefill_min_tokens,
-              size_t decode_row_chunks, size_t decode_min_chunk_rows, size_t decode_parallel_min_bytes)
+              size_t decode_row_chunks, size_t decode_min_chunk_rows, size_t decode_parallel_min_bytes,
+              int64_t accuracy_level, size_t decode_panel_tasks)
       : kernels_(bindings::kernel_set(isa).quant) {
     if (b.dtype().kind() != 'u' || b.dtype().itemsize() != 1) throw Error("input B must be uint8");
     if (scales.dtype().kind() != 'f' || scales.dtype().itemsize() != 4) throw Error("input scales must be float32");
@@ -177,6 +178,8 @@ class QuantMatMul {
     tuning.decode_row_chunks = decode_row_chunks;
     tuning.decode_min_chunk_rows = decode_min_chunk_rows;
     tuning.decode_parallel_min_bytes = decode_parallel_min_bytes;
+    tuning.decode_panel_tasks = decode_panel_tasks;
+    tuning.int8_decode = engine::int8_decode_for_accuracy_level(accuracy_level);
     backend_ = std::make_unique<engine::QuantBackend>(weights_, tuning);
     b_ = U8Array();  // repacked: the sources are no longer needed
     scales_ = FloatArray();
@@ -285,13 +288,15 @@ void register_quant(py::module_& m) {
   m.attr("QUANT_MAX_PANEL") = engine::kQuantMaxPanel;
   py::class_<QuantMatMul>(m, "QuantMatMul")
       .def(py::init<py::array, py::array, py::object, int64_t, int64_t, int64_t, int64_t, size_t, const std::string&,
-                    size_t, size_t, size_t, size_t>(),
+                    size_t, size_t, size_t, size_t, int64_t, size_t>(),
            py::arg("b"), py::arg("scales"), py::arg("zero_points"), py::arg("k"), py::arg("n"), py::arg("bits"),
            py::arg("block_size"), py::arg("max_panel") = engine::kQuantMaxPanel, py::arg("isa") = "active",
            py::arg("prefill_min_tokens") = engine::QuantTuning{}.prefill_min_tokens,
            py::arg("decode_row_chunks") = engine::QuantTuning{}.decode_row_chunks,
            py::arg("decode_min_chunk_rows") = engine::QuantTuning{}.decode_min_chunk_rows,
-           py::arg("decode_parallel_min_bytes") = engine::QuantTuning{}.decode_parallel_min_bytes)
+           py::arg("decode_parallel_min_bytes") = engine::QuantTuning{}.decode_parallel_min_bytes,
+           py::arg("accuracy_level") = 0,
+           py::arg("decode_panel_tasks") = engine::QuantTuning{}.decode_panel_tasks)
       .def("__call__", &QuantMatMul::call, py::arg("x"), py::arg("rows") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("threads") = 1)
       .def("dequantized", &QuantMatMul::dequantized)

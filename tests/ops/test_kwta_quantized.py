@@ -165,3 +165,49 @@ def test_quantized_form_bias_of_the_wrong_length_is_named_bias(extra, rng):
     text = str(error.value)
     assert f"KwtaBlockMatMul node 'kwta_q': input bias (#4) has shape [{n + extra}] but N = {n}" in text, text
     assert "input B " not in text
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k_frac", [1.0, 0.5])
+def test_accuracy_level_4_decodes_with_int8_activations(bits, k_frac, rng):
+    # The attribute mirrors MatMulNBits': at 4 a decode row is the int8 product (the kernel twin's),
+    # at 0 (the default) the fp32 product; both stay within their bounds of ORT's MatMulNBits.
+    from ortsparse import _kernels as K
+    k, n, block = 192, 80, 32
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    x = (rng.standard_normal((1, k)) * 0.25).astype(np.float32)
+    level4 = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, k_frac=k_frac,
+                                                              accuracy_level=4))
+    level0 = ortsparse.inference_session(quantized_kwta_model(b, scales, zp, k, n, bits, block, k_frac=k_frac))
+    rows = None if k_frac == 1.0 else [np.sort(np.argsort(-np.abs(x[0]), kind="stable")[:k // 2]).astype(np.int32)]
+    twin = K.QuantMatMul(b, scales, zp, k, n, bits, block, accuracy_level=4)
+    got4, got0 = level4.run(None, {"X": x})[0], level0.run(None, {"X": x})[0]
+    np.testing.assert_array_equal(got4, twin(x, rows))
+    assert not np.array_equal(got4, got0)
+    if k_frac == 1.0:
+        (expected,) = matmulnbits_session(b, scales, zp, k, n, bits, block, 4).run(None, {"A": x})
+        assert_within(got4, expected, 2 * int8_bound(x, w, block) + fp32_bound(x, w))
+
+
+@pytest.mark.parametrize("weights, level, message", [
+    ("quantized", 5, "accuracy_level=5 is not one of MatMulNBits' levels 0-4"),
+    ("quantized", -1, "accuracy_level=-1 is not one of"),
+    ("float", 4, "accuracy_level=4 belongs to the quantized form"),
+])
+def test_accuracy_level_errors_name_the_value(weights, level, message, rng):
+    k, n, block = 64, 32, 32
+    if weights == "quantized":
+        b, scales, zp = make_weights(rng, k, n, 8, block, False)
+        model = quantized_kwta_model(b, scales, zp, k, n, 8, block, node_name="bad_q", accuracy_level=level)
+    else:
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        node = helper.make_node("KwtaBlockMatMul", ["X", "W"], ["Y"], domain="ai.ortsparse", name="bad_q",
+                                accuracy_level=level)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                                  initializer=[helper.make_tensor("W", TensorProto.FLOAT, w.shape, w.tobytes(), raw=True)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("ai.ortsparse", 1)], ir_version=9)
+    with pytest.raises(Exception, match=f"KwtaBlockMatMul node 'bad_q': .*{message}"):
+        ortsparse.inference_session(model)

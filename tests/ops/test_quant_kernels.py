@@ -130,6 +130,27 @@ def test_decode_matches_scalar_and_float64(isa, bits, block, zero_points, keep, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+@pytest.mark.parametrize("keep", [None, 0.0, 0.5])
+def test_wide_layer_split_by_panel_matches_row_chunks(isa, accuracy_level, keep, rng):
+    # 8 panels of 64 columns: one task per panel (no partial sums) against the same layer split in
+    # row chunks (decode_panel_tasks out of reach): the same products, summed in another order.
+    k, n, bits, block, m = 300, 500, 4, 32, 3
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    kwargs = dict(max_panel=64, prefill_min_tokens=NO_PREFILL, decode_min_chunk_rows=32, accuracy_level=accuracy_level)
+    by_panel = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
+    by_rows = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_panel_tasks=1 << 30, **kwargs)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rows = random_rows(rng, m, k, keep)
+    bias = rng.standard_normal(n).astype(np.float32)
+    out = np.full((m, n), np.nan, dtype=np.float32)
+    by_panel(x, rows, bias=bias, out=out)
+    assert_within(out, by_rows(x, rows, bias=bias), 2 * fp32_bound(x, w) + 1e-6 * np.abs(bias))
+    np.testing.assert_array_equal(by_panel(x, rows, bias=bias, threads=2), out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 17])
 def test_decode_per_token_lists_scale_and_bias(isa, m, rng):
     k, n, bits, block = 150, 77, 4, 32
@@ -161,6 +182,132 @@ def test_decode_reads_no_skipped_row(isa, rng):
     got = q(x, rows)
     w = dequantize(b, np.nan_to_num(scales), zp, k, n, bits, block)
     assert_within(got, gated_reference(x, w, rows), fp32_bound(np.nan_to_num(x), w))
+
+
+# ---------------------------------------------------------------------------------------------
+# Int8 decode (accuracy_level 4): every ISA bit-identical to the scalar reference, which matches
+# the int8 products exactly emulated in float64
+# ---------------------------------------------------------------------------------------------
+
+def int8_decode_emulation(x, w, rows, block, scale=None):
+    """Float64 of what decode_int8 computes: per token x with its gated-off rows zeroed, rounded to
+    int8 per K-block exactly as quant_quantize (the scalar reference) rounds it, times W."""
+    k = x.shape[1]
+    out = np.zeros((x.shape[0], w.shape[1]))
+    for t in range(x.shape[0]):
+        xt = x[t].copy()
+        if rows is not None and rows[t] is not None:
+            keep = np.zeros(k, dtype=bool)
+            keep[rows[t]] = True
+            xt[~keep] = 0.0
+        q, _, s, _ = K.quant_quantize("scalar", xt, block)
+        deq = q[:k].astype(np.float64) * np.repeat(s.astype(np.float64), block)[:k]
+        out[t] = deq @ w.astype(np.float64) * (1.0 if scale is None else scale[t])
+    return out
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("keep", [None, 0.0, 0.3, 0.5, 0.9, 1.0])
+def test_int8_decode_is_bit_identical_on_every_isa(isa, bits, block, zero_points, keep, rng):
+    # K tail inside the last block; N tails inside a group and a panel; kept rows per block from 0 to
+    # the whole block, so every count of rows in a pass and in its last quad occurs.
+    k, m = 203, 3
+    b_weights = {n: make_weights(rng, k, n, bits, block, zero_points) for n in (1, 63, 65, 321)}
+    for n, (b, scales, zp) in b_weights.items():
+        # 321 columns in panels of 64: 6 panels, split by panel (decode_panel_tasks); else row chunks.
+        kwargs = dict(max_panel=64 if n == 321 else 192, prefill_min_tokens=NO_PREFILL, decode_min_chunk_rows=32,
+                      accuracy_level=4)
+        got_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
+        ref_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", **kwargs)
+        x = (rng.standard_normal((m, k)) * rng.choice([0.01, 1.0, 30.0], (m, k))).astype(np.float32)
+        rows = random_rows(rng, m, k, keep)
+        out = np.full((m, n), np.nan, dtype=np.float32)
+        got_q(x, rows, out=out)
+        np.testing.assert_array_equal(out, ref_q(x, rows))
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_decode_row_count_tails(isa, bits, rng):
+    # Every count of kept rows from 1 to 2 passes + 1 (16-row passes of 4-row quads on AVX-512,
+    # 8-row passes on AVX2) in one block, dense and as the first rows of a list.
+    block, n = 64, 130
+    for k in range(1, 2 * 16 + 2):
+        b, scales, zp = make_weights(rng, k, n, bits, block, True)
+        kwargs = dict(prefill_min_tokens=NO_PREFILL, accuracy_level=4)
+        got_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, **kwargs)
+        ref_q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", **kwargs)
+        x = rng.standard_normal((2, k)).astype(np.float32)
+        rows = [None, np.arange(0, k, 2, dtype=np.int32)]
+        out = np.full((2, n), np.nan, dtype=np.float32)
+        got_q(x, rows, out=out)
+        np.testing.assert_array_equal(out, ref_q(x, rows), err_msg=f"K={k}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("keep", [None, 0.5])
+def test_int8_decode_reference_is_the_int8_product(bits, block, zero_points, keep, rng):
+    k, n, m = 203, 321, 3
+    b, scales, zp = make_weights(rng, k, n, bits, block, zero_points)
+    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", max_panel=192, prefill_min_tokens=NO_PREFILL,
+                      accuracy_level=4)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rows = random_rows(rng, m, k, keep)
+    scale = rng.uniform(0.5, 2.0, m).astype(np.float32)
+    got = q(x, rows, scale=scale)
+    # Exact up to fp32 rounding of the int8 product; within the int8 rounding bound of x @ W.
+    assert_within(got, int8_decode_emulation(x, w, rows, block, scale), fp32_bound(x, w) * 2)
+    masked = x.copy()
+    for t in range(m):
+        if rows is not None:
+            masked[t, np.setdiff1d(np.arange(k), rows[t])] = 0.0
+    bound = (int8_bound(masked, w, block) + fp32_bound(x, w)) * scale[:, None]
+    assert_within(got, gated_reference(x, w, rows, scale), bound)
+    # The fp32 decode differs from it: the switch changes the numerics.
+    fp32 = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa="scalar", max_panel=192, prefill_min_tokens=NO_PREFILL)
+    assert not np.array_equal(got, fp32(x, rows, scale=scale))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_decode_skips_dropped_rows_and_marks_nonfinite_blocks(isa, rng):
+    k, n, bits, block = 128, 64, 4, 32
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    scales[:, 1] = np.nan  # block 1 (rows 32..63): never kept below
+    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, prefill_min_tokens=NO_PREFILL, accuracy_level=4)
+    rows = [np.array([0, 5, 31, 64, 100, 127], dtype=np.int32)] * 2
+    x = np.full((2, k), np.nan, dtype=np.float32)
+    x[:, rows[0]] = rng.standard_normal((2, len(rows[0])))
+    x[1, 100] = np.inf  # a kept non-finite input: its block's products are NaN, as they would be in fp32
+    got = q(x, rows)
+    w = dequantize(b, np.nan_to_num(scales), zp, k, n, bits, block)
+    assert_within(got[:1], int8_decode_emulation(np.nan_to_num(x[:1]), w, rows[:1], block),
+                  fp32_bound(np.nan_to_num(x[:1]), w) * 2)
+    assert np.all(np.isnan(got[1]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("parallel_min_bytes", [0, 1 << 20])
+@pytest.mark.parametrize("max_panel", [K.QUANT_MAX_PANEL, 128])  # row chunks / one task per panel (6 panels)
+def test_int8_decode_two_threads_give_the_serial_result(isa, parallel_min_bytes, max_panel, rng):
+    k, n, bits, block, m = 1100, 700, 8, 32, 3
+    b, scales, zp = make_weights(rng, k, n, bits, block, True)
+    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64, accuracy_level=4,
+                      prefill_min_tokens=NO_PREFILL, decode_parallel_min_bytes=parallel_min_bytes, max_panel=max_panel)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rows = [None, np.flatnonzero(rng.random(k) < 0.6).astype(np.int32), np.arange(0, k, 7, dtype=np.int32)]
+    np.testing.assert_array_equal(q(x, rows, threads=2), q(x, rows, threads=1))
+
+
+def test_accuracy_level_outside_matmulnbits_levels_is_refused(rng):
+    b, scales, zp = make_weights(rng, 64, 16, 8, 32, False)
+    with pytest.raises(Exception, match="accuracy_level=5"):
+        K.QuantMatMul(b, scales, zp, 64, 16, 8, 32, accuracy_level=5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +481,23 @@ def test_prefill_matches_matmulnbits_accuracy4(n, k, block, bits, zero_points, r
     q = K.QuantMatMul(b, scales, zp, k, n, bits, block, prefill_min_tokens=1)
     w = dequantize(b, scales, zp, k, n, bits, block)
     for m in (1, 2, 100):
+        x = (rng.standard_normal((m, k)) * 0.25).astype(np.float32)
+        (ort_y,) = sess.run(None, {"A": x})
+        ours = q(x)
+        slack = fp32_bound(x, w)
+        assert_within(ours, gated_reference(x, w, None), int8_bound(x, w, block) + slack)
+        assert_within(ours, ort_y, 2 * int8_bound(x, w, block) + slack)
+
+
+@pytest.mark.parametrize("n, k, block", ORT_GRID)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_int8_decode_matches_matmulnbits_accuracy4(n, k, block, bits, zero_points, rng):
+    b, scales, zp = make_weights(rng, k, n, bits, block, zero_points)
+    sess = matmulnbits_session(b, scales, zp, k, n, bits, block, 4)
+    q = K.QuantMatMul(b, scales, zp, k, n, bits, block, prefill_min_tokens=NO_PREFILL, accuracy_level=4)
+    w = dequantize(b, scales, zp, k, n, bits, block)
+    for m in (1, 3):
         x = (rng.standard_normal((m, k)) * 0.25).astype(np.float32)
         (ort_y,) = sess.run(None, {"A": x})
         ours = q(x)

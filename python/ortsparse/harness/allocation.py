@@ -583,8 +583,8 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
     decode step's weight bytes); whether our kernel streams it faster than MatMulNBits depends on the
     shape and the machine (faster on SmolLM2's head, reports/quant_kernel.md; slower on Gemma-3's
     640 x 262144), so ``calibrate.gating_search`` keeps only the ones a measurement finds faster
-    (:func:`ortsparse.harness.head_placement.place_heads`). Their numerics are MatMulNBits
-    accuracy_level 0's, which the held-out check then measures.
+    (:func:`ortsparse.harness.head_placement.place_heads`). They keep the MatMulNBits node's
+    accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576)."""
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
