@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/exact_attention.h"
+#include "attention/tiled_prefill.h"
 #include "common/error.h"
 #include "kernels/top_k.h"
 
@@ -568,6 +569,7 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
   if (config.topk == 0 && (config.select == Selector::kEnergy || config.select == Selector::kPages))
     fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='",
          selector_name(config.select), "' has no approximate score");
+  if (config.prefill_rows < 0) fail("attribute prefill_rows=", config.prefill_rows, " must be >= 0 (0: never tiled)");
   if (config.page_size < 1 || config.page_size > 4096)
     fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
   if (!popcnt_path_supported(kernels.popcnt_path))
@@ -609,6 +611,17 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
+  if (config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows)) {
+    const TiledParams tiled{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
+                            config_.smooth_softmax};
+    uint64_t keys_attended = 0;
+    // Non-finite inputs or outputs: the row path below, which defines what they give.
+    if (tiled_exact_attention(call, *kernels_, tiled, runner, &keys_attended)) {
+      stats.packed = false;
+      stats.keys_total = stats.keys_exact = keys_attended;
+      return stats;
+    }
+  }
 
   // Exact attention with a head-independent mask: the query heads of a KV head together.
   const bool head_free_mask = (call.mask.keep == nullptr && call.mask.add == nullptr) || call.mask.stride[1] == 0;

@@ -47,6 +47,10 @@ struct PopcountAttentionConfig {
   int64_t page_size = 16;    // pages: keys per page (bounds of K per page and dim)
   bool smooth_softmax = false;  // every softmax has one more logit, 0 (or the call's head_sink), with V = 0
   bool verify_keys = true;   // with a KeyProvenance: still decide key-summary reuse by row hashes
+  // A call with at least this many query rows (a prompt) runs exact attention, tiled
+  // (attention/tiled_prefill.h), whatever `select` says; 0: never (every row as the decode step at
+  // its position would run it — what teacher-forced quality measurements need).
+  int64_t prefill_rows = 64;
 };
 
 struct AttentionStats {
