@@ -353,6 +353,18 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   return true;
 }
 
+// A row with fewer attendable keys than this is computed exactly by attend_row whatever its
+// scores (min_keys; n <= topk; pages: n <= topk + the protected first / recent keys).
+size_t exact_key_limit(const PopcountAttentionConfig& cfg) {
+  size_t limit = static_cast<size_t>(cfg.min_keys);
+  if (cfg.topk > 0) {
+    size_t all_kept = static_cast<size_t>(cfg.topk);
+    if (cfg.select == Selector::kPages) all_kept += static_cast<size_t>(cfg.keep_first + cfg.keep_recent);
+    limit = std::max(limit, all_kept + 1);
+  }
+  return limit;
+}
+
 // One query row: exact attention, or selection + exact refine of the kept keys.
 void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const AttentionCall& c = *p.call;
@@ -611,15 +623,19 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
-  if (config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows)) {
-    const TiledParams tiled{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
-                            config_.smooth_softmax};
+  // A prompt: the rows the row path would compute exactly (every row when nothing selects) go
+  // through the tiled kernel; the rest select row by row below.
+  const size_t exact_below = plan.keys == nullptr ? std::numeric_limits<size_t>::max() : exact_key_limit(config_);
+  bool tiled = false;
+  if (config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows) && exact_below > 0) {
+    const TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
+                             config_.smooth_softmax};
     uint64_t keys_attended = 0;
     // Non-finite inputs or outputs: the row path below, which defines what they give.
-    if (tiled_exact_attention(call, *kernels_, tiled, runner, &keys_attended)) {
-      stats.packed = false;
+    tiled = tiled_exact_attention(call, *kernels_, params, exact_below, runner, &keys_attended);
+    if (tiled) {
       stats.keys_total = stats.keys_exact = keys_attended;
-      return stats;
+      if (plan.keys == nullptr) return stats;
     }
   }
 
@@ -702,8 +718,14 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     runner.run(n_tasks, [=](size_t task) {
       const AttentionDims& dd = pp->call->dims;
       const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
-      for (size_t r = begin; r < end; ++r)
-        attend_row(*pp, r / (dd.sq * dd.h), (r / dd.sq) % dd.h, r % dd.sq, scratch_p[task]);
+      for (size_t r = begin; r < end; ++r) {
+        const size_t b = r / (dd.sq * dd.h), h = (r / dd.sq) % dd.h, i = r % dd.sq;
+        if (tiled) {
+          const KeyRange range = key_range(*pp, b, i);
+          if (range.hi - range.lo < exact_below) continue;  // done by the tiled path
+        }
+        attend_row(*pp, b, h, i, scratch_p[task]);
+      }
     });
   }
   for (size_t t = 0; t < n_tasks; ++t) {

@@ -36,7 +36,7 @@ struct Block {
 }  // namespace
 
 bool tiled_exact_attention(const AttentionCall& c, const kernels::KernelSet& ks, const TiledParams& p,
-                           const TaskRunner& runner, uint64_t* keys_total) {
+                           size_t keys_below, const TaskRunner& runner, uint64_t* keys_total) {
   const AttentionDims& dd = c.dims;
   if (dd.hkv == 0 || dd.h % dd.hkv != 0 || dd.d == 0) return false;
   const size_t G = dd.h / dd.hkv, d = dd.d, dv = dd.dv;
@@ -90,6 +90,7 @@ bool tiled_exact_attention(const AttentionCall& c, const kernels::KernelSet& ks,
     std::vector<size_t> lo(m), hi(m);
     std::vector<int32_t> tile_lo(m), tile_hi(m);
     std::vector<MaskRow> mask(masked ? m : 0);
+    std::vector<char> active(blk.positions);
     size_t first = keys, last = 0;  // the union of the rows' key ranges
     uint64_t row_keys = 0;
     bool ok = true;
@@ -102,6 +103,9 @@ bool tiled_exact_attention(const AttentionCall& c, const kernels::KernelSet& ks,
         if (p.local_window >= 0 && pos >= 0)
           a = std::min(e, static_cast<size_t>(std::max<int64_t>(0, pos - p.local_window + 1)));
       }
+      const bool ours = e - a < keys_below;  // the other rows are the caller's (they select)
+      active[t] = ours;
+      if (!ours) a = e = 0;
       for (size_t g = 0; g < G; ++g) {
         const size_t r = t * G + g, h = blk.hk * G + g;
         const float* src = c.q + c.q_rows.at(blk.b, h, i);
@@ -164,6 +168,7 @@ bool tiled_exact_attention(const AttentionCall& c, const kernels::KernelSet& ks,
     }
     for (size_t r = 0; r < m; ++r) {
       const size_t t = r / G, h = blk.hk * G + r % G;
+      if (!active[t]) continue;
       float* y = c.y + c.y_rows.at(blk.b, h, blk.i0 + t);
       if (row_max[r] == kNegInf) {  // no attendable key
         std::fill(y, y + dv, 0.0f);

@@ -24,10 +24,12 @@ struct TiledParams {
   bool smooth_softmax = false;
 };
 
-// Runs the call if every input it reads is finite and every output comes out finite; returns false
-// otherwise (y may then hold partial results: the caller runs its row path, which owns the
-// semantics of NaN / Inf inputs). *keys_total: keys attended, summed over query rows.
+// Computes y for the query rows with fewer than `keys_below` attendable keys (SIZE_MAX: every
+// row; the other rows are not touched) if every input it reads is finite and every output comes
+// out finite; returns false otherwise (y may then hold partial results: the caller runs its row
+// path, which owns the semantics of NaN / Inf inputs). *keys_total: keys attended, summed over the
+// rows computed.
 bool tiled_exact_attention(const AttentionCall& call, const kernels::KernelSet& kernels, const TiledParams& params,
-                           const TaskRunner& runner, uint64_t* keys_total);
+                           size_t keys_below, const TaskRunner& runner, uint64_t* keys_total);
 
 }  // namespace ortsparse::attention
