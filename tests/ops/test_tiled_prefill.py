@@ -238,3 +238,48 @@ def test_tiled_prompt_leaves_non_finite_inputs_to_the_row_path(where):
     {"q": q, "k": k, "v": v}.get(where, bias.reshape(1, s, s))[0, 40, 3] = np.nan
     _, tiled, rows = run_three(cfg, q, k, v, [s - 1], s, {"attention_bias": bias})
     np.testing.assert_array_equal(tiled, rows)  # NaN where the row path has NaN, same bits elsewhere
+
+
+# --- the 4-D PopcountAttention ----------------------------------------------------------------------
+
+MASKS_4D = [None, ("bool", (2, 4, 40, 90)), ("float", (1, 4, 1, 90)), ("float", (40, 90)), ("finfo", (1, 1, 40, 90)),
+            ("empty-row", (2, 1, 40, 90))]
+
+
+@pytest.mark.parametrize("mask_spec", MASKS_4D, ids=lambda m: "none" if m is None else f"{m[0]}{list(m[1])}")
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (4, 1)])
+def test_tiled_4d_attention_matches_the_float64_reference_and_the_row_path(mask_spec, causal, h, hkv):
+    from . import attention_reference as ref
+    from .test_popcount_attention import exact_model, qkv, run
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, 2, h, hkv, 40, 90, 24, dv=33)
+    mask = None
+    if mask_spec is not None:
+        kind, shape = mask_spec
+        if kind == "bool":
+            mask = rng.random(shape) < 0.7
+        elif kind == "float":
+            mask = np.where(rng.random(shape) < 0.3, -np.inf, rng.standard_normal(shape)).astype(np.float32)
+        elif kind == "finfo":
+            mask = np.zeros(shape, np.float32)
+            mask[..., 50:] = np.finfo(np.float32).min
+        else:  # every key of query row 7 masked out: y = 0
+            mask = np.ones(shape, bool)
+            mask[:, :, 7] = False
+    tiled = run(exact_model(mask, is_causal=causal), q, k, v, mask)
+    rows = run(exact_model(mask, is_causal=causal, prefill_rows=0), q, k, v, mask)
+    np.testing.assert_allclose(tiled, ref.attention(q, k, v, mask, causal=bool(causal)), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(tiled, rows, rtol=1e-5, atol=2e-6)
+    if mask_spec is not None and mask_spec[0] == "empty-row":
+        assert not tiled[:, :, 7].any()
+
+
+def test_tiled_4d_causal_with_more_queries_than_keys_gives_zero_rows():
+    from . import attention_reference as ref
+    from .test_popcount_attention import exact_model, qkv, run
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng, 1, 2, 1, 70, 30, 16)
+    y = run(exact_model(is_causal=1), q, k, v)
+    assert not y[:, :, :40].any()  # query i sits at position 30 - 70 + i: the first 40 see no key
+    np.testing.assert_allclose(y, ref.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
