@@ -164,9 +164,9 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
   out[1] = lane_sum_u64(h1);
 }
 
-// The tiled prompt step, four query rows at a time: their q·k for the tile's 64 keys (16
-// accumulators, one K^T row load serves the four rows), the softmax update, then their P·V in
-// 64-wide column chunks (16 accumulators, one V row load serves the four rows).
+// The tiled prompt step for R query rows: their q·k for the tile's 64 keys (4·R accumulators, one
+// K^T row load serves the R rows), the softmax update, then their P·V in 64-wide column chunks
+// (4·R accumulators, one V row load serves the R rows).
 template <size_t R>
 void flash_rows_avx512(const FlashTile& t, size_t r0) {
   constexpr size_t K = kFlashKeys, NV = K / 16;
@@ -266,10 +266,19 @@ void flash_rows_avx512(const FlashTile& t, size_t r0) {
   }
 }
 
+// Six rows per step (24 accumulators of 32 registers: one K^T / V row load serves six rows); the
+// last m % 6 rows in one step of their own.
 void flash_tile_avx512(const FlashTile& t) {
   size_t r = 0;
-  for (; r + 4 <= t.m; r += 4) flash_rows_avx512<4>(t, r);
-  for (; r < t.m; ++r) flash_rows_avx512<1>(t, r);
+  for (; r + 6 <= t.m; r += 6) flash_rows_avx512<6>(t, r);
+  switch (t.m - r) {
+    case 5: flash_rows_avx512<5>(t, r); break;
+    case 4: flash_rows_avx512<4>(t, r); break;
+    case 3: flash_rows_avx512<3>(t, r); break;
+    case 2: flash_rows_avx512<2>(t, r); break;
+    case 1: flash_rows_avx512<1>(t, r); break;
+    default: break;
+  }
 }
 
 }  // namespace
