@@ -283,3 +283,15 @@ def test_tiled_4d_causal_with_more_queries_than_keys_gives_zero_rows():
     y = run(exact_model(is_causal=1), q, k, v)
     assert not y[:, :, :40].any()  # query i sits at position 30 - 70 + i: the first 40 see no key
     np.testing.assert_allclose(y, ref.attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("ours_4d", [False, True])
+def test_negative_prefill_rows_is_a_clear_error(ours_4d):
+    from . import attention_reference as ref
+    if ours_4d:
+        with pytest.raises(Exception, match="prefill_rows=-1 must be >= 0"):
+            import ortsparse
+            ortsparse.inference_session(ref.attention_model(prefill_rows=-1))
+    else:
+        with pytest.raises(Exception, match="prefill_rows=-1 must be >= 0"):
+            G.session(G.Gqa(), ours=True, prefill_rows=-1)
