@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/exact_attention.h"
+#include "attention/tiled_prefill.h"
 #include "common/error.h"
 #include "kernels/top_k.h"
 
@@ -355,6 +356,18 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   return true;
 }
 
+// A row with fewer attendable keys than this is computed exactly by attend_row whatever its
+// scores (min_keys; n <= topk; pages: n <= topk + the protected first / recent keys).
+size_t exact_key_limit(const PopcountAttentionConfig& cfg) {
+  size_t limit = static_cast<size_t>(cfg.min_keys);
+  if (cfg.topk > 0) {
+    size_t all_kept = static_cast<size_t>(cfg.topk);
+    if (cfg.select == Selector::kPages) all_kept += static_cast<size_t>(cfg.keep_first + cfg.keep_recent);
+    limit = std::max(limit, all_kept + 1);
+  }
+  return limit;
+}
+
 // One query row: exact attention, or selection + exact refine of the kept keys.
 void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const AttentionCall& c = *p.call;
@@ -639,6 +652,7 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
   if (config.topk == 0 && (config.select == Selector::kEnergy || config.select == Selector::kPages))
     fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='",
          selector_name(config.select), "' has no approximate score");
+  if (config.prefill_rows < 0) fail("attribute prefill_rows=", config.prefill_rows, " must be >= 0 (0: never tiled)");
   if (config.page_size < 1 || config.page_size > 4096)
     fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
   if (!popcnt_path_supported(kernels.popcnt_path))
@@ -680,6 +694,21 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
+  // A prompt: the rows the row path would compute exactly (every row when nothing selects) go
+  // through the tiled kernel; the rest select row by row below.
+  const size_t exact_below = plan.keys == nullptr ? std::numeric_limits<size_t>::max() : exact_key_limit(config_);
+  bool tiled = false;
+  if (config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows) && exact_below > 0) {
+    const TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
+                             config_.smooth_softmax};
+    uint64_t keys_attended = 0;
+    // Non-finite inputs or outputs: the row path below, which defines what they give.
+    tiled = tiled_exact_attention(call, *kernels_, params, exact_below, runner, &keys_attended);
+    if (tiled) {
+      stats.keys_total = stats.keys_exact = keys_attended;
+      if (plan.keys == nullptr) return stats;
+    }
+  }
 
   // Exact attention with a head-independent mask: the query heads of a KV head together.
   const bool head_free_mask = (call.mask.keep == nullptr && call.mask.add == nullptr) || call.mask.stride[1] == 0;
@@ -760,8 +789,14 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     runner.run(n_tasks, [=](size_t task) {
       const AttentionDims& dd = pp->call->dims;
       const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
-      for (size_t r = begin; r < end; ++r)
-        attend_row(*pp, r / (dd.sq * dd.h), (r / dd.sq) % dd.h, r % dd.sq, scratch_p[task]);
+      for (size_t r = begin; r < end; ++r) {
+        const size_t b = r / (dd.sq * dd.h), h = (r / dd.sq) % dd.h, i = r % dd.sq;
+        if (tiled) {
+          const KeyRange range = key_range(*pp, b, i);
+          if (range.hi - range.lo < exact_below) continue;  // done by the tiled path
+        }
+        attend_row(*pp, b, h, i, scratch_p[task]);
+      }
     });
   }
   if (plan.keys == nullptr) poison_unread_value_columns(plan, runner);

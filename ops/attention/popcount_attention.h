@@ -47,6 +47,13 @@ struct PopcountAttentionConfig {
   int64_t page_size = 16;    // pages: keys per page (bounds of K per page and dim)
   bool smooth_softmax = false;  // every softmax has one more logit, 0 (or the call's head_sink), with V = 0
   bool verify_keys = true;   // with a KeyProvenance: still decide key-summary reuse by row hashes
+  // A call with at least this many query rows (a prompt or prompt chunk) runs the rows it
+  // computes exactly (all of them with select=none; with a selector, those with fewer keys than
+  // min_keys / topk) through the tiled kernel (attention/tiled_prefill.h); 0: never. From 16 rows
+  // the tiled kernel took half the CPU time of the row path (chunks of 16-128 rows over 512-2048
+  // keys); below, a call has at most one query block per KV head: too few tasks for the pool,
+  // and decode steps keep the row path's split of the keys over threads.
+  int64_t prefill_rows = 16;
 };
 
 struct AttentionStats {

@@ -9,6 +9,30 @@
 
 namespace ortsparse::kernels {
 
+// Keys per tile of the tiled (flash) prompt kernel: a tile's K^T is [d][kFlashKeys] floats.
+constexpr size_t kFlashKeys = 64;
+
+// One step of the online softmax of a block of query rows against one key tile (flash attention).
+// Row r < m: s_j = cap(q_r·k_j · scale) + bias[r·ldb + j], -inf for keys outside [lo[r], hi[r])
+// (lo/hi null: every key j < n); then row_max, row_sum (sum of exp(s - row_max)) and the
+// unnormalised output o[r·dv ...] are updated as softmax's running state: o = o·exp(old - new) +
+// sum_j exp(s_j - new)·v_j. A row with no finite score yet is left alone (row_max stays -inf).
+struct FlashTile {
+  const float* q = nullptr;   // m rows of d floats, contiguous
+  const float* kt = nullptr;  // the tile's keys transposed: kt[c·kFlashKeys + j]; columns j >= n are 0
+  const float* v = nullptr;   // n rows of dv floats, row stride ldv
+  size_t ldv = 0, m = 0, n = 0, d = 0, dv = 0;
+  float scale = 1.0f, softcap = 0.0f;  // softcap > 0: s = softcap·tanh(s / softcap) before the bias
+  const float* bias = nullptr;  // null or m rows of n added values, row stride ldb
+  size_t ldb = 0;
+  const int32_t* lo = nullptr;  // null, or per row the attended keys [lo[r], hi[r]) of the tile
+  const int32_t* hi = nullptr;
+  float* scores = nullptr;      // scratch: m·kFlashKeys floats
+  float* row_max = nullptr;     // m: running max (-inf before the first tile)
+  float* row_sum = nullptr;     // m: running sum of exp(s - row_max)
+  float* o = nullptr;           // m rows of dv floats, contiguous
+};
+
 struct AttentionKernels {
   // out[i] = sum_d q[d] * k[row(i) * ldk + d],  row(i) = rows ? rows[i] : i.
   void (*dot_rows)(const float* q, const float* k, size_t ldk, size_t d, const int32_t* rows, size_t n, float* out);
@@ -27,6 +51,8 @@ struct AttentionKernels {
   // out[i] = exp(x[i] - shift) (kernels/exp_generic.h: the same bits on every ISA; below e^-87: 0);
   // returns the sum of out in double. out may be x.
   double (*exp_sub)(const float* x, size_t n, float shift, float* out);
+  // The tiled prompt path's step (FlashTile above).
+  void (*flash_tile)(const FlashTile& t);
 };
 
 inline size_t row_hash_key_words(size_t d) { return (d + 1) / 2 * 2 + 2; }

@@ -6,6 +6,7 @@
 #include "kernels/attention_kernels.h"
 #include "kernels/exp_generic.h"
 #include "kernels/exp_avx2.h"
+#include "kernels/flash_generic.h"
 #include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
@@ -181,10 +182,127 @@ void row_hash_avx2(const float* x, size_t d, const uint32_t* key, uint64_t* out)
   out[1] = lanes1[0] + lanes1[1] + lanes1[2] + lanes1[3];
 }
 
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes [0, count) of 8 set (count clamped to [0, 8]), as a maskload/maskstore mask.
+inline __m256i lane_mask(size_t at, size_t end) {
+  const int count = at >= end ? 0 : static_cast<int>(std::min<size_t>(8, end - at));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The tiled prompt step, two query rows at a time: q·k in two 32-key halves (8 accumulators),
+// the softmax update, P·V in 32-wide column chunks (8 accumulators, one V row load for both rows).
+template <size_t R>
+void flash_rows_avx2(const FlashTile& t, size_t r0) {
+  constexpr size_t K = kFlashKeys, NV = 4;
+  static_assert(K == 64, "kFlashKeys is two halves of four AVX2 vectors");
+  const float* q = t.q + r0 * t.d;
+  for (size_t h = 0; h < K; h += 32) {
+    __m256 acc[R][NV];
+    for (size_t i = 0; i < R; ++i)
+      for (size_t v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (size_t c = 0; c < t.d; ++c) {
+      const float* kr = t.kt + c * K + h;
+      const __m256 k0 = _mm256_loadu_ps(kr), k1 = _mm256_loadu_ps(kr + 8), k2 = _mm256_loadu_ps(kr + 16),
+                   k3 = _mm256_loadu_ps(kr + 24);
+      for (size_t i = 0; i < R; ++i) {
+        const __m256 qb = _mm256_broadcast_ss(q + i * t.d + c);
+        acc[i][0] = _mm256_fmadd_ps(qb, k0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(qb, k1, acc[i][1]);
+        acc[i][2] = _mm256_fmadd_ps(qb, k2, acc[i][2]);
+        acc[i][3] = _mm256_fmadd_ps(qb, k3, acc[i][3]);
+      }
+    }
+    for (size_t i = 0; i < R; ++i)
+      for (size_t v = 0; v < NV; ++v) _mm256_storeu_ps(t.scores + (r0 + i) * K + h + 8 * v, acc[i][v]);
+  }
+  const bool generic_scores = t.softcap > 0.0f || t.bias != nullptr;
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(generic::kFlashNegInf);
+  float alpha[R];
+  for (size_t i = 0; i < R; ++i) {
+    const size_t r = r0 + i;
+    float* s = t.scores + r * K;
+    __m256 sv[K / 8];
+    if (generic_scores) {
+      generic::flash_finish_scores(t, r, s);
+      for (size_t v = 0; v < K / 8; ++v) sv[v] = _mm256_loadu_ps(s + 8 * v);
+    } else {
+      const size_t lo = t.lo ? static_cast<size_t>(t.lo[r]) : 0;
+      const size_t hi = std::min(t.n, t.lo ? static_cast<size_t>(t.hi[r]) : t.n);
+      const __m256 vlo = _mm256_set1_ps(static_cast<float>(lo)), vhi = _mm256_set1_ps(static_cast<float>(hi));
+      const __m256 scale = _mm256_set1_ps(t.scale);
+      for (size_t v = 0; v < K / 8; ++v) {
+        const __m256 j = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(8 * v)));
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(j, vlo, _CMP_GE_OQ), _mm256_cmp_ps(j, vhi, _CMP_LT_OQ));
+        sv[v] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), scale), in);
+      }
+    }
+    __m256 mx = sv[0];
+    for (size_t v = 1; v < K / 8; ++v) mx = _mm256_max_ps(mx, sv[v]);
+    const float new_max = generic::flash_new_max(t, r, hmax(mx));
+    if (new_max == generic::kFlashNegInf) {
+      alpha[i] = 1.0f;
+      std::fill(s, s + K, 0.0f);
+      continue;
+    }
+    alpha[i] = generic::exp_scalar(t.row_max[r] - new_max);
+    const __m256 shift = _mm256_set1_ps(new_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (size_t v = 0; v < K / 8; ++v) {
+      const __m256 e = avx2::exp8(_mm256_sub_ps(sv[v], shift));
+      _mm256_storeu_ps(s + 8 * v, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    t.row_sum[r] = t.row_sum[r] * alpha[i] + hsum(sum);
+    t.row_max[r] = new_max;
+  }
+
+  for (size_t c0 = 0; c0 < t.dv; c0 += 32) {
+    __m256i mk[NV];
+    for (size_t v = 0; v < NV; ++v) mk[v] = lane_mask(c0 + 8 * v, t.dv);
+    __m256 o[R][NV];
+    for (size_t i = 0; i < R; ++i) {
+      const __m256 a = _mm256_set1_ps(alpha[i]);
+      float* orow = t.o + (r0 + i) * t.dv + c0;
+      for (size_t v = 0; v < NV; ++v) o[i][v] = _mm256_mul_ps(_mm256_maskload_ps(orow + 8 * v, mk[v]), a);
+    }
+    const float* p = t.scores + r0 * K;
+    for (size_t j = 0; j < t.n; ++j) {
+      const float* vr = t.v + j * t.ldv + c0;
+      const __m256 v0 = _mm256_maskload_ps(vr, mk[0]), v1 = _mm256_maskload_ps(vr + 8, mk[1]),
+                   v2 = _mm256_maskload_ps(vr + 16, mk[2]), v3 = _mm256_maskload_ps(vr + 24, mk[3]);
+      for (size_t i = 0; i < R; ++i) {
+        const __m256 pb = _mm256_broadcast_ss(p + i * K + j);
+        o[i][0] = _mm256_fmadd_ps(pb, v0, o[i][0]);
+        o[i][1] = _mm256_fmadd_ps(pb, v1, o[i][1]);
+        o[i][2] = _mm256_fmadd_ps(pb, v2, o[i][2]);
+        o[i][3] = _mm256_fmadd_ps(pb, v3, o[i][3]);
+      }
+    }
+    for (size_t i = 0; i < R; ++i) {
+      float* orow = t.o + (r0 + i) * t.dv + c0;
+      for (size_t v = 0; v < NV; ++v) _mm256_maskstore_ps(orow + 8 * v, mk[v], o[i][v]);
+    }
+  }
+}
+
+void flash_tile_avx2(const FlashTile& t) {
+  size_t r = 0;
+  for (; r + 2 <= t.m; r += 2) flash_rows_avx2<2>(t, r);
+  for (; r < t.m; ++r) flash_rows_avx2<1>(t, r);
+}
+
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx2() {
-  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2, generic::rotate, exp_sub_avx2};
+  static const AttentionKernels table{dot_rows_avx2, pack_row_avx2, row_hash_avx2, generic::rotate, exp_sub_avx2,
+                                      flash_tile_avx2};
   return table;
 }
 

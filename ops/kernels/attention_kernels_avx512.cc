@@ -1,9 +1,12 @@
 // AVX-512F; only called when the CPU has it.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "kernels/attention_kernels.h"
 #include "kernels/exp_generic.h"
 #include "kernels/exp_avx512.h"
+#include "kernels/flash_generic.h"
 #include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
@@ -161,10 +164,128 @@ void row_hash_avx512(const float* x, size_t d, const uint32_t* key, uint64_t* ou
   out[1] = lane_sum_u64(h1);
 }
 
+// The tiled prompt step for R query rows: their q·k for the tile's 64 keys (4·R accumulators, one
+// K^T row load serves the R rows), the softmax update, then their P·V in 64-wide column chunks
+// (4·R accumulators, one V row load serves the R rows).
+template <size_t R>
+void flash_rows_avx512(const FlashTile& t, size_t r0) {
+  constexpr size_t K = kFlashKeys, NV = K / 16;
+  static_assert(NV == 4, "kFlashKeys is four AVX-512 vectors");
+  __m512 acc[R][NV];
+  for (size_t i = 0; i < R; ++i)
+    for (size_t v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const float* q = t.q + r0 * t.d;
+  for (size_t c = 0; c < t.d; ++c) {
+    const float* kr = t.kt + c * K;
+    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                 k3 = _mm512_loadu_ps(kr + 48);
+    for (size_t i = 0; i < R; ++i) {
+      const __m512 qb = _mm512_set1_ps(q[i * t.d + c]);
+      acc[i][0] = _mm512_fmadd_ps(qb, k0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(qb, k1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(qb, k2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(qb, k3, acc[i][3]);
+    }
+  }
+  const bool generic_scores = t.softcap > 0.0f || t.bias != nullptr;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(generic::kFlashNegInf);
+  float alpha[R];
+  bool live[R];
+  for (size_t i = 0; i < R; ++i) {
+    const size_t r = r0 + i;
+    float* s = t.scores + r * K;
+    __m512 sv[NV];
+    if (generic_scores) {
+      for (size_t v = 0; v < NV; ++v) _mm512_storeu_ps(s + 16 * v, acc[i][v]);
+      generic::flash_finish_scores(t, r, s);
+      for (size_t v = 0; v < NV; ++v) sv[v] = _mm512_loadu_ps(s + 16 * v);
+    } else {
+      const size_t lo = t.lo ? static_cast<size_t>(t.lo[r]) : 0;
+      const size_t hi = std::min(t.n, t.lo ? static_cast<size_t>(t.hi[r]) : t.n);
+      const __m512 vlo = _mm512_set1_ps(static_cast<float>(lo)), vhi = _mm512_set1_ps(static_cast<float>(hi));
+      const __m512 scale = _mm512_set1_ps(t.scale);
+      for (size_t v = 0; v < NV; ++v) {
+        const __m512 j = _mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(16 * v)));
+        const __mmask16 in = _mm512_cmp_ps_mask(j, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(j, vhi, _CMP_LT_OQ);
+        sv[v] = _mm512_mask_mul_ps(neg_inf, in, acc[i][v], scale);
+      }
+    }
+    const float tile_max =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
+    const float new_max = generic::flash_new_max(t, r, tile_max);
+    live[i] = new_max != generic::kFlashNegInf;
+    if (!live[i]) {
+      alpha[i] = 1.0f;
+      continue;
+    }
+    alpha[i] = generic::exp_scalar(t.row_max[r] - new_max);
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (size_t v = 0; v < NV; ++v) {
+      const __m512 e = avx512::exp16(_mm512_sub_ps(sv[v], shift));
+      _mm512_storeu_ps(s + 16 * v, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    t.row_sum[r] = t.row_sum[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+    t.row_max[r] = new_max;
+  }
+  for (size_t i = 0; i < R; ++i)
+    if (!live[i]) std::fill(t.scores + (r0 + i) * K, t.scores + (r0 + i + 1) * K, 0.0f);
+
+  // P·V: o = o·alpha + sum_j p_j v_j, 64 output columns at a time (the last chunk masked).
+  for (size_t c0 = 0; c0 < t.dv; c0 += 64) {
+    __mmask16 mk[NV];
+    for (size_t v = 0; v < NV; ++v) {
+      const size_t at = c0 + 16 * v;
+      mk[v] = at >= t.dv ? 0 : t.dv - at >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(t.dv - at);
+    }
+    __m512 o[R][NV];
+    for (size_t i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      float* orow = t.o + (r0 + i) * t.dv + c0;
+      for (size_t v = 0; v < NV; ++v) o[i][v] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[v], orow + 16 * v), a);
+    }
+    const float* p = t.scores + r0 * K;
+    for (size_t j = 0; j < t.n; ++j) {
+      const float* vr = t.v + j * t.ldv + c0;
+      const __m512 v0 = _mm512_maskz_loadu_ps(mk[0], vr), v1 = _mm512_maskz_loadu_ps(mk[1], vr + 16),
+                   v2 = _mm512_maskz_loadu_ps(mk[2], vr + 32), v3 = _mm512_maskz_loadu_ps(mk[3], vr + 48);
+      for (size_t i = 0; i < R; ++i) {
+        const __m512 pb = _mm512_set1_ps(p[i * K + j]);
+        o[i][0] = _mm512_fmadd_ps(pb, v0, o[i][0]);
+        o[i][1] = _mm512_fmadd_ps(pb, v1, o[i][1]);
+        o[i][2] = _mm512_fmadd_ps(pb, v2, o[i][2]);
+        o[i][3] = _mm512_fmadd_ps(pb, v3, o[i][3]);
+      }
+    }
+    for (size_t i = 0; i < R; ++i) {
+      float* orow = t.o + (r0 + i) * t.dv + c0;
+      for (size_t v = 0; v < NV; ++v) _mm512_mask_storeu_ps(orow + 16 * v, mk[v], o[i][v]);
+    }
+  }
+}
+
+// Six rows per step (24 accumulators of 32 registers: one K^T / V row load serves six rows); the
+// last m % 6 rows in one step of their own.
+void flash_tile_avx512(const FlashTile& t) {
+  size_t r = 0;
+  for (; r + 6 <= t.m; r += 6) flash_rows_avx512<6>(t, r);
+  switch (t.m - r) {
+    case 5: flash_rows_avx512<5>(t, r); break;
+    case 4: flash_rows_avx512<4>(t, r); break;
+    case 3: flash_rows_avx512<3>(t, r); break;
+    case 2: flash_rows_avx512<2>(t, r); break;
+    case 1: flash_rows_avx512<1>(t, r); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 const AttentionKernels& attention_kernels_avx512() {
-  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512, generic::rotate, exp_sub_avx512};
+  static const AttentionKernels table{dot_rows_avx512, pack_row_avx512, row_hash_avx512, generic::rotate, exp_sub_avx512,
+                                      flash_tile_avx512};
   return table;
 }
 

@@ -3,6 +3,7 @@
 
 #include "kernels/attention_kernels.h"
 #include "kernels/exp_generic.h"
+#include "kernels/flash_generic.h"
 #include "kernels/rotary_generic.h"
 
 namespace ortsparse::kernels {
@@ -70,8 +71,41 @@ void row_hash_scalar(const float* x, size_t d, const uint32_t* key, uint64_t* ou
   out[1] = h1;
 }
 
+// The reference of the tiled prompt step: one row at a time, sums in index order.
+void flash_tile_scalar(const FlashTile& t) {
+  for (size_t r = 0; r < t.m; ++r) {
+    float* s = t.scores + r * kFlashKeys;
+    const float* q = t.q + r * t.d;
+    for (size_t j = 0; j < t.n; ++j) {
+      float dot = 0.0f;
+      for (size_t c = 0; c < t.d; ++c) dot += q[c] * t.kt[c * kFlashKeys + j];
+      s[j] = dot;
+    }
+    generic::flash_finish_scores(t, r, s);
+    float tile_max = generic::kFlashNegInf;
+    for (size_t j = 0; j < t.n; ++j) tile_max = std::max(tile_max, s[j]);
+    const float new_max = generic::flash_new_max(t, r, tile_max);
+    if (new_max == generic::kFlashNegInf) continue;
+    const float alpha = generic::exp_scalar(t.row_max[r] - new_max);
+    float sum = 0.0f;
+    for (size_t j = 0; j < t.n; ++j) {
+      s[j] = generic::exp_scalar(s[j] - new_max);
+      sum += s[j];
+    }
+    t.row_sum[r] = t.row_sum[r] * alpha + sum;
+    t.row_max[r] = new_max;
+    float* o = t.o + r * t.dv;
+    for (size_t c = 0; c < t.dv; ++c) o[c] *= alpha;
+    for (size_t j = 0; j < t.n; ++j) {
+      const float* v = t.v + j * t.ldv;
+      for (size_t c = 0; c < t.dv; ++c) o[c] += s[j] * v[c];
+    }
+  }
+}
+
 const AttentionKernels& attention_kernels_scalar() {
-  static const AttentionKernels table{dot_rows_scalar, pack_row_scalar, row_hash_scalar, generic::rotate, generic::exp_sub};
+  static const AttentionKernels table{dot_rows_scalar, pack_row_scalar, row_hash_scalar, generic::rotate, generic::exp_sub,
+                                      flash_tile_scalar};
   return table;
 }
 

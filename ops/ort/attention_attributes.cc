@@ -30,6 +30,7 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
   c.center = read_flag(attrs, "center", defaults.center);
   c.proj_bits = attrs.get_int("proj_bits", defaults.proj_bits);
   c.page_size = attrs.get_int("page_size", defaults.page_size);
+  c.prefill_rows = attrs.get_int("prefill_rows", defaults.prefill_rows);
   return c;
 }
 
