@@ -356,18 +356,6 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   return true;
 }
 
-// A row with fewer attendable keys than this is computed exactly by attend_row whatever its
-// scores (min_keys; n <= topk; pages: n <= topk + the protected first / recent keys).
-size_t exact_key_limit(const PopcountAttentionConfig& cfg) {
-  size_t limit = static_cast<size_t>(cfg.min_keys);
-  if (cfg.topk > 0) {
-    size_t all_kept = static_cast<size_t>(cfg.topk);
-    if (cfg.select == Selector::kPages) all_kept += static_cast<size_t>(cfg.keep_first + cfg.keep_recent);
-    limit = std::max(limit, all_kept + 1);
-  }
-  return limit;
-}
-
 // One query row: exact attention, or selection + exact refine of the kept keys.
 void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   const AttentionCall& c = *p.call;
@@ -694,11 +682,16 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
-  // A prompt: the rows the row path would compute exactly (every row when nothing selects) go
-  // through the tiled kernel; the rest select row by row below.
-  const size_t exact_below = plan.keys == nullptr ? std::numeric_limits<size_t>::max() : exact_key_limit(config_);
+  // A prompt (a call of at least prefill_rows query rows) is computed exactly, every row, with the
+  // tiled kernel: key selection is for decode steps, where one row reads the whole cache; a prompt
+  // reads it once per query block and selecting row by row would cost more than it saves. The key
+  // cache is still built (plan.keys), so the decode steps after the prompt can select. Selecting
+  // prompts row by row (what teacher-forced quality measurement needs to see decode's numerics on
+  // every row) is prefill_rows = 0.
+  const bool prompt = config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows);
+  const size_t exact_below = std::numeric_limits<size_t>::max();
   bool tiled = false;
-  if (config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows) && exact_below > 0) {
+  if (prompt) {
     const TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
                              config_.smooth_softmax};
     uint64_t keys_attended = 0;

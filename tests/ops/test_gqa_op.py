@@ -156,7 +156,7 @@ def test_prompt_without_past_inputs(rng):
 def test_metrics_of_the_gqa_form(rng):
     cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16)
     sess = G.session(cfg, ours=True, node_name="gqa_metrics", select="pages", topk=4, min_keys=0, keep_first=0,
-                     keep_recent=0)
+                     keep_recent=0, prefill_rows=0)  # a 40-row prompt selecting as decode steps do
     stepper = G.Stepper(sess, cfg, batch=1, buffer=64, shared=True)
     ortsparse.reset_metrics()
     q, k, v = new_rows(rng, cfg, 1, 40)

@@ -34,6 +34,7 @@ import onnx
 from .._library import reset_metrics
 from ..benchmarking import machine_info, versions
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+from ..graph_rewrite.as_decoded import as_decoded
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
@@ -103,15 +104,10 @@ def _gating_config(entries: list[dict[str, Any]], attention=None, max_gated_rows
 
 
 def every_row_gated(path: Path) -> onnx.ModelProto:
-    """The written decoder at ``path`` with its ops' ``max_gated_rows`` set to 0, so a window's
-    prefill is gated as decode steps are (the weights, thresholds and every other byte as written)."""
-    model = onnx.load(str(path))
-    for node in model.graph.node:
-        if node.domain == DOMAIN:
-            for attribute in node.attribute:
-                if attribute.name.endswith("max_gated_rows"):
-                    attribute.i = 0
-    return model
+    """The written decoder at ``path`` computing every row as a decode step does
+    (:func:`ortsparse.graph_rewrite.as_decoded.as_decoded`: gated layers gate a window's prefill,
+    attention selects keys in it), the weights, thresholds and every other byte as written."""
+    return as_decoded(onnx.load(str(path)))
 
 
 def _seconds_per_window(session: Any, model: Any, tokens: np.ndarray, window_len: int, bos: BosChoice) -> float:
