@@ -192,3 +192,25 @@ def test_cli_bench_request_writes_the_report(tmp_path):
     payload = json.loads(stem.with_suffix(".json").read_text())
     assert payload["requests"] == ["16+4"] and len(payload["rows"]) == 1
     assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "16", "-o", str(stem)]) == 2
+
+
+def test_request_speed_gives_the_worst_round_ratio():
+    from ortsparse.harness.request import request_speed
+
+    out = request_speed({"input": GENAI, "copy": GENAI}, TOKENS, prompt=24, answer=4, rounds=2)
+    assert set(out) == {"input", "copy"} and out["input"]["speedup"] == 1.0
+    assert out["copy"]["request"] == "24+4" and out["copy"]["total_s"] > 0
+    assert out["copy"]["speedup"] <= out["copy"]["speedup_median"]
+
+
+def test_tune_verdict_reads_the_request_when_measured():
+    from ortsparse.tuning.tune import EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, _verdict
+
+    report = {"output": "OUT", "speed_context": 128, "held_out": {"dppl": 0.01},
+              "speed": {"input": {"tokens_per_s": 100.0}, "tuned": {"tokens_per_s": 130.0, "speedup": 1.2}},
+              "speed_request": {"input": {"speedup": 1.0}, "tuned": {"speedup": 0.93, "request": "3840+256"}}}
+    status, line = _verdict(report)
+    assert status == EXIT_WRITTEN_SLOWER and "0.93x request time (3840+256" in line and "SLOWER" in line
+    del report["speed_request"]
+    status, line = _verdict(report)
+    assert status == EXIT_WRITTEN and "1.20x decode at context 128, worst round" in line

@@ -172,3 +172,28 @@ def request_markdown(payload: dict, command: str, title: str = "Whole requests: 
                      f"**{total['min']:.2f}** / {total['median']:.2f} | {first['min']:.2f} / {first['median']:.2f} | "
                      f"{decode['min']:.2f} / {decode['median']:.2f} | {r['answer_agreement']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class _Model:
+    name: str
+    source: Any
+    runners: tuple[str, ...]
+
+
+def request_speed(models: Mapping[str, Any], tokens: np.ndarray, *, prompt: int, answer: int, threads: int = 1,
+                  rounds: int = 3, log: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """Whole-request time of a few models (name -> a KV graph, or a genai folder run through the
+    Generator) for one PROMPT:ANSWER shape, the first model the reference: name -> ``total_s``,
+    ``ttft_s``, ``decode_tokens_per_s`` (medians over ``rounds``), ``speedup`` (reference total time /
+    this model's: the **minimum** over the rounds) and ``speedup_median``."""
+    from pathlib import Path
+
+    candidates = [_Model(name, source, ("og",) if Path(str(source)).is_dir() else ("ort",))
+                  for name, source in models.items()]
+    payload = request_bench(candidates, tokens, [RequestShape(prompt, answer)], threads=(threads,), rounds=rounds,
+                            log=log or (lambda text: None))
+    return {r["model"]: {"total_s": r["total_s"], "ttft_s": r["ttft_s"], "decode_tokens_per_s": r["decode_tokens_per_s"],
+                         "speedup": r["total_speedup"]["min"], "speedup_median": r["total_speedup"]["median"],
+                         "request": r["request"], "rounds": rounds}
+            for r in payload["ratios"]}

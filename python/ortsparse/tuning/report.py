@@ -39,8 +39,16 @@ def summary(report: dict[str, Any]) -> str:
     ratio = _speed_ratio(report)
     if ratio:
         a, b = ratio
+        worst = (report["speed"].get("tuned") or {}).get("speedup")
         lines.append(f"  decode (real loop, context {report['speed_context']}, {report.get('speed_runner', 'ORT')}): "
-                     f"{a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x)")
+                     f"{a:.1f} -> {b:.1f} tok/s (median {b / a:.2f}x"
+                     + (f", worst of {report['speed']['tuned'].get('rounds')} rounds {worst:.2f}x)" if worst else ")"))
+    request = (report.get("speed_request") or {}).get("tuned")
+    if request:
+        base = report["speed_request"]["input"]
+        lines.append(f"  whole request ({request['request']} tokens, prompt + answer): {base['total_s']:.2f} -> "
+                     f"{request['total_s']:.2f} s (worst round {request['speedup']:.2f}x; time to first token "
+                     f"{base['ttft_s']:.2f} -> {request['ttft_s']:.2f} s)")
     elif "error" in (report.get("speed") or {}):
         lines.append(f"  decode: {report['speed']['error']}")
     if report.get("plot"):
