@@ -388,33 +388,6 @@ def rewrite_file(
     return report
 
 
-def stage_rewritten_file(in_path: Path, out_path: Path, config: RewriteConfig | None, outputs: OutputFiles, *,
-                         check: bool = True, fuse: bool = True, external_data_threshold: int = PROTOBUF_LIMIT,
-                         on_stage: Callable[[str], None] | None = None) -> tuple[Path, RewriteReport]:
-    """The rewrite of :func:`rewrite_file`, staged in ``outputs`` (the model and its external data
-    added there, nothing moved into place): returns the staged model file (loadable where it is)
-    and the report. ``outputs`` is told about the input's external data, which no output may be."""
-    stage = on_stage or (lambda name: None)
-    stage("load")
-    model = load_model(in_path)
-    for path, description in _read_files(in_path, model, {}).items():
-        outputs.protect(path, description)
-    external = bool(_external_tensors(model)) or _weight_bytes(model) > external_data_threshold
-    # Data first, model next: the order they are moved into place, so a reader never sees a new
-    # model with missing data.
-    data_path = outputs.add(out_path.with_name(f"{out_path.name}.data"), "output's external data") \
-        if external else None
-    out_path = outputs.add(out_path, "output")
-    _, report = rewrite_model(model, config, on_stage=stage, fuse=fuse)
-    stage("save")
-    staged = save_model(model, outputs, out_path, data_path)
-    if check:
-        check_written(staged, in_path, report.notes)
-    if external:
-        report.notes.append(f"weights written as external data to {out_path.name}.data")
-    return staged, report
-
-
 def list_file_layers(in_path: str | os.PathLike, config: RewriteConfig | None = None, *,
                      report_path: str | os.PathLike | None = None,
                      inputs: Mapping[str | os.PathLike, str] | Inputs = {},  # noqa: B006 - read only

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortsparse.harness.export_genai import greedy_ids
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "tiny" / "gemma3_tiny_genai"
 PROMPT_IDS = [int(i) for i in np.random.default_rng(0).integers(3, 256, 13)]
@@ -25,18 +27,7 @@ TOKENS = 48  # > 24 buffer rows (window 8 + 16): the windows wrap twice
 
 
 def generator_greedy(folder: Path, ids=PROMPT_IDS, tokens: int = TOKENS) -> list[int]:
-    import onnxruntime_genai as og
-
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    out: list[int] = []
-    while len(out) < tokens and not generator.is_done():
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out
+    return greedy_ids(folder, ids, tokens)
 
 
 def torch_greedy(ids=PROMPT_IDS, tokens: int = TOKENS) -> list[int]:

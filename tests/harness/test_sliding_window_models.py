@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime_genai as og
 import pytest
 
 from ortsparse.cli import main
+from ortsparse.harness.export_genai import greedy_ids
 from ortsparse.harness.perplexity import perplexity
 from ortsparse.runtime import KVDecoder, kv_layout, lm_feeds, open_session
 
@@ -26,16 +26,7 @@ STEPS = 48  # the window buffers compact 3 times
 
 
 def generator_greedy(folder: Path, ids=PROMPT, tokens: int = STEPS) -> list[int]:
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    out = []
-    while len(out) < tokens and not generator.is_done():
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out
+    return greedy_ids(folder, ids, tokens)
 
 
 def decoder_logits(model: Path, tokens) -> np.ndarray:

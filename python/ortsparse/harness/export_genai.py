@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 from .cache import ModelBuildError
@@ -160,15 +161,26 @@ def generator_greedy(folder: Path, prompt: str = PROMPT, tokens: int = GREEDY_TO
     model = og.Model(str(folder))
     tokenizer = og.Tokenizer(model)
     prompt_ids = tokenizer.encode(prompt)
+    out = greedy_ids(model, prompt_ids, tokens)
+    return {"prompt": prompt, "prompt_ids": [int(i) for i in prompt_ids], "tokens": out, "text": tokenizer.decode(out)}
+
+
+def greedy_ids(model: Any, prompt_ids: Sequence[int], tokens: int) -> list[int]:
+    """Up to ``tokens`` greedy token ids after ``prompt_ids`` from an ``onnxruntime_genai.Model``
+    (or its folder), through the Generator."""
+    import onnxruntime_genai as og  # the models extra
+
+    if not isinstance(model, og.Model):
+        model = og.Model(str(model))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False)
     generator = og.Generator(model, params)
-    generator.append_tokens(prompt_ids)
+    generator.append_tokens(list(prompt_ids))
     out: list[int] = []
     while len(out) < tokens and not generator.is_done():
         generator.generate_next_token()
         out.append(int(generator.get_next_tokens()[0]))
-    return {"prompt": prompt, "prompt_ids": [int(i) for i in prompt_ids], "tokens": out, "text": tokenizer.decode(out)}
+    return out
 
 
 def matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
