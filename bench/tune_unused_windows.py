@@ -13,7 +13,7 @@ import numpy as np
 from ortsparse.harness.perplexity import perplexity
 from ortsparse.harness.text import text_tokens
 from ortsparse.tuning.tune import every_row_gated
-from ortsparse.tuning.windows import WINDOW_LEN, _spread
+from ortsparse.tuning.windows import WINDOW_LEN, spread_indices
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("text")
@@ -28,9 +28,9 @@ count = tokens.size // WINDOW_LEN
 cut = tokens[:count * WINDOW_LEN].reshape(count, WINDOW_LEN)
 is_check = np.arange(count) % 3 == 1
 calibration, check = np.flatnonzero(~is_check), np.flatnonzero(is_check)
-used = set(calibration[_spread(len(calibration), args.n)]) | set(check[_spread(len(check), args.m)])
+used = set(calibration[spread_indices(len(calibration), args.n)]) | set(check[spread_indices(len(check), args.m)])
 unused = [i for i in range(count) if i not in used]
-pick = [unused[j] for j in _spread(len(unused), min(args.count, len(unused)))]
+pick = [unused[j] for j in spread_indices(len(unused), min(args.count, len(unused)))]
 windows = cut[pick]
 print(f"{count} windows, {len(used)} used by tune, measuring {len(pick)} unused: {pick}")
 reference = perplexity(args.reference, windows.reshape(-1), len(pick), WINDOW_LEN)
