@@ -19,6 +19,8 @@ from ..runtime import vocab_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 written; 1 nothing written (the budget cannot be met with confidence, or the "
+                     "check missed it); 2 bad input; 3 written, but it decoded slower than MODEL here")
     parser.add_argument("model", metavar="MODEL", help="an ONNX decoder (.onnx) or an onnxruntime-genai folder")
     parser.add_argument("--text", metavar="FILE", required=True,
                         help="a UTF-8 text like the model's real inputs (>= ~20k tokens writes reliably)")

@@ -70,7 +70,7 @@ def check_length(tokens: int, window_len: int, long_context: int | None = None) 
             f"tokens: give a longer text like the model's real inputs")
 
 
-def _spread(count: int, wanted: int) -> np.ndarray:
+def spread_indices(count: int, wanted: int) -> np.ndarray:
     """``wanted`` indices spread evenly over ``range(count)``."""
     return np.unique(np.linspace(0, count - 1, wanted).round().astype(int))
 
@@ -107,5 +107,5 @@ def plan_windows(tokens: np.ndarray, window_len: int, *, seconds_per_window: flo
                 note = (f"{n} of {available[0]} calibration and {m} of {available[1]} check windows: the loss passes "
                         f"of the path and the check fit ~{budget_s / 60:.0f} min at {seconds_per_window:.2f} s per "
                         f"window here; one probe pass per layer group comes on top")
-    return WindowPlan(window_len, calibration[_spread(len(calibration), n)], check[_spread(len(check), m)],
+    return WindowPlan(window_len, calibration[spread_indices(len(calibration), n)], check[spread_indices(len(check), m)],
                       long_piece, available, note)
