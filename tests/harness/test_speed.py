@@ -192,6 +192,7 @@ def test_cli_bench_request_writes_the_report(tmp_path):
     payload = json.loads(stem.with_suffix(".json").read_text())
     assert payload["requests"] == ["16+4"] and len(payload["rows"]) == 1
     assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "16", "-o", str(stem)]) == 2
+    assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "120:20", "-o", str(stem)]) == 2
 
 
 def test_request_speed_gives_the_worst_round_ratio():

@@ -447,13 +447,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if target not in names:
                 parser.error(f"--rewrite {target}: not one of the models ({', '.join(names)})")
             candidates.append(rewritten_candidate(candidates[names.index(target)], config, Path(workdir)))
-        if args.request:
-            payload = request_bench(candidates, tokens, args.request, threads=args.threads, rounds=args.rounds,
-                                    offset=args.offset, reference=args.reference, neighbour=args.neighbour)
-        else:
-            payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
-                            warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
-                            rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
+        try:
+            if args.request:
+                payload = request_bench(candidates, tokens, args.request, threads=args.threads, rounds=args.rounds,
+                                        offset=args.offset, reference=args.reference, neighbour=args.neighbour)
+            else:
+                payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
+                                warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
+                                rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
+        except ValueError as error:  # a request or loop that does not fit the models or the corpus
+            parser.error(str(error))
     command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
     payload["command"] = command
     payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
