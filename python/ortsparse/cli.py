@@ -304,6 +304,9 @@ for _name, _module, _help in [
         SUBCOMMANDS[_name] = _harness_command(_module, _help)
 
 
+from .benchmarking import command_line  # noqa: E402 (cli is the top layer)
+
+
 def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
              run: Callable[[argparse.Namespace], int]) -> int:
     from .graph_rewrite.errors import RewriteError
@@ -313,6 +316,8 @@ def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     try:
         with terminate_cleanly():  # SIGTERM/SIGHUP unwind like Ctrl-C: staged outputs are removed
             args = parser.parse_args(argv)
+            # The command line reports quote: the arguments this call was given (the one home of it).
+            args.command_line = command_line(parser.prog, list(argv) if argv is not None else sys.argv[1:])
             return run(args)
     except (KeyboardInterrupt, Terminated) as stop:
         name = stop.name if isinstance(stop, Terminated) else "SIGINT"

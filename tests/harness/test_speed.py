@@ -191,6 +191,8 @@ def test_cli_bench_request_writes_the_report(tmp_path):
                  "--request", "16:4", "--rounds", "1", "-o", str(stem)]) == 0
     payload = json.loads(stem.with_suffix(".json").read_text())
     assert payload["requests"] == ["16+4"] and len(payload["rows"]) == 1
+    assert payload["command"] == (f"ortsparse bench genai={GENAI} --runners og --threads 1 --corpus {corpus} "
+                                  f"--request 16:4 --rounds 1 -o {stem}")  # the arguments main() was given
     assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "16", "-o", str(stem)]) == 2
     assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "120:20", "-o", str(stem)]) == 2
 

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import math
 import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -769,7 +768,7 @@ def run(args: Any, target: str, write: Callable[[str, str, str], None], report_p
         summary = f"held-out dppl {final['dppl']:+.4f}, top-1 agreement {final['top1_agreement']:.3f}"
     write(args.output, "override file", json.dumps({"layers": result.entries()}, indent=1) + "\n")
     measured = bytes_summary(model, final.get("metrics", {}), result.dense_on_ours)
-    report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": model_file, "method": "allocated",
+    report = {"command": getattr(args, "command_line", None), "model": model_file, "method": "allocated",
               "target": target, "margin": args.margin, "allocation": result.report(), "sparsity": result.sparsity(),
               "held_out": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}, "bytes": measured}
     write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,7 +320,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
     held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len, bos=bos)
     report = {
-        "command": "ortsparse calibrate " + " ".join(sys.argv[2:]),
+        "command": getattr(args, "command_line", None),
         "model": model_file, "reference": reference, "split": args.split, "bos": bos.to_dict(),
         "windows": held_out["window_construction"], "budget_dppl": args.max_dppl, "margin": args.margin, "target": target,
         "method": args.method, "sparsity": best, "history": history,
@@ -371,7 +370,7 @@ def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None])
     entries = overrides_for(layers, best)
     write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
     final = compare_embeddings(model, rewritten_with(model, entries))
-    report = {"command": "ortsparse calibrate " + " ".join(sys.argv[2:]), "model": args.model,
+    report = {"command": getattr(args, "command_line", None), "model": args.model,
               "min_cosine": args.min_cosine, "sparsity": best, "history": history,
               "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
     report_path = _report_path(args)

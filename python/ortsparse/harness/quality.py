@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             code = EXIT_OVER_BUDGET
     say(_format(result))
     if args.json:
-        document = {"command": "ortsparse quality " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["quality"] else None,
+        document = {"command": getattr(args, "command_line", None),
                     "model": str(args.model), "rewritten": args.rewritten or "in memory",
                     "rewrite": report.to_dict()["counts"] if report is not None else None,
                     "config": report.to_dict()["config"] if report is not None else None,

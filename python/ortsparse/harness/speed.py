@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -457,7 +456,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
         except ValueError as error:  # a request or loop that does not fit the models or the corpus
             parser.error(str(error))
-    command = "ortsparse bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 else "ortsparse bench"
+    command = getattr(args, "command_line", None) or "ortsparse bench"
     payload["command"] = command
     payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
                          for c in candidates}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
                         context=args.context, steps=args.steps)
-    command = "ortsparse sweep " + " ".join(sys.argv[2:])
+    command = getattr(args, "command_line", None) or "ortsparse sweep"
     png = args.output + ".png"
     title = f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, decode ctx {args.context}"
     payload = json.dumps(dict(machine=machine_info(), command=command, results=results), indent=1)

@@ -562,11 +562,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(table)
     files = {}
     if args.markdown:
-        command = "ortsparse validate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["validate"] else ""
+        command = getattr(args, "command_line", None) or ""
         header = f"Produced by `{command.strip()}`.\n\n" if command else ""
         files[args.markdown] = (outputs[args.markdown], header + table + "\n")
     if args.json:
-        meta = {"command": sys.argv if sys.argv[1:2] == ["validate"] else None, "zoo": groups,
+        meta = {"command": getattr(args, "command_line", None), "zoo": groups,
                 "paths": list(args.models), "config": _config_dict(config), "runs": args.runs,
                 "timing_runs": args.timing_runs, "threads": args.threads}
         files[args.json] = (outputs[args.json],

@@ -8,11 +8,9 @@ missed it); 2 bad input (a one-line error, e.g. a text too short, saying how lon
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .. import flag_types
-from ..benchmarking import command_line
 from ..graph_rewrite.genai import model_input
 from ..harness.text import find_tokenizer, resolve_bos, text_tokens
 from ..runtime import vocab_size
@@ -69,10 +67,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, reference=args.reference, method=args.method,
-                  windows=args.windows, command=_command(sys.argv), bos=bos, protected=protected)
+                  windows=args.windows, command=getattr(args, "command_line", None), bos=bos, protected=protected)
     return report["exit_status"]
-
-
-def _command(argv: list[str]) -> str | None:
-    """The command line the report quotes (None when ``tune`` was not the process's command)."""
-    return command_line("ortsparse tune", argv[2:]) if argv[1:2] == ["tune"] else None
