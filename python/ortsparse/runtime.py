@@ -569,7 +569,11 @@ class KVDecoder:
     def reset(self) -> None:
         """Forget the cache (the next :meth:`advance` is a prefill from position 0)."""
         self.position = 0
-        self.past = [ort.OrtValue.ortvalue_from_numpy(a)._ortvalue for a in self.layout.empty()]
+        # The first past values wrap these arrays' memory (no copy): they must stay referenced while
+        # bound (window-sized buffers are non-empty; a freed array let onnxruntime place a present
+        # output over it, and the op read freed memory as its past).
+        self._empty = self.layout.empty()
+        self.past = [ort.OrtValue.ortvalue_from_numpy(a)._ortvalue for a in self._empty]
 
     def advance(self, ids: Any) -> np.ndarray:
         """Feed ``ids`` (1-D) at the next positions; returns the logits after the last one ([vocab])."""
