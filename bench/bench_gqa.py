@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ortsparse.benchmarking import op_attributes
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
@@ -42,17 +44,11 @@ H, HKV, D, LAYERS = 9, 3, 64, 30
 
 
 def attributes(text: str) -> dict:
-    """'select=pages,topk=256' -> {'select': 'pages', 'topk': 256}."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=", 1)
-        for cast in (int, float, str):
-            try:
-                out[name] = cast(value)
-                break
-            except ValueError:
-                pass
-    return out
+    """'select=pages,topk=256' -> {'select': 'pages', 'topk': 256} (ortsparse.benchmarking.op_attributes)."""
+    try:
+        return op_attributes(text)
+    except ValueError as error:
+        raise SystemExit(f"bench_gqa: --variants entry {error}") from None
 
 
 def external_initializer(graph, name: str, data_path: Path) -> np.ndarray:

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
+from ortsparse.benchmarking import (check_report, command_line, machine_info, op_attributes, report_header,
+                                    write_report)
 from ortsparse.runtime import open_session, thread_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,19 +35,11 @@ HEADS, KV_HEADS, HEAD_SIZE = 9, 3, 64
 
 
 def attributes(text: str) -> dict:
-    """'select=none,prefill_rows=0' -> {'select': 'none', 'prefill_rows': 0}."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        if "=" not in item:
-            raise SystemExit(f"bench_prefill: --variants entry {text!r}: {item!r} is not name=value")
-        name, value = item.split("=", 1)
-        for cast in (int, float, str):
-            try:
-                out[name] = cast(value)
-                break
-            except ValueError:
-                pass
-    return out
+    """'select=pages,topk=256' -> {'select': 'pages', 'topk': 256} (ortsparse.benchmarking.op_attributes)."""
+    try:
+        return op_attributes(text)
+    except ValueError as error:
+        raise SystemExit(f"bench_prefill: --variants entry {error}") from None
 
 
 class Prompt:

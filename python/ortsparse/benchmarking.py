@@ -302,3 +302,21 @@ def neighbour_line(info: Mapping[str, Any] | None) -> str:
     if "read_gbs" in info:
         text += f" ({info['read_gbs']:.1f} GB/s over {info.get('seconds', 0):.0f} s)"
     return text + "."
+
+
+def op_attributes(text: str) -> dict[str, Any]:
+    """A benchmark's op settings from the command line: ``'select=pages,topk=256'`` ->
+    ``{'select': 'pages', 'topk': 256}`` (each value an int, else a float, else the string).
+    Raises ValueError on an entry that is not name=value."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        if "=" not in item:
+            raise ValueError(f"{text!r}: {item!r} is not name=value")
+        name, value = item.split("=", 1)
+        for cast in (int, float, str):
+            try:
+                out[name] = cast(value)
+                break
+            except ValueError:
+                pass
+    return out
