@@ -201,11 +201,6 @@ def _set_library(config: dict, use: bool) -> None:
         del options["custom_ops_library"]
 
 
-def genai_inputs(folder: str | os.PathLike, description: str = "the source folder") -> Inputs:
-    """What a command reading the genai folder ``folder`` reads: every file of it."""
-    return Inputs().add_folder(folder, description)
-
-
 def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, config: RewriteConfig | None = None,
                          *, check: bool = True, fuse: bool = True, outputs: OutputFiles | None = None) -> GenaiRewrite:
     """Rewrite the decoder of the genai folder ``source`` (the folder or its decoder file) into the new

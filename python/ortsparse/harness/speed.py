@@ -189,7 +189,7 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
     for n_threads in threads:
         log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
         sessions[n_threads] = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
-    with neighbour_context(neighbour) as beside:
+    with neighbour_process(neighbour) as beside:
         for round_index in range(rounds):
             for n_threads in threads:
                 steppers = sessions[n_threads]
@@ -209,11 +209,6 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
     return dict(machine=machine_info(), bandwidth=bandwidth, reference=reference, rows=rows,
                 ratios=ratio_rows(rows), stability=stability(rows), neighbour=neighbour_info or {"kind": "none"},
                 loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk, offset=offset, rounds=rounds))
-
-
-def neighbour_context(kind: str | None):
-    """:func:`ortsparse.benchmarking.neighbour` (a name the harness can patch in tests)."""
-    return neighbour_process(kind)
 
 
 def _loop_rows(result: dict, candidates: Sequence[Candidate], tables: Mapping[str, WeightTable],
