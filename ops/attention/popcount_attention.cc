@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/exact_attention.h"
+#include "attention/head_reuse.h"
 #include "attention/tiled_prefill.h"
 #include "common/error.h"
 #include "kernels/top_k.h"
@@ -77,6 +78,9 @@ struct Scratch {
   std::vector<float> qsplit, bounds, heap_scores;
   std::vector<int32_t> page_order, heap_rows;
   uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0, rows_paged = 0, rows_certified = 0;
+  // event-driven attention's gap check: a reused output, and the largest gap seen (-1: none)
+  std::vector<float> check;
+  float gap_max = -1.0f;
 
   void reserve_pages(size_t keys, size_t d, size_t page) {
     const size_t n_pages = keys / page + 2;
@@ -112,6 +116,10 @@ struct CallPlan {
   const kernels::KernelSet* kernels;
   ScoreParams score;
   const KeyCache* keys;  // null when the selector does not run
+  // Event-driven attention (a decode step planned by head_reuse): the memories and each (b, h)'s
+  // action; null: every row ranks its pages.
+  HeadReuse* reuse = nullptr;
+  const std::vector<HeadAction>* actions = nullptr;
 };
 
 // The attendable keys of query (b, i): [lo, hi) in the head's key order.
@@ -180,6 +188,64 @@ float bound_slack(size_t d, float q_abs_sum) {
   return static_cast<float>((4.0 * static_cast<double>(d) + 16.0) * 0x1.0p-24) * q_abs_sum;
 }
 
+// Scores the gathered key rows exactly (one list: the kernel prefetches along it, across scattered
+// pages) and keeps the topk best (ties: lower position in rows) in heap_scores / heap_rows
+// [0, kept); kth: the worst kept score. False when a score is NaN.
+bool keep_best_keys(const CallPlan& p, const float* q, const float* khead, size_t ldk, const MaskRow& m,
+                    const int32_t* rows, size_t count, Scratch& s, size_t& kept, float& kth) {
+  const kernels::KernelSet& ks = *p.kernels;
+  const size_t topk = static_cast<size_t>(p.config->topk);
+  float* scores = s.sel.data();
+  exact_scores(ks, p.score, q, p.call->dims.d, khead, ldk, m, 0, rows, count, scores);
+  size_t allowed = 0;
+  for (size_t j = 0; j < count; ++j) {
+    if (std::isnan(scores[j])) return false;
+    if (scores[j] == kNegInf || scores[j] < kMaskedOut) {
+      scores[j] = kNegInf;
+    } else {
+      ++allowed;
+    }
+  }
+  int32_t* pick = s.final_rows.data();
+  kept = kernels::select_top_k(*ks.select, scores, count, std::min(topk, allowed), pick, s.select);
+  kth = kPosInf;
+  for (size_t t = 0; t < kept; ++t) {
+    s.heap_scores[t] = scores[pick[t]];
+    s.heap_rows[t] = rows[pick[t]];
+    kth = std::min(kth, s.heap_scores[t]);
+  }
+  return true;
+}
+
+// The kept keys of a pages row: the top-k (heap_scores / heap_rows [0, kept)), then the protected
+// ranges [r.lo, mid_lo) and [mid_hi, r.hi), through softmax·V. scored: keys scored to choose them.
+void finish_kept_row(const CallPlan& p, const float* q, const float* khead, size_t ldk, const float* vhead,
+                     size_t ldv, const KeyRange& r, size_t mid_lo, size_t mid_hi, const MaskRow& m, float sink,
+                     float* y, Scratch& s, size_t kept, size_t scored) {
+  const AttentionDims& dd = p.call->dims;
+  const kernels::KernelSet& ks = *p.kernels;
+  const ScoreParams& sp = p.score;
+  const size_t d = dd.d;
+  float* hs = s.heap_scores.data();
+  int32_t* hr = s.heap_rows.data();
+  // Their V rows start their way to cache while the protected keys are scored.
+  const size_t v_bytes = dd.dv * sizeof(float);
+  for (size_t t = 0; t < kept; ++t) {
+    const char* row = reinterpret_cast<const char*>(vhead + static_cast<size_t>(hr[t]) * ldv);
+    for (size_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+  }
+  size_t count = kept;
+  auto protect = [&](size_t a, size_t e) {
+    if (e <= a) return;
+    exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, hs + count);
+    for (size_t j = a; j < e; ++j) hr[count++] = static_cast<int32_t>(j);
+  };
+  protect(r.lo, mid_lo);
+  protect(mid_hi, r.hi);
+  s.keys_exact += scored + (count - kept);
+  softmax_pv(ks, hs, vhead, ldv, dd.dv, 0, hr, count, y, sink);
+}
+
 // The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
 // are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
 // (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
@@ -194,7 +260,7 @@ float bound_slack(size_t d, float q_abs_sum) {
 // value of the range is NaN, or an exact score is NaN.
 bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
                       const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink, float* y,
-                      Scratch& s) {
+                      Scratch& s, HeadMemory* record) {
   const AttentionDims& dd = p.call->dims;
   const PopcountAttentionConfig& cfg = *p.config;
   const kernels::KernelSet& ks = *p.kernels;
@@ -259,36 +325,33 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
       }
     }
     std::sort(order, order + chosen);  // ascending key order: ties of the top-k go to the lower key
-    float* scores = s.sel.data();
     int32_t* rows = s.kept.data();
     for (size_t c = 0; c < chosen; ++c) {
       const auto [a, e] = page_keys(static_cast<size_t>(order[c]));
       for (size_t j = a; j < e; ++j) rows[visited_keys++] = static_cast<int32_t>(j);
     }
-    // One gathered list: the kernel prefetches along it, across the scattered pages.
-    exact_scores(ks, sp, q, d, khead, ldk, m, 0, rows, visited_keys, scores);
     visited_pages = chosen;
-    size_t allowed = 0;
-    for (size_t j = 0; j < visited_keys; ++j) {
-      if (std::isnan(scores[j])) return false;
-      if (!usable(scores[j])) {
-        scores[j] = kNegInf;
-      } else {
-        ++allowed;
-      }
-    }
-    int32_t* pick = s.final_rows.data();
-    kept = kernels::select_top_k(*ks.select, scores, visited_keys, std::min(topk, allowed), pick, s.select);
     float kth = kPosInf;
-    for (size_t t = 0; t < kept; ++t) {
-      hs[t] = scores[pick[t]];
-      hr[t] = rows[pick[t]];
-      kth = std::min(kth, hs[t]);
-    }
+    if (!keep_best_keys(p, q, khead, ldk, m, rows, visited_keys, s, kept, kth)) return false;
     // Certified when no page left out could hold a key scoring above the k-th kept one.
     float rest = kNegInf;
     for (size_t t = chosen; t < npg; ++t) rest = std::max(rest, bound[order[t]]);
     certified = kept == topk ? rest < kth : rest == kNegInf;
+    if (record != nullptr) {  // event-driven attention: this choice, for the next steps to reuse
+      float worst_chosen = chosen > 0 ? kPosInf : kNegInf, top_absmax = 0.0f;
+      record->pages.resize(chosen);
+      for (size_t c = 0; c < chosen; ++c) {
+        record->pages[c] = static_cast<int32_t>(pg0) + order[c];
+        worst_chosen = std::min(worst_chosen, bound[order[c]]);
+      }
+      for (size_t t = 0; t < npg; ++t) top_absmax = std::max(top_absmax, absmax[t]);
+      record->gap = rest == kNegInf ? kPosInf : worst_chosen - rest;
+      record->absmax = top_absmax;
+      record->ranked_hi = mid_hi;
+      record->q_ref.assign(q, q + d);
+      record->age = 0;
+      record->valid = true;
+    }
   } else {
     // Certified: pages best bound first, a top-k heap whose top is the worst kept key (lower
     // score, or equal score and higher index), until the next bound cannot beat it.
@@ -336,24 +399,82 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   s.pages_visited += visited_pages;
   ++s.rows_paged;
   s.rows_certified += certified ? 1 : 0;
-  // The kept keys: the top-k (hs / hr [0, kept)), then the protected ranges. Their V rows start
-  // their way to cache while the protected keys are scored.
-  const size_t v_bytes = dd.dv * sizeof(float);
-  for (size_t t = 0; t < kept; ++t) {
-    const char* row = reinterpret_cast<const char*>(vhead + static_cast<size_t>(hr[t]) * ldv);
-    for (size_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
-  }
-  size_t count = kept;
-  auto protect = [&](size_t a, size_t e) {
-    if (e <= a) return;
-    exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, hs + count);
-    for (size_t j = a; j < e; ++j) hr[count++] = static_cast<int32_t>(j);
-  };
-  protect(r.lo, mid_lo);
-  protect(mid_hi, r.hi);
-  s.keys_exact += visited_keys + (count - kept);
-  softmax_pv(ks, hs, vhead, ldv, dd.dv, 0, hr, count, y, sink);
+  finish_kept_row(p, q, khead, ldk, vhead, ldv, r, mid_lo, mid_hi, m, sink, y, s, kept, visited_keys);
   return true;
+}
+
+// Event-driven attention (head_reuse.h): a pages row (budget mode, no mask) that bounds only the
+// pages `mem` chose at its reference step and the pages holding keys that arrived since (the page
+// that was partly filled then included), and keeps the budget's best of those. When the
+// certificate holds, every other page still bounds below every page chosen then, so this is the
+// choice the full ranking makes. Returns kReuseDone, kReuseExact (a non-finite value: the caller
+// computes exact attention, as attend_row_pages) or kReuseRank (the candidates cannot fill the
+// budget, e.g. a local window dropped chosen pages: rank instead).
+enum ReuseResult { kReuseDone, kReuseExact, kReuseRank };
+
+ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
+                              const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink,
+                              float* y, Scratch& s, const HeadMemory& mem) {
+  const PopcountAttentionConfig& cfg = *p.config;
+  const kernels::KernelSet& ks = *p.kernels;
+  const KeyCache& kc = *p.keys;
+  const size_t d = p.call->dims.d, page = kc.page, n = r.hi - r.lo, topk = static_cast<size_t>(cfg.topk);
+  const size_t first = std::min(n, static_cast<size_t>(cfg.keep_first));
+  const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
+  const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
+  s.reserve_pages(r.hi, d, page);
+  float q_abs = 0.0f;  // as attend_row_pages, so a bound here equals the ranking's bit for bit
+  for (size_t i = 0; i < d; ++i) {
+    s.qsplit[i] = std::max(q[i], 0.0f);
+    s.qsplit[d + i] = std::min(q[i], 0.0f);
+    q_abs += std::fabs(q[i]);
+  }
+  if (!std::isfinite(q_abs)) return kReuseExact;
+  const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
+  const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));
+  size_t chosen = std::min(npg, (budget + page - 1) / page);
+  // Candidates: the reference's chosen pages still in range, then every page from the one that
+  // held key ranked_hi (ascending, no repeats: the chosen list is sorted).
+  int32_t* cand = s.page_order.data();
+  size_t count = 0;
+  const size_t fresh_from = std::max(pg0, mem.ranked_hi / page);
+  for (const int32_t pg : mem.pages)
+    if (static_cast<size_t>(pg) >= pg0 && static_cast<size_t>(pg) < std::min(fresh_from, pg1)) cand[count++] = pg;
+  for (size_t pg = fresh_from; pg < pg1; ++pg) cand[count++] = static_cast<int32_t>(pg);
+  if (count < chosen) return kReuseRank;
+  const float slack = bound_slack(d, q_abs);
+  const ScoreParams& sp = p.score;
+  float* bound = s.bounds.data();  // by candidate
+  for (size_t c = 0; c < count; ++c) {
+    const size_t pg = static_cast<size_t>(cand[c]);
+    const float absmax = kc.head_page_absmax(hk)[pg];
+    if (std::isnan(absmax)) return kReuseExact;
+    ks.attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg * 2 * d, 2 * d, 2 * d, nullptr, 1, bound + c);
+    float b = (bound[c] + slack * absmax) * sp.scale;
+    if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
+    bound[c] = b;
+  }
+  std::vector<uint32_t>& pos = s.select;  // candidate positions, best bound first (ties: lower page)
+  if (pos.size() < count) pos.resize(count);
+  for (size_t c = 0; c < count; ++c) pos[c] = static_cast<uint32_t>(c);
+  std::nth_element(pos.begin(), pos.begin() + chosen, pos.begin() + count, [bound, cand](uint32_t a, uint32_t b) {
+    return bound[a] > bound[b] || (bound[a] == bound[b] && cand[a] < cand[b]);
+  });
+  std::sort(pos.begin(), pos.begin() + chosen);  // candidates are ascending pages: so are these
+  int32_t* rows = s.kept.data();
+  size_t scored = 0;
+  for (size_t c = 0; c < chosen; ++c) {
+    const size_t pg = static_cast<size_t>(cand[pos[c]]);
+    for (size_t j = std::max(mid_lo, pg * page); j < std::min(mid_hi, (pg + 1) * page); ++j)
+      rows[scored++] = static_cast<int32_t>(j);
+  }
+  size_t kept = 0;
+  float kth = kPosInf;
+  if (!keep_best_keys(p, q, khead, ldk, m, rows, scored, s, kept, kth)) return kReuseExact;
+  s.pages_total += npg;
+  s.pages_visited += chosen;
+  finish_kept_row(p, q, khead, ldk, vhead, ldv, r, mid_lo, mid_hi, m, sink, y, s, kept, scored);
+  return kReuseDone;
 }
 
 // One query row: exact attention, or selection + exact refine of the kept keys.
@@ -384,7 +505,38 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     return exact_all();
   if (cfg.select == Selector::kPages) {
     const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
-    if (n - protected_keys <= topk || !attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s)) exact_all();
+    HeadMemory* mem = p.reuse ? &p.reuse->memory(b, h) : nullptr;
+    const HeadAction action = mem ? (*p.actions)[b * dd.h + h] : HeadAction::kRank;
+    bool done = false;
+    if (n - protected_keys > topk) {
+      ReuseResult reused = kReuseRank;
+      if (action == HeadAction::kReuseCertified || action == HeadAction::kReuseBudget) {
+        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, *mem);
+        done = reused == kReuseDone;
+        if (done) ++mem->age;
+      }
+      if (action == HeadAction::kRankChecked) {
+        // The reuse the budget chose, beside the ranked row it stands for: their relative L2 gap.
+        if (s.check.size() < dd.dv) s.check.resize(dd.dv);
+        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, s.check.data(), s, *mem);
+        done = attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, mem);
+        if (reused == kReuseDone && done) {
+          double diff = 0.0, norm = 0.0;
+          for (size_t t = 0; t < dd.dv; ++t) {
+            diff += (static_cast<double>(s.check[t]) - y[t]) * (static_cast<double>(s.check[t]) - y[t]);
+            norm += static_cast<double>(y[t]) * y[t];
+          }
+          const float gap = static_cast<float>(std::sqrt(diff / std::max(norm, 1e-30)));
+          s.gap_max = std::isnan(gap) ? gap : std::max(s.gap_max, gap);
+        }
+      } else if (reused == kReuseRank) {
+        done = attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, mem);
+      }
+    }
+    if (!done) {
+      if (mem) mem->valid = false;
+      exact_all();
+    }
     return;
   }
 
@@ -646,6 +798,7 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
   if (!popcnt_path_supported(kernels.popcnt_path))
     fail("popcount path ", kernels::popcnt_path_name(kernels.popcnt_path), " is not supported by this CPU");
   if (!isa_supported(kernels.isa)) fail("ISA ", isa_name(kernels.isa), " is not supported by this CPU");
+  if (config.event.enabled) reuse_ = std::make_unique<HeadReuse>(config.event);
 }
 
 AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunner& runner,
@@ -682,6 +835,21 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
+  // Event-driven attention: a decode step of the budgeted page selector, without a mask, whose
+  // caller says which key rows are unchanged.
+  const uint64_t call_number = reuse_ ? reuse_->call_number() : 0;
+  HeadReuse::Lease lease;
+  std::vector<HeadAction> actions;
+  if (reuse_ && plan.keys != nullptr && config_.select == Selector::kPages && config_.candidates > 0.0f &&
+      dims.sq == 1 && call.mask.keep == nullptr && call.mask.add == nullptr && provenance != nullptr) {
+    lease = reuse_->lease();
+    if (lease) {
+      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, provenance,
+                             [&call](size_t b, size_t h) { return call.q + call.q_rows.at(b, h, 0); }, stats.event);
+      plan.reuse = reuse_.get();
+      plan.actions = &actions;
+    }
+  }
   // A prompt (a call of at least prefill_rows query rows) is computed exactly, every row, with the
   // tiled kernel: key selection is for decode steps, where one row reads the whole cache; a prompt
   // reads it once per query block and selecting row by row would cost more than it saves. The key
@@ -728,6 +896,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   for (size_t t = 0; t < n_tasks; ++t) {
     scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
     scratch[t].rows_paged = scratch[t].rows_certified = 0;
+    scratch[t].gap_max = -1.0f;
     scratch[t].reserve(max_keys, packed_dim);
   }
   Scratch* scratch_p = scratch.data();
@@ -800,6 +969,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     stats.pages_visited += scratch[t].pages_visited;
     stats.rows_paged += scratch[t].rows_paged;
     stats.rows_certified += scratch[t].rows_certified;
+    if (plan.reuse != nullptr && scratch[t].gap_max != -1.0f) plan.reuse->report_gap(scratch[t].gap_max, stats.event);
   }
   {
     std::lock_guard<std::mutex> lock(scratch_mutex_);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention/attention_call.h"
+#include "attention/head_reuse.h"
 #include "attention/key_cache.h"
 #include "common/task_runner.h"
 #include "kernels/kernel_set.h"
@@ -54,6 +55,10 @@ struct PopcountAttentionConfig {
   // keys); below, a call has at most one query block per KV head: too few tasks for the pool,
   // and decode steps keep the row path's split of the keys over threads.
   int64_t prefill_rows = 16;
+  // Event-driven attention by heads (head_reuse.h): decode steps of select=pages with a budget
+  // (candidates > 0), no mask, and a KeyProvenance reuse a head's page choice while its query
+  // moves little.
+  HeadReuseConfig event;
 };
 
 struct AttentionStats {
@@ -67,6 +72,7 @@ struct AttentionStats {
   uint64_t pages_visited = 0;
   uint64_t rows_paged = 0;      // pages: query rows that ran the page selector
   uint64_t rows_certified = 0;  // ... and stopped because no unvisited key could enter the top-k
+  HeadReuseStats event;         // event-driven attention's decisions (query heads of decode steps)
 };
 
 class PopcountAttention {
@@ -88,6 +94,7 @@ class PopcountAttention {
   PopcountAttentionConfig config_;
   const kernels::KernelSet* kernels_;
   KeyCacheSlot keys_;
+  std::unique_ptr<HeadReuse> reuse_;  // event.enabled: the heads' memories across calls
   // Per-call work buffers, reused across calls (one set per concurrent run; type-erased because
   // the scratch type is private to the .cc).
   mutable std::mutex scratch_mutex_;

@@ -31,6 +31,12 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
   c.proj_bits = attrs.get_int("proj_bits", defaults.proj_bits);
   c.page_size = attrs.get_int("page_size", defaults.page_size);
   c.prefill_rows = attrs.get_int("prefill_rows", defaults.prefill_rows);
+  c.event.enabled = read_flag(attrs, "event", defaults.event.enabled);
+  c.event.recompute = attrs.get_float("event_topk", defaults.event.recompute);
+  c.event.age_max = attrs.get_int("event_age_max", defaults.event.age_max);
+  c.event.gap_every = attrs.get_int("event_gap_every", defaults.event.gap_every);
+  c.event.gap_tol = attrs.get_float("event_gap_tol", defaults.event.gap_tol);
+  attention::validate(c.event);
   return c;
 }
 
@@ -45,6 +51,11 @@ std::vector<std::pair<std::string, double>> describe_attention(const uint64_t* c
       {"select", constants[kSelect]},
       {"pages.visited_ratio", c[kPagesTotal] ? static_cast<double>(c[kPagesVisited]) / c[kPagesTotal] : 0.0},
       {"pages.certified_ratio", c[kRowsPaged] ? static_cast<double>(c[kRowsCertified]) / c[kRowsPaged] : 0.0},
+      {"event.heads_ranked", static_cast<double>(c[kEventRanked])},
+      {"event.reused_certified", static_cast<double>(c[kEventCertified])},
+      {"event.reused_budget", static_cast<double>(c[kEventBudget])},
+      {"event.gap_checks", static_cast<double>(c[kEventGapChecks])},
+      {"event.disabled", static_cast<double>(c[kEventDisables])},
       {"calls", static_cast<double>(c[kCalls])},
       {"keys_total", static_cast<double>(c[kKeysTotal])},
       {"keys_exact", static_cast<double>(c[kKeysExact])},
@@ -64,6 +75,11 @@ void count_attention(MetricsSlot& slot, const attention::AttentionStats& stats) 
   slot.add(kPagesVisited, stats.pages_visited);
   slot.add(kRowsPaged, stats.rows_paged);
   slot.add(kRowsCertified, stats.rows_certified);
+  slot.add(kEventRanked, stats.event.ranked);
+  slot.add(kEventCertified, stats.event.reused_certified);
+  slot.add(kEventBudget, stats.event.reused_budget);
+  slot.add(kEventGapChecks, stats.event.gap_checks);
+  slot.add(kEventDisables, stats.event.disables);
 }
 
 }  // namespace ortsparse::ort

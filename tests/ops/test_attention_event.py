@@ -1,0 +1,193 @@
+"""Event-driven attention by heads (PopcountGroupQueryAttention, `event=1`): a decode step reuses a
+head's page choice while its query moves little (ops/attention/head_reuse.h).
+
+The reference is the same op without `event`, fed the same calls through the same kind of KV
+buffer. A certified reuse bounds only the pages chosen at the reference step plus the ones holding
+keys that arrived since, and must keep exactly the keys a full ranking keeps: with `event_topk=1`
+(only certified reuses) the outputs are bit-identical, whatever the queries do. Beyond the
+certificate (the budget) outputs may differ; staleness, the gap check and a broken chain (a new
+prompt, another buffer) are checked through the op's metrics."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ortsparse
+
+from . import gqa_graphs as G
+
+CFG = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16)
+ROTARY = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, rotary=True)
+# budget 12 keys = 3 pages of 4 out of ~20: a real choice each step
+SELECT = dict(select="pages", topk=6, page_size=4, candidates=2.0, min_keys=0, keep_first=1, keep_recent=2)
+BUFFER = 128
+
+
+class Twin:
+    """The op with event-driven reuse and without, fed the same calls."""
+
+    def __init__(self, rng, cfg=CFG, *, batch=2, shared=True, name="event", select=None, **event):
+        self.rng, self.cfg, self.batch = rng, cfg, batch
+        select = select or SELECT
+        cos, sin = G.rotary_tables(rng, BUFFER, cfg.half) if cfg.rotary else (None, None)
+        self.name = name
+        self.event_session = G.session(cfg, ours=True, node_name=name, event=1, **select, **event)
+        self.plain_session = G.session(cfg, ours=True, node_name=name + "_plain", **select)
+        make = lambda sess: G.Stepper(sess, cfg, batch=batch, buffer=BUFFER, shared=shared, cos=cos, sin=sin)
+        self.event, self.plain = make(self.event_session), make(self.plain_session)
+        self.lengths = [0] * batch
+
+    def prompt(self, n):
+        self.lengths = [n] * self.batch
+        return self._call(self._rows(n), n, first=True)
+
+    def step(self, q=None):
+        self.lengths = [n + 1 for n in self.lengths]
+        return self._call(self._rows(1, q), max(self.lengths))
+
+    def _rows(self, s, q=None):
+        c = self.cfg
+        if q is None:
+            q = self.rng.standard_normal((self.batch, s, c.hidden), dtype=np.float32)
+        k = self.rng.standard_normal((self.batch, s, c.kv_hidden), dtype=np.float32)
+        v = self.rng.standard_normal((self.batch, s, c.kv_hidden), dtype=np.float32)
+        return q, k, v
+
+    def _call(self, qkv, total, first=False):
+        q, k, v = qkv
+        seqlens = [n - 1 for n in self.lengths]
+        a = self.event.step(q, k, v, seqlens, total)
+        b = self.plain.step(q, k, v, seqlens, total)
+        return a, b
+
+    def metrics(self):
+        return ortsparse.metrics()[f"PopcountGroupQueryAttention/{self.name}"]
+
+
+def drifting_queries(rng, batch, hidden, steps, drift):
+    """A query per step that moves by `drift` (relative) from the previous one."""
+    q = rng.standard_normal((batch, 1, hidden), dtype=np.float32)
+    for _ in range(steps):
+        q = (q + drift * rng.standard_normal(q.shape, dtype=np.float32)).astype(np.float32)
+        yield q
+
+
+@pytest.mark.parametrize("drift", [0.0, 1e-3, 0.05, 1.0])
+@pytest.mark.parametrize("shared", [True, False])
+def test_certified_reuse_keeps_exactly_the_ranked_keys(rng, drift, shared):
+    twin = Twin(rng, shared=shared, name=f"cert{drift}{shared}", event_topk=1.0, event_age_max=1000)
+    ortsparse.reset_metrics()
+    twin.prompt(24)
+    for q in drifting_queries(rng, 2, CFG.hidden, 60, drift):
+        a, b = twin.step(q)
+        assert np.array_equal(a, b)
+    m = twin.metrics()
+    assert m["event.reused_budget"] == 0 and m["event.gap_checks"] == 0
+    assert m["event.heads_ranked"] + m["event.reused_certified"] == 60 * 2 * CFG.num_heads
+    if drift <= 1e-3:  # a query that barely moves keeps its certificate
+        assert m["event.reused_certified"] > 60 * 2 * CFG.num_heads // 2
+
+
+@pytest.mark.parametrize("prompt", range(17, 33))
+def test_certified_reuse_sees_keys_added_to_the_page_that_was_filling(rng, prompt):
+    """Pages of 8: at the reference step the last ranked page holds only some of its keys; the
+    keys that fill it later can lift it above a chosen page, and the full ranking would take it."""
+    select = {**SELECT, "page_size": 8, "candidates": 2.0}
+    twin = Twin(rng, batch=1, name=f"filling{prompt}", select=select, event_topk=1.0, event_age_max=1000)
+    twin.prompt(prompt)
+    for q in drifting_queries(rng, 1, CFG.hidden, 24, 0.0):
+        a, b = twin.step(q)
+        assert np.array_equal(a, b)
+
+
+def test_certified_reuse_with_rotary_and_a_local_window(rng):
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, rotary=True, local_window=40)
+    twin = Twin(rng, cfg, name="cert_window", event_topk=1.0, event_age_max=1000)
+    twin.prompt(30)
+    for q in drifting_queries(rng, 2, cfg.hidden, 60, 0.0):
+        a, b = twin.step(q)
+        assert np.array_equal(a, b)
+
+
+def test_budget_reuse_respects_staleness(rng):
+    age = 3
+    twin = Twin(rng, batch=1, name="stale", event_topk=0.0, event_age_max=age, event_gap_every=0)
+    ortsparse.reset_metrics()
+    twin.prompt(24)
+    steps = 40
+    for _ in range(steps):
+        a, _ = twin.step()
+        assert np.isfinite(a).all()
+    m = twin.metrics()
+    heads = steps * CFG.num_heads
+    assert m["event.heads_ranked"] + m["event.reused_certified"] + m["event.reused_budget"] == heads
+    assert m["event.reused_budget"] > 0
+    # at most `age` reuses after each ranking: a head ranks at least once in every age + 1 steps
+    assert m["event.heads_ranked"] >= CFG.num_heads * (steps // (age + 1))
+
+
+def test_the_gap_check_disables_reuse_that_changes_outputs(rng):
+    twin = Twin(rng, batch=1, name="gap", event_topk=0.0, event_age_max=100, event_gap_every=4, event_gap_tol=0.0)
+    ortsparse.reset_metrics()
+    twin.prompt(24)
+    after = []
+    for t in range(40):
+        a, b = twin.step()
+        if twin.metrics()["event.disabled"]:
+            after.append(np.array_equal(a, b))
+    m = twin.metrics()
+    assert m["event.disabled"] == 1 and m["event.gap_checks"] > 0
+    assert after and all(after)  # disabled: every head ranks, as the op without event
+
+
+def test_a_tolerant_gap_check_keeps_reuse_on(rng):
+    twin = Twin(rng, batch=1, name="tolerant", event_topk=0.0, event_age_max=100, event_gap_every=4,
+                event_gap_tol=1e9)
+    ortsparse.reset_metrics()
+    twin.prompt(24)
+    for _ in range(20):
+        twin.step()
+    m = twin.metrics()
+    assert m["event.disabled"] == 0 and m["event.gap_checks"] > 0 and m["event.reused_budget"] > 0
+
+
+def test_a_new_prompt_forgets_every_head(rng):
+    twin = Twin(rng, batch=1, name="forget", event_topk=0.0, event_age_max=100, event_gap_every=0)
+    twin.prompt(24)
+    for _ in range(5):
+        twin.step()
+    twin.prompt(30)  # a new sequence in the same buffer
+    ortsparse.reset_metrics()
+    twin.step()
+    m = twin.metrics()
+    assert m["event.heads_ranked"] == CFG.num_heads and m["event.reused_budget"] == 0
+    twin.step()
+    assert twin.metrics()["event.reused_budget"] > 0  # the chain resumes
+
+
+@pytest.mark.parametrize("attr, value, words", [
+    ("event_topk", 1.5, "event_topk=1.5 must be in [0, 1]"),
+    ("event_age_max", 0, "event_age_max=0 must be >= 1"),
+    ("event_gap_every", -1, "event_gap_every=-1 must be >= 0"),
+    ("event", 2, "event=2 must be 0 or 1"),
+])
+def test_bad_event_attributes_name_themselves(attr, value, words):
+    with pytest.raises(Exception, match=words.replace("[", r"\[").replace("]", r"\]")):
+        G.session(CFG, ours=True, node_name="bad", **SELECT, **{"event": 1, attr: value})
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_every_isa_keeps_certified_reuse_exact(isa):
+    """The cases above under each ISA's kernels (ORTSPARSE_ISA is read once per process)."""
+    if os.environ.get("ORTSPARSE_ISA"):
+        pytest.skip("already inside an ISA run")
+    if isa == "avx512" and "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX-512 on this CPU")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                           "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
