@@ -48,7 +48,7 @@ class AttentionSettings(TechniqueSettings):
     a rewritten file written with every attribute means what the op's defaults mean today."""
 
     label: ClassVar[str] = "attention"
-    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates")
+    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates", "event_topk", "event_gap_tol")
 
     mode: str = "sign"
     select: str = "popcount"
@@ -64,6 +64,13 @@ class AttentionSettings(TechniqueSettings):
     proj_bits: int = 0
     page_size: int = 16
     verify_keys: int = 0  # GroupQueryAttention form only: key-summary reuse checked by row hash
+    # Event-driven attention by heads (docs/ops.md#event-driven-attention): decode steps of the
+    # budgeted page selector reuse a head's page choice while its query moves little.
+    event: int = 0
+    event_topk: float = 1.0    # of the heads the certificate does not cover, the fraction re-ranked
+    event_age_max: int = 8     # a head re-ranks after at most this many reuses in a row
+    event_gap_every: int = 64  # every N steps the uncertified reuses are checked (0: never)
+    event_gap_tol: float = 0.03  # a checked gap above this disables reuse for the session
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,7 +95,18 @@ class AttentionSettings(TechniqueSettings):
                 problems.append(f"{name}={value!r} must be an integer >= 0")
         if not (isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and 1 <= self.page_size <= 4096):
             problems.append(f"page_size={self.page_size!r} must be an integer in [1, 4096]")
-        for name in ("pack_cache", "center", "verify_keys"):
+        if not (isinstance(self.event_topk, (int, float)) and 0.0 <= self.event_topk <= 1.0):
+            problems.append(f"event_topk={self.event_topk!r} must be in [0, 1]")
+        if not (isinstance(self.event_age_max, int) and not isinstance(self.event_age_max, bool)
+                and self.event_age_max >= 1):
+            problems.append(f"event_age_max={self.event_age_max!r} must be an integer >= 1")
+        if not (isinstance(self.event_gap_every, int) and not isinstance(self.event_gap_every, bool)
+                and self.event_gap_every >= 0):
+            problems.append(f"event_gap_every={self.event_gap_every!r} must be an integer >= 0")
+        if not (isinstance(self.event_gap_tol, (int, float)) and math.isfinite(self.event_gap_tol)
+                and self.event_gap_tol >= 0.0):
+            problems.append(f"event_gap_tol={self.event_gap_tol!r} must be a finite number >= 0")
+        for name in ("pack_cache", "center", "verify_keys", "event"):
             value = getattr(self, name)
             if value not in (0, 1) or isinstance(value, (bool, float)):
                 problems.append(f"{name}={value!r} must be 0 or 1")
@@ -105,12 +123,17 @@ class AttentionSettings(TechniqueSettings):
         return self.select == "none"
 
     def attributes(self) -> dict[str, Any]:
-        # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move.
-        return {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
-                "eps": float(self.eps), "density_max": float(self.density_max),
-                "candidates": float(self.candidates), "keep_first": int(self.keep_first),
-                "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache),
-                "center": int(self.center), "proj_bits": int(self.proj_bits), "page_size": int(self.page_size)}
+        # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move
+        # (event-driven reuse's only when it is on: off is the op's meaning without them).
+        attrs = {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
+                 "eps": float(self.eps), "density_max": float(self.density_max),
+                 "candidates": float(self.candidates), "keep_first": int(self.keep_first),
+                 "keep_recent": int(self.keep_recent), "pack_cache": int(self.pack_cache),
+                 "center": int(self.center), "proj_bits": int(self.proj_bits), "page_size": int(self.page_size)}
+        if self.event:
+            attrs.update(event=1, event_topk=float(self.event_topk), event_age_max=int(self.event_age_max),
+                         event_gap_every=int(self.event_gap_every), event_gap_tol=float(self.event_gap_tol))
+        return attrs
 
     def gqa_attributes(self) -> dict[str, Any]:
         """The attributes of PopcountGroupQueryAttention: the common ones plus verify_keys."""
@@ -118,9 +141,11 @@ class AttentionSettings(TechniqueSettings):
 
     def for_form(self, form: str) -> AttentionSettings:
         """The settings a core of ``form`` gets: ``--attn=popcount`` with every other flag at its
-        default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`; anything else as given."""
-        if form == GQA_FORM and self == _PLAIN_POPCOUNT:
-            return GQA_RECOMMENDED
+        default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`; anything else as given.
+        The ``--attn-event*`` flags are kept either way (they choose reuse, not the selection)."""
+        event = {f: getattr(self, f) for f in EVENT_FIELDS}
+        if form == GQA_FORM and dataclasses.replace(self, **{f: getattr(_D, f) for f in EVENT_FIELDS}) == _PLAIN_POPCOUNT:
+            return dataclasses.replace(GQA_RECOMMENDED, **event)
         return self
 
     def short(self) -> str:
@@ -138,6 +163,7 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 
 
 _D = AttentionSettings()
+EVENT_FIELDS = ("event", "event_topk", "event_age_max", "event_gap_every", "event_gap_tol")
 _PLAIN_POPCOUNT = AttentionSettings(select="popcount")
 # The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md).
 GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, page_size=16, keep_first=4,
@@ -187,6 +213,23 @@ ATTENTION_FLAGS = FlagGroup(
              help="GroupQueryAttention cores: also check reused key summaries by hashing every reused key row "
                   "(exact whatever writes the KV buffer, but reads all keys each step; default 0: reuse by "
                   "provenance, see docs/ops.md)"),
+        Flag("--attn-event", field="event", type=int, choices=(0, 1), default=_D.event,
+             help="event-driven attention by heads: a decode step of the budgeted page selector (GroupQueryAttention "
+                  "cores) reuses a head's page choice while its query moves little (exact under its certificate; "
+                  "default 0)"),
+        Flag("--attn-event-topk", field="event_topk", type=flag_types.unit_interval, default=_D.event_topk,
+             metavar="FRAC",
+             help="of the heads the certificate does not cover, the fraction (largest query change first) that "
+                  "re-ranks; the rest reuse uncertified (default 1: certified reuse only)"),
+        Flag("--attn-event-age-max", field="event_age_max", type=flag_types.positive_int, default=_D.event_age_max,
+             metavar="N", help=f"a head re-ranks after at most N reuses in a row (default {_D.event_age_max})"),
+        Flag("--attn-event-gap-every", field="event_gap_every", type=flag_types.non_negative_int,
+             default=_D.event_gap_every, metavar="N",
+             help=f"every N decode steps the uncertified reuses are also computed fully and compared (default "
+                  f"{_D.event_gap_every}; 0: never)"),
+        Flag("--attn-event-gap-tol", field="event_gap_tol", type=flag_types.non_negative_float,
+             default=_D.event_gap_tol, metavar="REL",
+             help=f"a checked relative L2 gap above REL disables reuse for the session (default {_D.event_gap_tol:g})"),
     ),
 )
 

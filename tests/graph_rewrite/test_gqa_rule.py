@@ -6,6 +6,7 @@ in onnxruntime_genai's Generator (slow)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -173,6 +174,9 @@ def _config(argv):
     (["--attn=pages", "--attn-page-size=8", "--attn-verify-keys=1", "--attn-candidates=0"],
      AttentionSettings(select="pages", page_size=8, verify_keys=1, candidates=0.0)),
     (["--attn=none"], AttentionSettings(select="none")),
+    # the event flags keep the recommended selection and add reuse on top
+    (["--attn=popcount", "--attn-event=1", "--attn-event-topk=0.5", "--attn-event-gap-tol=0.1"],
+     dataclasses.replace(GQA_RECOMMENDED, event=1, event_topk=0.5, event_gap_tol=0.1)),
 ])
 def test_flags_give_the_node_its_settings(argv, expected):
     out, report = rewrite_model(genai_layer(), _config(argv))
@@ -182,6 +186,7 @@ def test_flags_give_the_node_its_settings(argv, expected):
     for name, value in expected.gqa_attributes().items():
         got = a[name].decode() if isinstance(a[name], bytes) else a[name]
         assert got == pytest.approx(value), name
+    assert ("event" in a) == bool(expected.event)  # written only when on
 
 
 def test_recommended_setting_is_selective_and_valid():
