@@ -96,6 +96,12 @@ def test_loop_is_round_robin_teacher_forced_and_scores_agreement():
     following = TOKENS[14:21]
     assert b["next_token_accuracy"] == pytest.approx(np.mean(following == 7))
     assert a["tokens_per_s"] == pytest.approx(1 / a["median_s"])
+    # NLL of the corpus's next token under each model's logits (one-hot 1.0 over 256 classes)
+    hit, miss = np.log(255 + np.e) - 1.0, np.log(255 + np.e)
+    nll_a = np.where(following == np.asarray(a["predictions"]), hit, miss).mean()
+    nll_b = np.where(following == 7, hit, miss).mean()
+    assert a["mean_nll"] == pytest.approx(nll_a) and b["mean_nll"] == pytest.approx(nll_b)
+    assert a["dppl_vs_reference"] == 0.0 and b["dppl_vs_reference"] == pytest.approx(np.expm1(nll_b - nll_a))
 
 
 def test_plan_fits_the_models_longest_sequence():

@@ -178,8 +178,11 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     """Run the loop over every stepper (reset first) and return per name: ``step_seconds`` (timed
     steps), ``median_s``, ``tokens_per_s``, ``p10_s`` / ``p90_s``, ``prefill_s`` and
     ``prefill_tokens_per_s``, ``predictions`` (argmax after each decode step, warm-up included),
-    ``next_token_accuracy`` (predictions equal to the corpus's next token) and, with a
-    ``reference`` name, ``top1_agreement`` (predictions equal to the reference's). Under
+    ``next_token_accuracy`` (predictions equal to the corpus's next token), ``mean_nll`` (mean
+    negative log-likelihood of the corpus's next token over the decode steps) and, with a
+    ``reference`` name, ``top1_agreement`` (predictions equal to the reference's) and
+    ``dppl_vs_reference`` (exp of the mean NLL difference, minus 1: a perplexity change measured
+    on decode steps, each seeing its own model's KV cache). Under
     ``_metrics``: the op library's counters of the decode steps (reset after the prefill)."""
     tokens = np.asarray(tokens).reshape(-1)
     if tokens.size < loop.tokens_needed:
@@ -195,6 +198,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     prefill = {name: 0.0 for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     predictions: dict[str, list[int]] = {name: [] for name in names}
+    nll: dict[str, list[float]] = {name: [] for name in names}
     say = log or (lambda text: None)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection in the middle of a timed step would land on one model only
@@ -219,6 +223,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
                 if step >= loop.warmup:
                     times[name].append(elapsed)
                 predictions[name].append(int(np.argmax(logits)))
+                nll[name].append(_next_token_nll(logits, int(following[step])))
         counters = metrics() if measure_metrics else {}
     finally:
         if gc_was_enabled:
@@ -233,12 +238,21 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
                "p90_s": float(np.percentile(steps, 90)), "prefill_s": prefill[name],
                "prefill_tokens_per_s": loop.prompt / prefill[name] if prefill[name] > 0 else float("nan"),
                "predictions": predicted.tolist(),
-               "next_token_accuracy": float(np.mean(predicted == following))}
+               "next_token_accuracy": float(np.mean(predicted == following)),
+               "mean_nll": float(np.mean(nll[name]))}
         if reference is not None:
             row["top1_agreement"] = float(np.mean(predicted == np.asarray(predictions[reference])))
+            row["dppl_vs_reference"] = float(np.expm1(np.mean(nll[name]) - np.mean(nll[reference])))
         result[name] = row
     result["_metrics"] = counters
     return result
+
+
+def _next_token_nll(logits: np.ndarray, token: int) -> float:
+    """-log softmax(logits)[token], in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max()
+    return float(top + np.log(np.exp(x - top).sum()) - x[token])
 
 
 def open_stepper(source: Any, runner: str, threads: int, *, layout_source: Any = None) -> Stepper:
