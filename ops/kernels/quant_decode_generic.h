@@ -50,16 +50,19 @@ void with_pass_rows(int count, Run&& run) {
   }
 }
 
-// run_pass(count, mode, rows, ahead, xv, scales, zero_points, xs): one pass of count <= kPass rows.
-template <size_t kPass, class RunPass>
-void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x,
-                          const int32_t* rows, size_t nrows, size_t lookahead, RunPass&& run_pass) {
+// The walk both decode kernels share: per K-block of the panel, the block's kept rows [begin, end)
+// of the list (every row when `rows` is null): on_block(b, begin, end) once, then
+// on_pass(b, count, mode, r, qr, pf) per pass of count <= kPass rows, with r the rows' indices, qr
+// their bytes and pf the rows `distance` further down the list (dense: row order) to prefetch.
+// Prefetching runs past this call's rows into the next task's (list entries after nrows, or the
+// rows after the last block), so a task that follows on the same thread starts warm.
+template <size_t kPass, class OnBlock, class OnPass>
+void walk_kept_rows(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const int32_t* rows, size_t nrows,
+                    size_t lookahead, OnBlock&& on_block, OnPass&& on_pass) {
   const size_t width = p.panel;
   const uint8_t* q = p.panel_q(panel);
   const float* scales = p.panel_scales(panel);
   const uint8_t* zp = p.panel_zero_points(panel);
-  // Prefetching runs past this call's rows into the next task's (list entries after nrows, or the
-  // rows after the last block), so a task that follows on the same thread starts warm.
   const size_t list_end = nrows + lookahead, distance = prefetch_rows(p.row_bytes, kPass);
   size_t next = 0;
   if (b0 < b1) prefetch_block_scales(scales, zp, width, b0);
@@ -69,72 +72,70 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
     // The next block's scales and zero points are a stream of their own, read once per block at its
     // last pass, that the hardware prefetchers miss: fetch them while this block's rows stream in.
     if (b + 1 < p.num_blocks) prefetch_block_scales(scales, zp, width, b + 1);
-    float xs = 0.0f;
-    for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
-    const float* sb = scales + b * width;
-    const uint8_t* zb = zp ? zp + b * width : nullptr;
+    on_block(b, begin, end);
     for (size_t i = begin; i < end; i += kPass) {
-      const int count = static_cast<int>(std::min(kPass, end - i));
+      const size_t count = std::min(kPass, end - i);
       const bool first = i == begin, last = i + kPass >= end;
       const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
+      size_t r[kPass];
       const uint8_t* qr[kPass];
       const uint8_t* pf[kPass];
-      float xv[kPass];
-      for (int e = 0; e < count; ++e) {
-        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
-        qr[e] = q + r * p.row_bytes;
-        xv[e] = x[r];
-        const size_t ahead = i + e + distance;  // in list order (dense: row order)
-        const size_t ra = rows ? (ahead < list_end ? static_cast<size_t>(rows[ahead]) : r) : (ahead < p.k ? ahead : r);
+      for (size_t e = 0; e < count; ++e) {
+        r[e] = rows ? static_cast<size_t>(rows[i + e]) : i + e;
+        qr[e] = q + r[e] * p.row_bytes;
+        const size_t ahead = i + e + distance;
+        const size_t ra = rows ? (ahead < list_end ? static_cast<size_t>(rows[ahead]) : r[e]) : (ahead < p.k ? ahead : r[e]);
         pf[e] = q + ra * p.row_bytes;
       }
-      run_pass(count, mode, qr, pf, xv, sb, zb, xs);
+      on_pass(b, count, mode, r, qr, pf);
     }
   }
 }
 
-// The int8 decode's row walk (decode_int8): per K-block of the panel, its kept rows in passes of up
-// to kPass rows (a multiple of 4) handed over as quads, the unit of one int8 dot product lane: each
-// quad's activations packed into one int32 (row 4i + e of the pass in byte e), a pass's last quad
-// padded with activation 0 and the pass's last row (already in L1, so the padding costs no bytes).
-// run_pass(quads, mode, rows, ahead, packed, block) with rows / ahead 4 * quads entries.
+// The fp32-activation decode: run_pass(count, mode, rows, ahead, xv, scales, zero_points, xs), one
+// pass of count <= kPass rows with their x values and the block's sum of x.
+template <size_t kPass, class RunPass>
+void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const float* x,
+                          const int32_t* rows, size_t nrows, size_t lookahead, RunPass&& run_pass) {
+  const size_t width = p.panel;
+  const float* scales = p.panel_scales(panel);
+  const uint8_t* zp = p.panel_zero_points(panel);
+  float xs = 0.0f;
+  walk_kept_rows<kPass>(
+      p, panel, b0, b1, rows, nrows, lookahead,
+      [&](size_t, size_t begin, size_t end) {
+        xs = 0.0f;
+        for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
+      },
+      [&](size_t b, size_t count, Mode mode, const size_t* r, const uint8_t** qr, const uint8_t** pf) {
+        float xv[kPass];
+        for (size_t e = 0; e < count; ++e) xv[e] = x[r[e]];
+        run_pass(static_cast<int>(count), mode, qr, pf, xv, scales + b * width, zp ? zp + b * width : nullptr, xs);
+      });
+}
+
+// The int8 decode (decode_int8): passes of up to kPass rows (a multiple of 4) handed over as quads,
+// the unit of one int8 dot product lane: each quad's activations packed into one int32 (row 4i + e
+// of the pass in byte e), a pass's last quad padded with activation 0 and the pass's last row
+// (already in L1, so the padding costs no bytes). run_pass(quads, mode, rows, ahead, packed, block)
+// with rows / ahead 4 * quads entries.
 template <size_t kPass, class RunPass>
 void for_each_int8_pass(const QuantPacked& p, size_t panel, size_t b0, size_t b1, const int8_t* xq,
                         const int32_t* rows, size_t nrows, size_t lookahead, RunPass&& run_pass) {
   static_assert(kPass % 4 == 0, "passes are whole quads");
-  const size_t width = p.panel;
-  const uint8_t* q = p.panel_q(panel);
-  const float* scales = p.panel_scales(panel);
-  const uint8_t* zp = p.panel_zero_points(panel);
-  const size_t list_end = nrows + lookahead, distance = prefetch_rows(p.row_bytes, kPass);
-  size_t next = 0;
-  if (b0 < b1) prefetch_block_scales(scales, zp, width, b0);
-  for (size_t b = b0; b < b1; ++b) {
-    size_t begin = 0, end = 0;
-    if (!block_kept_range(p, b, rows, nrows, next, begin, end)) continue;
-    if (b + 1 < p.num_blocks) prefetch_block_scales(scales, zp, width, b + 1);
-    for (size_t i = begin; i < end; i += kPass) {
-      const size_t count = std::min(kPass, end - i), quads = (count + 3) / 4;
-      const bool first = i == begin, last = i + kPass >= end;
-      const Mode mode = first ? (last ? kOnly : kFirst) : (last ? kLast : kMiddle);
-      const uint8_t* qr[kPass];
-      const uint8_t* pf[kPass];
-      int32_t packed[kPass / 4] = {};
-      for (size_t e = 0; e < count; ++e) {
-        const size_t r = rows ? static_cast<size_t>(rows[i + e]) : i + e;
-        qr[e] = q + r * p.row_bytes;
-        packed[e / 4] |= static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint8_t>(xq[r])) << (8 * (e % 4)));
-        const size_t ahead = i + e + distance;
-        const size_t ra = rows ? (ahead < list_end ? static_cast<size_t>(rows[ahead]) : r) : (ahead < p.k ? ahead : r);
-        pf[e] = q + ra * p.row_bytes;
-      }
-      for (size_t e = count; e < quads * 4; ++e) {
-        qr[e] = qr[count - 1];
-        pf[e] = pf[count - 1];
-      }
-      run_pass(static_cast<int>(quads), mode, qr, pf, packed, b);
-    }
-  }
+  walk_kept_rows<kPass>(
+      p, panel, b0, b1, rows, nrows, lookahead, [](size_t, size_t, size_t) {},
+      [&](size_t b, size_t count, Mode mode, const size_t* r, const uint8_t** qr, const uint8_t** pf) {
+        const size_t quads = (count + 3) / 4;
+        int32_t packed[kPass / 4] = {};
+        for (size_t e = 0; e < count; ++e)
+          packed[e / 4] |= static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint8_t>(xq[r[e]])) << (8 * (e % 4)));
+        for (size_t e = count; e < quads * 4; ++e) {
+          qr[e] = qr[count - 1];
+          pf[e] = pf[count - 1];
+        }
+        run_pass(static_cast<int>(quads), mode, qr, pf, packed, b);
+      });
 }
 
 }  // namespace
