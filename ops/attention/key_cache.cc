@@ -268,6 +268,8 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
     }
   }
   KeyCache& kc = *fresh;
+  kc.reused.resize(heads);
+  for (size_t hk = 0; hk < heads; ++hk) kc.reused[hk] = plan[hk].reuse;
   std::shared_ptr<const std::vector<float>> proj;
   if (popcount && summary_.proj_bits > 0) proj = projection_for(d);
   kc.projection = proj;

@@ -75,6 +75,7 @@ struct KeyCache {
   const void* source = nullptr;          // provenance: the K buffer these summaries were taken from
   size_t source_rows = 0;
   std::vector<size_t> trusted;           // provenance, per head: leading rows the kernel wrote itself
+  std::vector<size_t> reused;            // per head: leading rows this call took over unchanged from the last
   std::shared_ptr<const std::vector<float>> projection;
   std::shared_ptr<const std::vector<uint32_t>> hash_key;
 

@@ -840,11 +840,17 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   const uint64_t call_number = reuse_ ? reuse_->call_number() : 0;
   HeadReuse::Lease lease;
   std::vector<HeadAction> actions;
+  KeyProvenance by_hash;  // without the caller's facts: the rows the key cache found unchanged by hash
   if (reuse_ && plan.keys != nullptr && config_.select == Selector::kPages && config_.candidates > 0.0f &&
-      dims.sq == 1 && call.mask.keep == nullptr && call.mask.add == nullptr && provenance != nullptr) {
+      dims.sq == 1 && call.mask.keep == nullptr && call.mask.add == nullptr) {
+    if (provenance == nullptr) {
+      by_hash.unchanged.assign(dims.b, std::numeric_limits<size_t>::max());
+      for (size_t hk = 0; hk < keys->heads; ++hk)
+        by_hash.unchanged[hk / dims.hkv] = std::min(by_hash.unchanged[hk / dims.hkv], keys->reused[hk]);
+    }
     lease = reuse_->lease();
     if (lease) {
-      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, provenance,
+      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, provenance ? provenance : &by_hash,
                              [&call](size_t b, size_t h) { return call.q + call.q_rows.at(b, h, 0); }, stats.event);
       plan.reuse = reuse_.get();
       plan.actions = &actions;

@@ -191,3 +191,30 @@ def test_every_isa_keeps_certified_reuse_exact(isa):
                            "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_the_4d_op_reuses_by_the_key_cache_s_hashes(rng):
+    """PopcountAttention (4-D) gets the whole K each call, with no facts about its rows: the key
+    cache's row hashes say which are unchanged, and certified reuse stays bit-identical."""
+    from .attention_reference import attention_model
+
+    attrs = dict(select="pages", topk=6, page_size=4, candidates=2.0, min_keys=0, keep_first=1, keep_recent=2)
+    sessions = {name: ortsparse.inference_session(attention_model(node_name=name, **attrs, **extra))
+                for name, extra in (("plain4d", {}), ("event4d", dict(event=1, event_topk=1.0, event_age_max=1000)))}
+    ortsparse.reset_metrics()
+    h, d = 4, 16
+    k = rng.standard_normal((1, h, 24, d), dtype=np.float32)
+    v = rng.standard_normal((1, h, 24, d), dtype=np.float32)
+    for q in drifting_queries(rng, 1, h * d, 40, 0.0):
+        k = np.concatenate([k, rng.standard_normal((1, h, 1, d), dtype=np.float32)], axis=2)
+        v = np.concatenate([v, rng.standard_normal((1, h, 1, d), dtype=np.float32)], axis=2)
+        feeds = {"Q": q.reshape(1, h, 1, d), "K": k, "V": v}
+        a = sessions["event4d"].run(None, feeds)[0]
+        b = sessions["plain4d"].run(None, feeds)[0]
+        assert np.array_equal(a, b)
+    m = ortsparse.metrics()["PopcountAttention/event4d"]
+    assert m["event.reused_certified"] > 40 * h // 2
+    k[0, 0, 3] += 1.0  # an edited key: the hash sees it, every head of the entry ranks again
+    ortsparse.reset_metrics()
+    sessions["event4d"].run(None, {"Q": q.reshape(1, h, 1, d), "K": k, "V": v})
+    assert ortsparse.metrics()["PopcountAttention/event4d"]["event.heads_ranked"] == h
