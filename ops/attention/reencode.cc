@@ -97,7 +97,7 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
     row_max_.assign(rows, kNegInf);
     row_sum_.assign(rows, 0.0);
     row_through_.assign(rows, 0.0);
-    numer_.assign(rows * Dv, 0.0);
+    numer_.assign(rows * Dv, 0.0f);
     stats.reset = true;
   }
   MaskView old_mask = c.mask;  // the previous call's mask, same strides
@@ -188,7 +188,7 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
     bool ok = true;
     std::vector<size_t> redo;  // rows (g * Sq + i) to recompute
     std::vector<float> s_old, s_new;
-    std::vector<double> numer(Dv);
+    std::vector<float> numer(Dv);
     for (size_t g = 0; g < G; ++g) {
       const size_t h = hk * G + g;
       for (size_t i = 0; i < Sq; ++i) {
@@ -214,42 +214,37 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
         exact_scores(ks, score, q, D, k_state, D, m, 0, keys, n, s_old.data());
         exact_scores(ks, score, q, D, k_new, c.k_rows.pos, m, 0, keys, n, s_new.data());
         n_scored += 2 * n;
-        double mx = row_max_[r];
-        const double top = *std::max_element(s_new.begin(), s_new.end());
+        float mx = row_max_[r];
+        const float top = *std::max_element(s_new.begin(), s_new.end());
         double sum = row_sum_[r], through = row_through_[r];
-        const double* was = numer_.data() + r * Dv;
+        std::copy_n(numer_.data() + r * Dv, Dv, numer.data());
         if (top > mx) {  // a new key above the running max: move the reference up (no overflow)
-          const double f = std::exp(mx - top);
-          for (size_t x = 0; x < Dv; ++x) numer[x] = was[x] * f;
+          const double f = std::exp(static_cast<double>(mx) - static_cast<double>(top));
+          const float ff = static_cast<float>(f);
+          for (size_t x = 0; x < Dv; ++x) numer[x] *= ff;
           sum *= f;
           through *= f;
           mx = top;
-        } else {
-          std::copy_n(was, Dv, numer.data());
         }
-        double removed = 0.0, added = 0.0;
-        for (size_t t = 0; t < n; ++t) {
-          const size_t j = static_cast<size_t>(keys[t]);
-          const double w_old = std::exp(static_cast<double>(s_old[t]) - mx);
-          const double w_new = std::exp(static_cast<double>(s_new[t]) - mx);
-          const float* vo = v_state + j * Dv;
-          const float* vn = v_new + j * c.v_rows.pos;
-          for (size_t x = 0; x < Dv; ++x) numer[x] += w_new * vn[x] - w_old * vo[x];
-          removed += w_old;
-          added += w_new;
-        }
+        // The weights e^{s - m} of the old and new keys (vectorised exp, the kernels' own), then
+        // N += sum(w_new v_new) - sum(w_old v_old) as two weighted sums of V rows.
+        const double removed = ks.attention->exp_sub(s_old.data(), n, mx, s_old.data());
+        const double added = ks.attention->exp_sub(s_new.data(), n, mx, s_new.data());
+        for (size_t t = 0; t < n; ++t) s_old[t] = -s_old[t];
+        ks.matmul->gemv_rows(v_state, Dv, keys, s_old.data(), n, numer.data(), Dv, true);
+        ks.matmul->gemv_rows(v_new, c.v_rows.pos, keys, s_new.data(), n, numer.data(), Dv, true);
         sum = sum - removed + added;
         through += removed + added;
         if (!(sum > 0.0) || !(through <= kMaxAmplification * sum)) {  // cancellation: recompute
           redo.push_back(g * Sq + i);
           continue;
         }
-        const double inv = 1.0 / sum;
+        const float inv = static_cast<float>(1.0 / sum);
         float* keep_y = y_.data() + r * Dv;
-        for (size_t x = 0; x < Dv; ++x) keep_y[x] = y[x] = static_cast<float>(numer[x] * inv);
+        for (size_t x = 0; x < Dv; ++x) keep_y[x] = y[x] = numer[x] * inv;
         ok = ok && all_finite(y, Dv);
         std::copy_n(numer.data(), Dv, numer_.data() + r * Dv);
-        row_max_[r] = static_cast<float>(mx);
+        row_max_[r] = mx;
         row_sum_[r] = sum;
         row_through_[r] = through;
         ++n_corrected;
@@ -334,13 +329,13 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
           const size_t r = (b * H + h) * Sq + i;
           float* y = c.y + c.y_rows.at(b, h, i);
           float* keep_y = y_.data() + r * Dv;
-          double* numer_r = numer_.data() + r * Dv;
+          float* numer_r = numer_.data() + r * Dv;
           const float* orow = o.data() + t * Dv;
           n_scored += hi[t];
           if (row_max[t] == kNegInf) {  // no attendable key: y = 0
             std::fill(y, y + Dv, 0.0f);
             std::fill(keep_y, keep_y + Dv, 0.0f);
-            std::fill(numer_r, numer_r + Dv, 0.0);
+            std::fill(numer_r, numer_r + Dv, 0.0f);
             row_max_[r] = kNegInf;
             row_sum_[r] = row_through_[r] = 0.0;
             continue;

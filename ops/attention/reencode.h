@@ -84,7 +84,7 @@ class Reencoder {
   std::vector<uint8_t> mask_;  // the mask buffer's bytes
   std::vector<float> row_max_;                 // m per row [B, H, Sq]
   std::vector<double> row_sum_, row_through_;  // l, and the mass through l since its last full computation
-  std::vector<double> numer_;                  // N per row, [B, H, Sq, Dv]
+  std::vector<float> numer_;                   // N per row, [B, H, Sq, Dv]
 };
 
 }  // namespace ortsparse::attention
