@@ -29,12 +29,14 @@ bool all_finite(const float* x, size_t n) {
 }
 
 // Row a (this call's) counts as unchanged from b (the state's): bit-identical with tol = 0, else
-// max|a - b| <= tol · max|b|.
+// max|a - b| <= tol · max|b|. A NaN or Inf in a always counts as a change (the caller's finiteness
+// check then leaves the call to the full path).
 bool unchanged(const float* a, const float* b, size_t n, float tol) {
   if (tol == 0.0f) return std::memcmp(a, b, n * sizeof(float)) == 0;
   float diff = 0.0f, size = 0.0f;
   for (size_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::fabs(a[i] - b[i]));
+    const float d = std::fabs(a[i] - b[i]);
+    if (!(d <= diff)) diff = d;  // NaN sticks
     size = std::max(size, std::fabs(b[i]));
   }
   return diff <= tol * size;
@@ -79,8 +81,8 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
   const uint8_t* mask_data = keep ? c.mask.keep : add ? reinterpret_cast<const uint8_t*>(c.mask.add) : nullptr;
 
   const bool same_call = valid_ && same_dims(dims_, dd) && params_.scale == params.scale &&
-                         params_.causal == params.causal && params_.tol == params.tol && params_.mask_elements == params.mask_elements &&
-                         mask_keep_ == keep && mask_add_ == add &&
+                         params_.causal == params.causal && params_.tol == params.tol &&
+                         params_.mask_elements == params.mask_elements && mask_keep_ == keep && mask_add_ == add &&
                          std::equal(mask_stride_, mask_stride_ + 4, c.mask.stride);
   const bool reset = !same_call;
   const bool mask_changed = mask_bytes > 0 && (reset || std::memcmp(mask_.data(), mask_data, mask_bytes) != 0);

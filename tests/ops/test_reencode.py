@@ -244,17 +244,25 @@ def test_tolerance_reuses_rows_within_it_and_refreshes_beyond(rng):
     assert m["rows_recomputed"] == H * S + H and m["rows_corrected"] == H * (S - 1)
 
 
-def test_non_finite_inputs_fall_back_to_the_full_path(rng):
-    node = "re.nan"
-    ours, full = sessions(node)
+@pytest.mark.parametrize("tol", [0.0, 0.1])
+def test_non_finite_inputs_fall_back_to_the_full_path(tol, rng):
+    """A NaN is never within a tolerance: the call runs the engine (NaN where it puts it) and the
+    next call rebuilds the state."""
+    node = f"re.nan.{tol}"
+    ours, full = sessions(node, reuse_tol=tol)
     q, k, v = ref_qkv(rng, 1)
     ours.run(None, feeds(q, k, v))
     v = v.copy()
     v[0, 1, 9, 2] = np.nan
     f = feeds(q, k, v)
     got, want = ours.run(None, f)[0], full.run(None, f)[0]
+    assert np.isnan(want).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     assert counters(node)["calls_applied"] == 1  # the NaN call ran the engine
+    v[0, 1, 9, 2] = 0.5
+    f = feeds(q, k, v)
+    check_close(ours.run(None, f)[0], full.run(None, f)[0])
+    assert counters(node)["resets"] == 2
 
 
 def test_bad_reuse_rows_is_a_clear_error():
