@@ -36,7 +36,8 @@ bool unchanged(const float* a, const float* b, size_t n, float tol) {
   float diff = 0.0f, size = 0.0f;
   for (size_t i = 0; i < n; ++i) {
     const float d = std::fabs(a[i] - b[i]);
-    if (!(d <= diff)) diff = d;  // NaN sticks
+    if (!std::isfinite(d)) return false;
+    diff = std::max(diff, d);
     size = std::max(size, std::fabs(b[i]));
   }
   return diff <= tol * size;
