@@ -1,8 +1,11 @@
 // PopcountAttention(Q, K, V, attn_mask?) -> Y: validates shapes and the mask's broadcast, then
-// runs the attention engine (ops/attention/popcount_attention.h).
+// runs the attention engine (ops/attention/popcount_attention.h), or with reuse_rows = 1 the
+// re-encoding mode (ops/attention/reencode.h) when the call is exact attention.
+#include <cmath>
 #include <memory>
 
 #include "attention/popcount_attention.h"
+#include "attention/reencode.h"
 #include "common/metrics.h"
 #include "ort/attention_attributes.h"
 #include "ort/matmul_io.h"
@@ -18,6 +21,26 @@ attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
   if (causal != 0 && causal != 1) fail("attribute is_causal=", causal, " must be 0 or 1");
   c.causal = causal == 1;
   return c;
+}
+
+// Counters of the re-encoding mode (reuse_rows = 1): a slot of their own, "PopcountAttention.reencode".
+enum ReencodeCounter { kReCalls, kReApplied, kReBusy, kReResets, kReRowsReused, kReRowsCorrected, kReRowsRecomputed,
+                       kReKeysAttended, kReKeysScored };
+
+std::vector<std::pair<std::string, double>> describe_reencode(const uint64_t* c, const double*) {
+  const uint64_t rows = c[kReRowsReused] + c[kReRowsCorrected] + c[kReRowsRecomputed];
+  auto ratio = [](uint64_t a, uint64_t b) { return b ? static_cast<double>(a) / static_cast<double>(b) : 0.0; };
+  return {
+      {"calls", static_cast<double>(c[kReCalls])},
+      {"calls_applied", static_cast<double>(c[kReApplied])},
+      {"calls_busy", static_cast<double>(c[kReBusy])},
+      {"resets", static_cast<double>(c[kReResets])},
+      {"rows_reused", static_cast<double>(c[kReRowsReused])},
+      {"rows_corrected", static_cast<double>(c[kReRowsCorrected])},
+      {"rows_recomputed", static_cast<double>(c[kReRowsRecomputed])},
+      {"reused_ratio", ratio(c[kReRowsReused], rows)},
+      {"keys_scored_ratio", ratio(c[kReKeysScored], c[kReKeysAttended])},
+  };
 }
 
 struct Tensor4 {
@@ -57,6 +80,15 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     metrics_->set_constant(kMode, static_cast<double>(static_cast<int>(config.mode)));
     metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(kernels.popcnt_path)));
     metrics_->set_constant(kSelect, static_cast<double>(static_cast<int>(config.select)));
+    const int64_t reuse_rows = Attributes(info).get_int("reuse_rows", 0);
+    if (reuse_rows != 0 && reuse_rows != 1) fail("attribute reuse_rows=", reuse_rows, " must be 0 or 1");
+    reuse_tol_ = Attributes(info).get_float("reuse_tol", 0.0f);
+    if (!(reuse_tol_ >= 0.0f) || !std::isfinite(reuse_tol_))
+      fail("attribute reuse_tol=", reuse_tol_, " must be a finite number >= 0 (0: rows reused only when bit-identical)");
+    if (reuse_rows == 1) {
+      reencoder_ = std::make_unique<attention::Reencoder>();
+      reencode_metrics_ = metrics_slot(std::string(kOpName) + ".reencode", node(), describe_reencode);
+    }
   }
 
   void Compute(OrtKernelContext* raw_context) {
@@ -86,6 +118,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     const std::vector<int64_t> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
 
     attention::MaskView& mask = call.mask;
+    size_t mask_elements = 0;
     if (context.GetInputCount() > 3) {
       Ort::ConstValue m = context.GetInput(3);
       if (m) {
@@ -112,6 +145,7 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
           mask.stride[fd] = ms[md] == 1 ? 0 : stride;
           stride *= static_cast<size_t>(ms[md]);
         }
+        mask_elements = stride;
       }
     }
     Ort::UnownedValue out = context.GetOutput(0, std::vector<int64_t>{q.shape[0], q.shape[1], q.shape[2], v.shape[3]});
@@ -130,12 +164,45 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     call.k_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.d);
     call.v_rows = attention::contiguous_bhsd(dims.hkv, dims.skv, dims.dv);
     call.y_rows = attention::contiguous_bhsd(dims.h, dims.sq, dims.dv);
-    count_attention(*metrics_, attention_->run(call, OrtTaskRunner(raw_context)));
+    const OrtTaskRunner runner(raw_context);
+    if (reencoder_ && attention::reencode_applies(attention_->config(), dims.skv) && reencode(call, mask_elements, runner))
+      return;
+    count_attention(*metrics_, attention_->run(call, runner));
   }
 
  private:
+  // The re-encoding mode on an exact call; false: the caller computes the call in full.
+  bool reencode(const attention::AttentionCall& call, size_t mask_elements, const TaskRunner& runner) {
+    const attention::PopcountAttentionConfig& config = attention_->config();
+    attention::ReencodeParams params;
+    params.scale = config.scale > 0.0f ? config.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(call.dims.d)));
+    params.causal = config.causal;
+    params.mask_elements = mask_elements;
+    params.tol = reuse_tol_;
+    const attention::ReencodeStats rs = reencoder_->run(call, params, attention_->kernels(), runner);
+    MetricsSlot& slot = *reencode_metrics_;
+    slot.add(kReCalls, 1);
+    slot.add(kReBusy, rs.busy ? 1 : 0);
+    slot.add(kReResets, rs.reset ? 1 : 0);
+    if (!rs.applied) return false;
+    slot.add(kReApplied, 1);
+    slot.add(kReRowsReused, rs.rows_reused);
+    slot.add(kReRowsCorrected, rs.rows_corrected);
+    slot.add(kReRowsRecomputed, rs.rows_recomputed);
+    slot.add(kReKeysAttended, rs.keys_attended);
+    slot.add(kReKeysScored, rs.keys_scored);
+    attention::AttentionStats stats;
+    stats.keys_total = rs.keys_attended;
+    stats.keys_exact = rs.keys_scored;
+    count_attention(*metrics_, stats);
+    return true;
+  }
+
   std::unique_ptr<attention::PopcountAttention> attention_;
   std::shared_ptr<MetricsSlot> metrics_;
+  std::unique_ptr<attention::Reencoder> reencoder_;  // reuse_rows = 1
+  std::shared_ptr<MetricsSlot> reencode_metrics_;
+  float reuse_tol_ = 0.0f;
 };
 
 }  // namespace
