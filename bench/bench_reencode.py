@@ -80,7 +80,7 @@ def window_calls(stream, tokens, calls, cls, sep):
 
 def reencoding(model: onnx.ModelProto, tol: float) -> onnx.ModelProto:
     """The rewritten model with its PopcountAttention ops in re-encoding mode (the attributes the
-    rewriter's --event-axis call adds, graph_rewrite/attention_reencode.py)."""
+    rewriter's --event-axis call adds, graph_rewrite/attention_event.py)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for node in out.graph.node:

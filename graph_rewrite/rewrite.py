@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from .attention import AttentionCore, default_opset
-from .attention_reencode import for_op, reencoding_tolerance
+from .attention_event import EventAttention, event_attention, for_op
 from .compose import check_attention
 from .config import RewriteConfig
 from .decide import decide_layer
@@ -136,9 +136,9 @@ def _linear_layers(found: Survey, config: RewriteConfig, editor: GraphEditor | N
 
 
 def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, why_off: str,
-               editor: GraphEditor | None, opset: int, reuse_tol: float | None = None) -> list[AttentionRecord]:
+               editor: GraphEditor | None, opset: int, event: EventAttention | None = None) -> list[AttentionRecord]:
     """One record per candidate core; with an ``editor`` and settings, each core a rule takes is
-    replaced (``reuse_tol`` set: the 4-D ops in re-encoding mode, attention_reencode.py)."""
+    replaced (``event``: event-driven attention from the event flags, attention_event.py)."""
     records = []
     for index, core in enumerate(cores):
         record = AttentionRecord(index=index, anchor=core.anchor_name, form=core.form,
@@ -152,7 +152,7 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
         if settings is None:
             record.reason = why_off
             continue
-        form_settings = for_op(settings.for_form(core.form), core.rule.new_op, reuse_tol)
+        form_settings = for_op(settings.for_form(core.form), core.rule.new_op, event)
         record.decision, record.new_op, record.settings = REWRITTEN, core.rule.new_op, form_settings
         record.reason, record.notes = f"rule {core.rule.rule_name}", list(core.operands.notes)
         if editor is None:
@@ -185,7 +185,7 @@ def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Calla
     # Attention last: a core's operands may be values the linear replacements took the place of
     # (the editor maps them), never the other way round.
     report.attention = _attention(found.attention.candidates, config.attention, config.attention_why, editor,
-                                  default_opset(model), reencoding_tolerance(config))
+                                  default_opset(model), event_attention(config))
     if apply:
         preparer.drop_unused()
         report.added_initializers = list(preparer.added)

@@ -177,6 +177,14 @@ def _config(argv):
     # the event flags keep the recommended selection and add reuse on top
     (["--attn=popcount", "--attn-event=1", "--attn-event-topk=0.5", "--attn-event-gap-tol=0.1"],
      dataclasses.replace(GQA_RECOMMENDED, event=1, event_topk=0.5, event_gap_tol=0.1)),
+    # the event-driven flags on attention mean the same per head (age 0 = no limit)
+    (["--attn=popcount", "--event-driven=on", "--event-target=attn", "--event-topk=0.25", "--event-gap-every=16"],
+     dataclasses.replace(GQA_RECOMMENDED, event=1, event_topk=0.25, event_gap_every=16, event_age_max=2**31 - 1)),
+    (["--attn=popcount", "--event-driven=on", "--event-target=both", "--event-age-max=5", "--attn-event=1"],
+     dataclasses.replace(GQA_RECOMMENDED, event=1)),  # --attn-event's own settings win
+    (["--attn=popcount", "--event-driven=on", "--event-target=mlp"], GQA_RECOMMENDED),
+    (["--attn=popcount", "--attn-topk=64", "--event-driven=on", "--event-target=attn"],
+     AttentionSettings(select="popcount", topk=64)),  # no page selector: nothing to reuse
 ])
 def test_flags_give_the_node_its_settings(argv, expected):
     out, report = rewrite_model(genai_layer(), _config(argv))
