@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..digest import sha256
 from . import baselines, cache, export_genai, export_minilm, export_smollm2
 from .cache import (MissingDependencyError, ModelBuildError, ModelNotBuiltError, atomic_write, atomic_write_bytes,
                     remove_stale_temporaries)
@@ -97,14 +97,6 @@ class BuildContext:
 
 # --------------------------------------------------------------------------------------------
 # Small pieces (no heavy imports): hashing, package access, manifests (atomic writes: cache.py)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def installed_version(dist: str) -> str | None:
