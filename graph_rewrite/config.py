@@ -33,22 +33,29 @@ from .techniques.popcount import ATTENTION_FLAGS, AttentionSettings, attention_f
 @dataclasses.dataclass(frozen=True)
 class LayerOverride:
     """One entry of the override file. ``match`` is a glob on the node name, ``layer:<index>``,
-    ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``.
+    ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``; ``node`` (instead
+    of ``match``) is one node's exact name, no glob (what the harness writes: graph_rewrite/layer_settings.py).
 
     ``off`` keeps the layer dense whatever the techniques say. ``techniques[name]`` per technique
     (``kwta`` included): absent (entry does not touch it), ``"off"``, or a mapping of its settings
     that also switches it on for the layer.
     """
 
-    match: str
+    match: str = ""
     off: bool = False
     source: str = ""
     techniques: Mapping[str, Mapping[str, Any] | str] = dataclasses.field(default_factory=dict)
+    node: str | None = None
 
     def __post_init__(self) -> None:
         where = f"{self.source}: " if self.source else ""
         object.__setattr__(self, "techniques", dict(self.techniques or {}))
-        match = self.match
+        if self.node is not None:
+            if self.match:
+                raise ConfigError(f"{where}give 'match' (a pattern) or 'node' (one exact node name), not both")
+            if not isinstance(self.node, str) or not self.node:
+                raise ConfigError(f"{where}'node' must be a non-empty string")
+        match = self.match if self.node is None else "node"
         if not isinstance(match, str) or not match:
             raise ConfigError(f"{where}'match' must be a non-empty string")
         kind, _, arg = match.partition(":")
@@ -71,7 +78,14 @@ class LayerOverride:
         """This entry's value for technique ``name``: None, "off" or a settings mapping."""
         return self.techniques.get(name)
 
+    @property
+    def label(self) -> str:
+        """How the report names what this entry selects."""
+        return f"node {self.node!r}" if self.node is not None else f"match {self.match!r}"
+
     def matches(self, index: int, name: str, layer_class: str, role: str) -> bool:
+        if self.node is not None:
+            return name == self.node
         kind, _, arg = self.match.partition(":")
         if kind == "layer" and arg.isdigit():
             return index == int(arg)
@@ -182,7 +196,7 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
     return config
 
 
-_ENTRY_KEYS = {"match", "off"}
+_ENTRY_KEYS = {"match", "node", "off"}
 
 
 def parse_overrides(data: Any, source: str = "overrides") -> tuple[LayerOverride, ...]:
@@ -203,13 +217,14 @@ def parse_overrides(data: Any, source: str = "overrides") -> tuple[LayerOverride
         if unknown:
             valid = sorted(_ENTRY_KEYS | set(TECHNIQUES))
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-        if "match" not in raw:
-            raise ConfigError(f"{where}: missing 'match'")
+        if ("match" in raw) == ("node" in raw):
+            raise ConfigError(f"{where}: " + ("give 'match' or 'node', not both" if "match" in raw else "missing 'match'"))
         off = raw.get("off", False)
         if not isinstance(off, bool):
             raise ConfigError(f"{where}: 'off' must be true or false")
         techniques = {name: raw[name] for name in TECHNIQUES if name in raw}
-        entries.append(LayerOverride(match=raw["match"], off=off, source=where, techniques=techniques))
+        entries.append(LayerOverride(match=raw.get("match", ""), off=off, source=where, techniques=techniques,
+                                     node=raw.get("node")))
     return tuple(entries)
 
 
