@@ -37,7 +37,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
 from ..graph_rewrite.layers import LinearLayer
 from ..graph_rewrite.rules import FloatWeight
@@ -561,10 +560,8 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
     accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576)."""
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
-    return [record.name for record in list_layers(model, config).layers
-            if record.op_type.endswith("MatMulNBits") and record.layer_class == "head" and record.rewritten
-            and record.name not in set(gated)]
+    return [layer.name for layer in selected_layers(model, "kwta", "all")
+            if layer.op_type.endswith("MatMulNBits") and layer.layer_class == "head" and layer.name not in set(gated)]
 
 
 @dataclasses.dataclass
