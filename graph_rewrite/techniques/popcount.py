@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from .base import Flag, FlagGroup, Switch, TechniqueSettings
 
@@ -40,6 +41,8 @@ GQA_FORM = "com.microsoft.GroupQueryAttention"
 ATTN_CHOICES = ("popcount", "energy", "pages", "none", "off")
 MODES = ("sign", "binary", "ternary")
 SELECTS = ("popcount", "energy", "pages", "none")
+# The ops' defaults (graph_rewrite/op_schema.json, which the C++ readers read too).
+_OP, _GQA = op_schema.defaults(OP_TYPE), op_schema.defaults(GQA_OP_TYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,20 +53,20 @@ class AttentionSettings(TechniqueSettings):
     label: ClassVar[str] = "attention"
     float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates")
 
-    mode: str = "sign"
-    select: str = "popcount"
-    topk: int = 256
-    min_keys: int = 1024
-    eps: float = 1e-4
-    density_max: float = 0.15
-    candidates: float = 1.0
-    keep_first: int = 0
-    keep_recent: int = 0
-    pack_cache: int = 1
-    center: int = 1
-    proj_bits: int = 0
-    page_size: int = 16
-    verify_keys: int = 0  # GroupQueryAttention form only: key-summary reuse checked by row hash
+    mode: str = _OP["mode"]
+    select: str = _OP["select"]
+    topk: int = _OP["topk"]
+    min_keys: int = _OP["min_keys"]
+    eps: float = _OP["eps"]
+    density_max: float = _OP["density_max"]
+    candidates: float = _OP["candidates"]
+    keep_first: int = _OP["keep_first"]
+    keep_recent: int = _OP["keep_recent"]
+    pack_cache: int = _OP["pack_cache"]
+    center: int = _OP["center"]
+    proj_bits: int = _OP["proj_bits"]
+    page_size: int = _OP["page_size"]
+    verify_keys: int = _GQA["verify_keys"]  # GroupQueryAttention form only: key-summary reuse checked by row hash
 
     def __post_init__(self) -> None:
         problems = []
@@ -139,9 +142,10 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 
 _D = AttentionSettings()
 _PLAIN_POPCOUNT = AttentionSettings(select="popcount")
-# The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md).
-GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, page_size=16, keep_first=4,
-                                    keep_recent=256, min_keys=2048)
+# The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md): the
+# op's own defaults.
+GQA_RECOMMENDED = AttentionSettings(**{field.name: _GQA[field.name] for field in dataclasses.fields(AttentionSettings)
+                                       if field.name in _GQA})
 
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
 # config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
