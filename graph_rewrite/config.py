@@ -18,6 +18,7 @@ from typing import Any
 
 import tomllib
 
+from .compose import check_attention
 from .errors import ConfigError
 from .targets import LAYER_CLASSES, LAYER_ROLES, TARGETS, target_includes
 from .techniques import (
@@ -132,6 +133,7 @@ class RewriteConfig:
                 techniques[name] = dataclasses.replace(choice, enabled=bool(choice.enabled))
         object.__setattr__(self, "techniques", techniques)
         object.__setattr__(self, "overrides", tuple(self.overrides))
+        check_attention(self)  # the one composition check of attention, however the config is made
 
     def _given(self, name: str) -> TechniqueChoice:
         return self.techniques.get(name) or TECHNIQUES[name].default_choice()
@@ -175,8 +177,6 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
 
     ``--attn`` not given: ``--kwta-target=attn|both`` with KWTA on means ``--attn=energy`` (KWTA's
     attention side, low-energy keys dropped; KWTA then stays on next to the attention it implies)."""
-    from .compose import check_attention
-
     choices = {name: technique.choice_from_flags(values) for name, technique in TECHNIQUES.items()}
     switch = ATTENTION_FLAGS.flags[0]
     attn = values.get(switch.dest)
@@ -191,9 +191,7 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
             attention = attention_from_flags(values, select="energy")
             why = f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)"
             choices["kwta"] = kwta
-    config = RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
-    check_attention(config)
-    return config
+    return RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
 
 
 _ENTRY_KEYS = {"match", "node", "off"}

@@ -11,7 +11,6 @@ import onnx
 import onnx_ir as ir
 
 from .attention import AttentionCore, default_opset
-from .compose import check_attention
 from .config import RewriteConfig
 from .decide import decide_layer
 from .errors import ConfigError
@@ -167,7 +166,6 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
 def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Callable[[str], None] | None = None,
          calibration: Mapping[str, np.ndarray] | None = None, fuse: bool = True) -> RewriteReport:
     stage = on_stage or (lambda _: None)
-    check_attention(config)
     stage("analyse")
     found = survey(model)
     editor = GraphEditor(model) if apply else None
