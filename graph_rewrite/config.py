@@ -29,7 +29,7 @@ from .techniques import (
     KwtaSettings,
     TechniqueChoice,
 )
-from .techniques.popcount import ATTENTION_FLAGS, AttentionSettings, attention_from_flags
+from .techniques.popcount import ATTENTION, AttentionSettings
 
 @dataclasses.dataclass(frozen=True)
 class LayerOverride:
@@ -144,7 +144,7 @@ class RewriteConfig:
         on = [TECHNIQUES[name].flag_summary(self._given(name)) for name in TECHNIQUES
               if name != but and self._given(name).enabled is True and TECHNIQUES[name].turns_off_auto]
         if self.attention is not None:
-            on.append(f"{ATTENTION_FLAGS.flags[0].name}={self.attention.select}")
+            on.append(ATTENTION.flag_summary(self.attention))
         return on
 
     def choice(self, name: str) -> TechniqueChoice:
@@ -178,19 +178,12 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
     ``--attn`` not given: ``--kwta-target=attn|both`` with KWTA on means ``--attn=energy`` (KWTA's
     attention side, low-energy keys dropped; KWTA then stays on next to the attention it implies)."""
     choices = {name: technique.choice_from_flags(values) for name, technique in TECHNIQUES.items()}
-    switch = ATTENTION_FLAGS.flags[0]
-    attn = values.get(switch.dest)
-    attention, why = None, "--attn not given (default off)"
-    if attn is not None:
-        why = f"{switch.name}={attn}"
-        if switch.enabled(attn):
-            attention = attention_from_flags(values)
-    else:
+    kwta = None
+    if values.get(ATTENTION.switch.dest) is None:  # --kwta-target=attn|both may imply attention
         kwta = RewriteConfig(techniques=choices, overrides=overrides).choice("kwta")
-        if kwta.enabled and kwta.target in ("attn", "both"):
-            attention = attention_from_flags(values, select="energy")
-            why = f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)"
-            choices["kwta"] = kwta
+    attention, why = ATTENTION.choice_from_flags(values, kwta)
+    if attention is not None and kwta is not None:
+        choices["kwta"] = kwta  # KWTA stays on next to the attention it implies
     return RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
 
 

@@ -20,7 +20,7 @@ from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, FLOAT32
 from .techniques import TECHNIQUES, LayerWeights
-from .techniques.popcount import AttentionSettings
+from .techniques.popcount import ATTENTION, AttentionSettings
 
 
 def list_layers(model: onnx.ModelProto | ir.Model, config: RewriteConfig | None = None) -> RewriteReport:
@@ -150,8 +150,9 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
         if settings is None:
             record.reason = why_off
             continue
-        form_settings = settings.for_form(core.form)
-        record.decision, record.new_op, record.settings = REWRITTEN, core.rule.new_op, form_settings
+        op_type, form_settings, record.meaning = ATTENTION.build(core.form, settings)
+        assert op_type == core.rule.new_op, (op_type, core.rule.new_op)  # the form's rule emits the technique's op
+        record.decision, record.new_op, record.settings = REWRITTEN, op_type, form_settings
         record.reason, record.notes = f"rule {core.rule.rule_name}", list(core.operands.notes)
         if editor is None:
             continue

@@ -120,11 +120,9 @@ class AttentionSettings(TechniqueSettings):
         return {**self.attributes(), "verify_keys": int(self.verify_keys)}
 
     def for_form(self, form: str) -> AttentionSettings:
-        """The settings a core of ``form`` gets: ``--attn=popcount`` with every other flag at its
-        default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`; anything else as given."""
-        if form == GQA_FORM and self == _PLAIN_POPCOUNT:
-            return GQA_RECOMMENDED
-        return self
+        """The settings a core of ``form`` gets (:data:`FORMS`: ``--attn=popcount`` with every other
+        flag at its default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`); else as given."""
+        return ATTENTION.build(form, self)[1]
 
     def short(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
@@ -201,3 +199,76 @@ def attention_from_flags(values: Mapping[str, Any], select: str | None = None) -
     switch, *flags = ATTENTION_FLAGS.flags
     fields = {flag.field: values.get(flag.dest, flag.default) for flag in flags}
     return AttentionSettings(select=select or values.get(switch.dest), **fields)
+
+
+# --------------------------------------------------------------------------- attention as a technique
+
+CORES = "cores"  # the technique's kind: it replaces attention cores, not linear layers
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """What the technique emits for the cores of one form: the op, and what ``--attn=popcount`` with
+    every other ``--attn-*`` flag at its default means there (None: the settings as given)."""
+
+    op_type: str
+    plain_popcount: AttentionSettings | None = None
+    why: str = ""
+
+
+# What ``--attn=popcount`` means on each attention form, stated once (the rewrite report prints it).
+FORMS: dict[str, AttentionForm] = {
+    GQA_FORM: AttentionForm(GQA_OP_TYPE, GQA_RECOMMENDED,
+                            "the form's recommended page selector (measured on SmolLM2, docs/ops.md; the op's defaults)"),
+}
+OTHER_FORMS = AttentionForm(OP_TYPE)  # eager, SDPA, onnx Attention, com.microsoft Attention / MultiHeadAttention
+
+
+class AttentionTechnique:
+    """Attention as a technique, with the members the linear techniques have (techniques/base.py):
+    settings, flags as data, the choice the flags describe, and :meth:`build` (per core form: the op
+    and its settings). Its unit is an attention core, not a linear layer, so it has no ``--*-target``
+    and no override key; its composition rule with event-driven is ``compose.check_attention``."""
+
+    name = "attention"
+    kind = CORES
+    op_type = OP_TYPE
+    settings_type = AttentionSettings
+    title = ATTENTION_FLAGS.title
+    switch: Switch = ATTENTION_FLAGS.flags[0]
+    flags = ATTENTION_FLAGS.flags[1:]
+    turns_off_auto = True  # an explicit --attn switches KWTA's auto off
+
+    def flag_group(self) -> FlagGroup:
+        return ATTENTION_FLAGS
+
+    def flag_summary(self, settings: AttentionSettings) -> str:
+        """How the CLI spells this choice, for reasons in the report (``--attn=pages``)."""
+        return f"{self.switch.name}={settings.select}"
+
+    def choice_from_flags(self, values: Mapping[str, Any], kwta: Any = None) -> tuple[AttentionSettings | None, str]:
+        """(settings or None = off, why) that flag values describe. ``--attn`` not given: ``kwta``
+        (KWTA's resolved global choice) on ``attn`` or ``both`` means ``--attn=energy`` (KWTA's
+        attention side: low-energy keys dropped, the same key mask for K and V)."""
+        given = values.get(self.switch.dest)
+        if given is not None:
+            why = f"{self.switch.name}={given}"
+            return (attention_from_flags(values) if self.switch.enabled(given) else None), why
+        if kwta is not None and kwta.enabled and kwta.target in ("attn", "both"):
+            return (attention_from_flags(values, select="energy"),
+                    f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)")
+        return None, "--attn not given (default off)"
+
+    def form(self, form: str) -> AttentionForm:
+        return FORMS.get(form, OTHER_FORMS)
+
+    def build(self, form: str, settings: AttentionSettings) -> tuple[str, AttentionSettings, str]:
+        """(op type, settings, what they mean: "" when as given) for a core of ``form``."""
+        spec = self.form(form)
+        if spec.plain_popcount is not None and settings == _PLAIN_POPCOUNT:
+            return (spec.op_type, spec.plain_popcount,
+                    f"{self.switch.name}=popcount on {form} cores means {spec.plain_popcount.short()}: {spec.why}")
+        return spec.op_type, settings, ""
+
+
+ATTENTION = AttentionTechnique()
