@@ -1,7 +1,7 @@
 """One schema per op, read by both sides: the attributes (name, type, default) and input names of the
 ai.ortsparse ops live in ``op_schema.json`` beside this module. The techniques take their settings'
 defaults from it (:func:`defaults`); the C++ attribute readers include ``ops/ort/op_schema.h``, which
-:func:`cpp_header` renders from the same file (``python -m ortsparse.graph_rewrite.op_schema --write``
+:func:`cpp_header` renders from the same file (``python scripts/op_schema_header.py``
 rewrites it; tests/graph_rewrite/test_op_schema.py fails when it is stale).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def cpp_header(data: Mapping[str, Any] | None = None) -> str:
     when the op has them, its input names."""
     data = data or schema()
     lines = ["// Generated from graph_rewrite/op_schema.json by graph_rewrite/op_schema.py; do not edit.",
-             "// Regenerate: python -m ortsparse.graph_rewrite.op_schema --write",
+             "// Regenerate: python scripts/op_schema_header.py",
              "#pragma once", "", "#include <cstdint>", "", "namespace ortsparse::ort::schema {", ""]
     for op, spec in data["ops"].items():
         lines.append(f"struct {op} {{")

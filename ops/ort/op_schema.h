@@ -1,5 +1,5 @@
 // Generated from graph_rewrite/op_schema.json by graph_rewrite/op_schema.py; do not edit.
-// Regenerate: python -m ortsparse.graph_rewrite.op_schema --write
+// Regenerate: python scripts/op_schema_header.py
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,22 @@ struct KwtaBlockMatMul {
   static constexpr int64_t duty = 1;  // settings
   static constexpr const char* duty_mode = "dense";  // settings
   static constexpr int64_t renorm = 0;  // settings
+  static constexpr int64_t block = 1;  // settings
+  static constexpr int64_t max_gated_rows = 0;  // settings
+};
+
+struct EventDrivenMatMul {
+  static constexpr const char* axis = "sequence";  // settings
+  static constexpr float topk = 0x1.99999a0000000p-2f /* 0.4 */;  // settings
+  static constexpr float delta_theta = 0x1.47ae140000000p-7f /* 0.01 */;  // settings
+  static constexpr float stale_beta = 0x1.0000000000000p+0f /* 1.0 */;  // settings
+  static constexpr float stale_lambda = 0x0.0p+0f /* 0.0 */;  // settings
+  static constexpr int64_t age_max = 0;  // settings
+  static constexpr float budget_ms = 0x0.0p+0f /* 0.0 */;  // settings
+  static constexpr float quorum = 0x1.3333340000000p-1f /* 0.6 */;  // settings
+  static constexpr int64_t gap_every = 64;  // settings
+  static constexpr float gap_tol = 0x1.eb851e0000000p-6f /* 0.03 */;  // settings
+  static constexpr float kwta_k = 0x0.0p+0f /* 0.0 */;  // settings
   static constexpr int64_t block = 1;  // settings
   static constexpr int64_t max_gated_rows = 0;  // settings
 };

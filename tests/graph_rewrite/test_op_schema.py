@@ -15,6 +15,7 @@ import pytest
 import ortsparse
 from ortsparse.graph_rewrite import op_schema
 from ortsparse.graph_rewrite.attention_rules import ms_group_query_attention
+from ortsparse.graph_rewrite.techniques.event import EventSettings
 from ortsparse.graph_rewrite.techniques.kwta import KwtaSettings
 from ortsparse.graph_rewrite.techniques.popcount import GQA_OP_TYPE, GQA_RECOMMENDED, OP_TYPE, AttentionSettings
 
@@ -25,9 +26,10 @@ READERS = {
     "PopcountAttention": ("attention_attributes.cc", "popcount_attention.cc"),
     "PopcountGroupQueryAttention": ("attention_attributes.cc", "popcount_group_query_attention.cc"),
     "KwtaBlockMatMul": ("kwta_attributes.cc", "kwta_block_matmul.cc"),
+    "EventDrivenMatMul": ("event_driven_matmul.cc",),
 }
 # KwtaBlockMatMul also reads the state-pack, GLU and weight-form attributes, not (yet) in the schema.
-COMPLETE = {"PopcountAttention", "PopcountGroupQueryAttention"}
+COMPLETE = {"PopcountAttention", "PopcountGroupQueryAttention", "EventDrivenMatMul"}
 # The readers' field names where they differ from the attribute's.
 FIELDS = {"pack_cache": "cache_keys"}
 _CALL = re.compile(r'(get_int|get_float|get_string|read_flag)\(\s*(?:attrs,\s*)?(?:name\()?"(\w+)"\)?(?:\.c_str\(\))?,'
@@ -103,7 +105,7 @@ def _sources(op: str) -> dict[str, str]:
 def test_the_generated_header_is_current():
     header = ROOT / op_schema.HEADER
     assert header.read_text() == op_schema.cpp_header(), \
-        "ops/ort/op_schema.h is stale: run python -m ortsparse.graph_rewrite.op_schema --write"
+        "ops/ort/op_schema.h is stale: run python scripts/op_schema_header.py"
 
 
 def test_the_header_follows_a_changed_schema():
@@ -127,6 +129,7 @@ def test_cpp_readers_read_what_the_schema_declares(op):
     ("PopcountAttention", "attention_attributes.cc", 'get_float("eps"', 'get_int("eps"'),
     ("PopcountAttention", "popcount_attention.cc", 'c.scale = attrs', 'c.scale = 0.0f; attrs.get_int("zz", 0); attrs'),
     ("KwtaBlockMatMul", "kwta_attributes.cc", "Gate::temp", "2.0f"),
+    ("EventDrivenMatMul", "event_driven_matmul.cc", "Schema::quorum", "0.5f"),
     ("PopcountAttention", "attention_attributes.h", "c.topk = Schema::topk;", ""),
 ])
 def test_a_reader_that_disagrees_is_found(op, file, before, after):
@@ -157,6 +160,8 @@ def test_python_defaults_are_the_schema_defaults():
     assert set(AttentionSettings().attributes()) <= set(common)
     assert set(AttentionSettings().gqa_attributes()) <= set(gqa)
     assert {name: getattr(GQA_RECOMMENDED, name) for name in attention} == {name: gqa[name] for name in attention}
+    assert _python_defaults(EventSettings) == op_schema.defaults("EventDrivenMatMul")
+    assert set(EventSettings().attributes()) == set(op_schema.defaults("EventDrivenMatMul"))
     kwta = _python_defaults(KwtaSettings)
     assert kwta == op_schema.defaults("KwtaBlockMatMul")
     assert set(KwtaSettings().attributes()) == set(kwta)
