@@ -39,7 +39,8 @@ from ortsparse.graph_rewrite import RewriteConfig, rewrite_model  # noqa: E402
 from ortsparse.graph_rewrite.config import parse_overrides  # noqa: E402
 from ortsparse.graph_rewrite.layers import survey  # noqa: E402
 from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings  # noqa: E402
-from ortsparse.harness.calibrate import glob_escape, target_layers  # noqa: E402
+from ortsparse.graph_rewrite.layer_settings import override_entries  # noqa: E402
+from ortsparse.harness.calibrate import target_layers  # noqa: E402
 from ortsparse.harness.corpus import encoder_batches, lm_windows, load_corpus_tokens  # noqa: E402
 from ortsparse.harness.embeddings import compare_embeddings  # noqa: E402
 from ortsparse.harness.models import model_path  # noqa: E402
@@ -174,7 +175,7 @@ def _restrict(config, names: set[str], model, args):
     """With --layers, an override turns TT off for every other layer."""
     if not args.layers:
         return config
-    entries = [{"match": "*", "tt": "off"}] + [{"match": glob_escape(n), "tt": {}} for n in sorted(names)]
+    entries = override_entries("tt", [(n, {}) for n in sorted(names)])
     return dataclasses.replace(config, overrides=parse_overrides({"layers": entries}))
 
 

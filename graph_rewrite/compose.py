@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .techniques import GATE, TECHNIQUES, WEIGHTS
+from .techniques.popcount import check_composition
 
 GATE_LEAD_ORDER: tuple[str, ...] = ("event", "pack", "kwta")
 
@@ -51,10 +52,8 @@ def compose(layer_name: str, chosen: Mapping[str, Any]) -> tuple[str, dict[str, 
 
 def check_attention(config) -> None:
     """Popcount-approximate attention scores (no exact refine) and event-driven on
-    attention must not share a score. ``config`` is a RewriteConfig; event-driven is the registry's
-    ``event`` technique when it exists."""
-    from .techniques.popcount import check_composition
-
+    attention must not share a score. ``config`` is a RewriteConfig (which runs this once, when it
+    is made); event-driven is the registry's ``event`` technique when it exists."""
     event = config.choice("event") if "event" in TECHNIQUES else None
     on_attention = bool(event and event.enabled and event.target in ("attn", "both", "all"))
     check_composition(config.attention, on_attention)

@@ -18,6 +18,7 @@ from typing import Any
 
 import tomllib
 
+from .compose import check_attention
 from .errors import ConfigError
 from .targets import LAYER_CLASSES, LAYER_ROLES, TARGETS, target_includes
 from .techniques import (
@@ -28,27 +29,34 @@ from .techniques import (
     KwtaSettings,
     TechniqueChoice,
 )
-from .techniques.popcount import ATTENTION_FLAGS, AttentionSettings, attention_from_flags
+from .techniques.popcount import ATTENTION, AttentionSettings
 
 @dataclasses.dataclass(frozen=True)
 class LayerOverride:
     """One entry of the override file. ``match`` is a glob on the node name, ``layer:<index>``,
-    ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``.
+    ``class:<mlp|attn|head|other>`` or ``role:<up|down|q|k|v|qkv|out|head|other>``; ``node`` (instead
+    of ``match``) is one node's exact name, no glob (what the harness writes: graph_rewrite/layer_settings.py).
 
     ``off`` keeps the layer dense whatever the techniques say. ``techniques[name]`` per technique
     (``kwta`` included): absent (entry does not touch it), ``"off"``, or a mapping of its settings
     that also switches it on for the layer.
     """
 
-    match: str
+    match: str = ""
     off: bool = False
     source: str = ""
     techniques: Mapping[str, Mapping[str, Any] | str] = dataclasses.field(default_factory=dict)
+    node: str | None = None
 
     def __post_init__(self) -> None:
         where = f"{self.source}: " if self.source else ""
         object.__setattr__(self, "techniques", dict(self.techniques or {}))
-        match = self.match
+        if self.node is not None:
+            if self.match:
+                raise ConfigError(f"{where}give 'match' (a pattern) or 'node' (one exact node name), not both")
+            if not isinstance(self.node, str) or not self.node:
+                raise ConfigError(f"{where}'node' must be a non-empty string")
+        match = self.match if self.node is None else "node"
         if not isinstance(match, str) or not match:
             raise ConfigError(f"{where}'match' must be a non-empty string")
         kind, _, arg = match.partition(":")
@@ -71,7 +79,14 @@ class LayerOverride:
         """This entry's value for technique ``name``: None, "off" or a settings mapping."""
         return self.techniques.get(name)
 
+    @property
+    def label(self) -> str:
+        """How the report names what this entry selects."""
+        return f"node {self.node!r}" if self.node is not None else f"match {self.match!r}"
+
     def matches(self, index: int, name: str, layer_class: str, role: str) -> bool:
+        if self.node is not None:
+            return name == self.node
         kind, _, arg = self.match.partition(":")
         if kind == "layer" and arg.isdigit():
             return index == int(arg)
@@ -118,6 +133,7 @@ class RewriteConfig:
                 techniques[name] = dataclasses.replace(choice, enabled=bool(choice.enabled))
         object.__setattr__(self, "techniques", techniques)
         object.__setattr__(self, "overrides", tuple(self.overrides))
+        check_attention(self)  # the one composition check of attention, however the config is made
 
     def _given(self, name: str) -> TechniqueChoice:
         return self.techniques.get(name) or TECHNIQUES[name].default_choice()
@@ -128,7 +144,7 @@ class RewriteConfig:
         on = [TECHNIQUES[name].flag_summary(self._given(name)) for name in TECHNIQUES
               if name != but and self._given(name).enabled is True and TECHNIQUES[name].turns_off_auto]
         if self.attention is not None:
-            on.append(f"{ATTENTION_FLAGS.flags[0].name}={self.attention.select}")
+            on.append(ATTENTION.flag_summary(self.attention))
         return on
 
     def choice(self, name: str) -> TechniqueChoice:
@@ -161,28 +177,17 @@ def config_from_flags(values: Mapping[str, Any], overrides: Sequence[LayerOverri
 
     ``--attn`` not given: ``--kwta-target=attn|both`` with KWTA on means ``--attn=energy`` (KWTA's
     attention side, low-energy keys dropped; KWTA then stays on next to the attention it implies)."""
-    from .compose import check_attention
-
     choices = {name: technique.choice_from_flags(values) for name, technique in TECHNIQUES.items()}
-    switch = ATTENTION_FLAGS.flags[0]
-    attn = values.get(switch.dest)
-    attention, why = None, "--attn not given (default off)"
-    if attn is not None:
-        why = f"{switch.name}={attn}"
-        if switch.enabled(attn):
-            attention = attention_from_flags(values)
-    else:
+    kwta = None
+    if values.get(ATTENTION.switch.dest) is None:  # --kwta-target=attn|both may imply attention
         kwta = RewriteConfig(techniques=choices, overrides=overrides).choice("kwta")
-        if kwta.enabled and kwta.target in ("attn", "both"):
-            attention = attention_from_flags(values, select="energy")
-            why = f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)"
-            choices["kwta"] = kwta
-    config = RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
-    check_attention(config)
-    return config
+    attention, why = ATTENTION.choice_from_flags(values, kwta)
+    if attention is not None and kwta is not None:
+        choices["kwta"] = kwta  # KWTA stays on next to the attention it implies
+    return RewriteConfig(techniques=choices, overrides=overrides, attention=attention, attention_why=why)
 
 
-_ENTRY_KEYS = {"match", "off"}
+_ENTRY_KEYS = {"match", "node", "off"}
 
 
 def parse_overrides(data: Any, source: str = "overrides") -> tuple[LayerOverride, ...]:
@@ -203,13 +208,14 @@ def parse_overrides(data: Any, source: str = "overrides") -> tuple[LayerOverride
         if unknown:
             valid = sorted(_ENTRY_KEYS | set(TECHNIQUES))
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-        if "match" not in raw:
-            raise ConfigError(f"{where}: missing 'match'")
+        if ("match" in raw) == ("node" in raw):
+            raise ConfigError(f"{where}: " + ("give 'match' or 'node', not both" if "match" in raw else "missing 'match'"))
         off = raw.get("off", False)
         if not isinstance(off, bool):
             raise ConfigError(f"{where}: 'off' must be true or false")
         techniques = {name: raw[name] for name in TECHNIQUES if name in raw}
-        entries.append(LayerOverride(match=raw["match"], off=off, source=where, techniques=techniques))
+        entries.append(LayerOverride(match=raw.get("match", ""), off=off, source=where, techniques=techniques,
+                                     node=raw.get("node")))
     return tuple(entries)
 
 

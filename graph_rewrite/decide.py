@@ -45,7 +45,7 @@ def _choice(name: str, layer: LinearLayer, config: RewriteConfig) -> tuple[Any |
     for entry in config.overrides:
         if not entry.matches(layer.index, layer.name, layer.layer_class, layer.role):
             continue
-        label = f"{entry.source or 'override'} (match {entry.match!r})"
+        label = f"{entry.source or 'override'} ({entry.label})"
         value = entry.setting(name)
         if entry.off or value == "off":
             selected, why = False, f"off by {label}"

@@ -34,7 +34,6 @@ is a :class:`~ortsparse.graph_rewrite.errors.ModelFileError` with one line, and 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -45,6 +44,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from .._library import get_library_path
+from ..digest import sha256
 from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, is_onnx_file,
                        open_session, uses_ortsparse)
 from .config import RewriteConfig
@@ -107,14 +107,6 @@ def is_folder_rewrite(source: str | os.PathLike, output: str | os.PathLike | Non
         return genai_decoder(folder).model_file.resolve() == source.resolve()
     except GenaiConfigError:
         return False
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _package_version() -> str:
@@ -180,7 +172,7 @@ def _copy_library(folder: Path) -> str:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return _sha256(target)
+    return sha256(target)
 
 
 def _write_json(path: Path, data: dict, indent: int = 4) -> None:
@@ -273,7 +265,7 @@ def _loaded_library(folder: Path, configured: str | None) -> tuple[Path | None, 
 
 def _same_file_content(path: Path, installed: Path) -> bool:
     return (path.is_file() and path.stat().st_size == installed.stat().st_size
-            and _sha256(path) == _sha256(installed))
+            and sha256(path) == sha256(installed))
 
 
 def library_state(folder: str | os.PathLike) -> dict:
@@ -345,7 +337,7 @@ def refresh_genai_library(folder: str | os.PathLike) -> dict:
                 os.chmod(staged, 0o755)
 
             outputs.write(copy, write_copy)
-            sha = _sha256(outputs.staged(copy))
+            sha = sha256(outputs.staged(copy))
             changed = True
             if record is not None:
                 record.update(library=LIBRARY_FILE, library_sha256=sha, library_from=f"ortsparse {_package_version()}")

@@ -73,6 +73,7 @@ class AttentionRecord:
     new_op: str | None = None
     node_name: str | None = None
     settings: Any = None  # AttentionSettings when rewritten
+    meaning: str = ""  # what the flags mean on this core's form, when not the settings as given
     detail: str = ""
     near_misses: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -156,6 +157,7 @@ class RewriteReport:
             (f"-> {next(iter(ops))}" if ops else "")
         lines = [f"{len(self.attention)} attention core(s), {len(done)} {verb} {targets}".rstrip()
                  + (f" ({done[0].settings.short()})" if done and done[0].settings else "")]
+        lines.extend(f"  {meaning}" for meaning in dict.fromkeys(a.meaning for a in done if a.meaning))
         reasons = Counter(_generic(a.reason) for a in self.attention if not a.rewritten)
         lines.extend(f"  attention skipped {count:4d}  {reason}" for reason, count in reasons.most_common())
         return lines

@@ -12,7 +12,6 @@ import onnx_ir as ir
 
 from .attention import AttentionCore, default_opset
 from .attention_event import EventAttention, event_attention, for_op
-from .compose import check_attention
 from .config import RewriteConfig
 from .decide import decide_layer
 from .errors import ConfigError
@@ -22,7 +21,7 @@ from .replace import GraphEditor, WeightPreparer, emit_attention, emit_linear
 from .report import REWRITTEN, SKIPPED, AttentionRecord, LayerRecord, RewriteReport
 from .rules import DOMAIN, DOMAIN_VERSION, FLOAT32
 from .techniques import TECHNIQUES, LayerWeights
-from .techniques.popcount import AttentionSettings
+from .techniques.popcount import ATTENTION, AttentionSettings
 
 
 def list_layers(model: onnx.ModelProto | ir.Model, config: RewriteConfig | None = None) -> RewriteReport:
@@ -152,8 +151,10 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
         if settings is None:
             record.reason = why_off
             continue
-        form_settings = for_op(settings.for_form(core.form), core.rule.new_op, event)
-        record.decision, record.new_op, record.settings = REWRITTEN, core.rule.new_op, form_settings
+        op_type, form_settings, record.meaning = ATTENTION.build(core.form, settings)
+        assert op_type == core.rule.new_op, (op_type, core.rule.new_op)  # the form's rule emits the technique's op
+        form_settings = for_op(form_settings, op_type, event)
+        record.decision, record.new_op, record.settings = REWRITTEN, op_type, form_settings
         record.reason, record.notes = f"rule {core.rule.rule_name}", list(core.operands.notes)
         if editor is None:
             continue
@@ -168,7 +169,6 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
 def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Callable[[str], None] | None = None,
          calibration: Mapping[str, np.ndarray] | None = None, fuse: bool = True) -> RewriteReport:
     stage = on_stage or (lambda _: None)
-    check_attention(config)
     stage("analyse")
     found = survey(model)
     editor = GraphEditor(model) if apply else None

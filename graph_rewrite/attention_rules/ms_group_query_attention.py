@@ -33,19 +33,17 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
+from .. import op_schema
 from ..rules import DOMAIN, DOMAIN_VERSION
 from ..techniques.popcount import GQA_OP_TYPE, AttentionSettings
 from ._base import AttentionRule, Core, Operand, check_float
 
 MS = "com.microsoft"
 # Input names of the op, by index (onnxruntime >= 1.21 and later releases).
-INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
-          "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
-          "k_norm_weight", "query_seqlens")
+INPUTS = op_schema.inputs(GQA_OP_TYPE)  # graph_rewrite/op_schema.json (the C++ op reads the same list)
 SUPPORTED_INPUTS = 12  # query .. head_sink
 # GroupQueryAttention attributes the op reads (passed through as given); others are dropped.
-PASSED_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary",
-                     "rotary_interleaved", "causal", "smooth_softmax", "sliding_window_cache")
+PASSED_ATTRIBUTES = tuple(op_schema.attributes(GQA_OP_TYPE, "from_graph"))
 
 
 def _refusal(anchor: ir.Node) -> str | None:

@@ -22,12 +22,14 @@ from .base import (
 from .event import EVENT, EVENT_AXES, EventSettings
 from .kwta import KWTA, KWTA_DUTY_MODES, KWTA_SCORES, KwtaSettings
 from .pack import PACK, PACK_MODES, PackSettings
-from .popcount import ATTENTION_FLAGS
+from .popcount import ATTENTION, ATTENTION_FLAGS, CORES
 from .proc import PROC, ProcSettings
 from .quant import QUANT, QUANT_DTYPES, QuantSettings
 from .tt import TT_TECHNIQUE, TTSettings
 
+# Per linear layer (override keys), then per attention core.
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (KWTA, EVENT, PACK, PROC, TT_TECHNIQUE, QUANT)}
+CORE_TECHNIQUES = {ATTENTION.name: ATTENTION}
 
 
 def technique(name: str) -> Technique:
@@ -35,15 +37,15 @@ def technique(name: str) -> Technique:
 
 
 def flag_groups() -> list[FlagGroup]:
-    """Every rewrite flag, one group per technique (registry order) and attention last: the CLI
-    builds its argparse groups from these."""
-    return [t.flag_group() for t in TECHNIQUES.values()] + [ATTENTION_FLAGS]
+    """Every rewrite flag, one group per technique (registry order, the core techniques last): the
+    CLI builds its argparse groups from these."""
+    return [t.flag_group() for t in (*TECHNIQUES.values(), *CORE_TECHNIQUES.values())]
 
 
 __all__ = [
-    "ATTENTION_FLAGS", "AUTO", "BIAS", "EVENT", "EVENT_AXES", "EventSettings", "Flag", "FlagGroup", "GATE", "KWTA",
-    "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES", "PROC", "QUANT", "QUANT_DTYPES", "Switch", "TARGET",
-    "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings", "LayerWeights", "OpBuild", "PackSettings", "ProcSettings",
-    "QuantSettings", "Technique", "TechniqueChoice", "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "flag_groups",
-    "technique",
+    "ATTENTION", "ATTENTION_FLAGS", "AUTO", "CORE_TECHNIQUES", "CORES", "BIAS", "EVENT", "EVENT_AXES",
+    "EventSettings", "Flag", "FlagGroup", "GATE", "KWTA", "KWTA_DUTY_MODES", "KWTA_SCORES", "PACK", "PACK_MODES",
+    "PROC", "QUANT", "QUANT_DTYPES", "Switch", "TARGET", "TECHNIQUES", "WEIGHT", "WEIGHTS", "KwtaSettings",
+    "LayerWeights", "OpBuild", "PackSettings", "ProcSettings", "QuantSettings", "Technique", "TechniqueChoice",
+    "TechniqueSettings", "TTSettings", "TT_TECHNIQUE", "flag_groups", "technique",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
@@ -29,6 +30,7 @@ from .base import (
 )
 
 EVENT_AXES = ("sequence", "call")
+_OP = op_schema.defaults("EventDrivenMatMul")  # the op's defaults (graph_rewrite/op_schema.json, read by C++ too)
 
 
 def _number(value: Any) -> bool:
@@ -44,19 +46,19 @@ class EventSettings(TechniqueSettings):
                                                "quorum", "gap_tol", "kwta_k")
     always_shown: ClassVar[tuple[str, ...]] = ("axis", "block")
 
-    axis: str = "sequence"
-    topk: float = 0.4
-    delta_theta: float = 0.01
-    stale_beta: float = 1.0
-    stale_lambda: float = 0.0
-    age_max: int = 0
-    budget_ms: float = 0.0
-    quorum: float = 0.6
-    gap_every: int = 64
-    gap_tol: float = 0.03
-    kwta_k: float = 0.0
-    block: int = 1
-    max_gated_rows: int = 0  # > 0: calls with more rows (prefill) run dense and resync the streams
+    axis: str = _OP["axis"]
+    topk: float = _OP["topk"]
+    delta_theta: float = _OP["delta_theta"]
+    stale_beta: float = _OP["stale_beta"]
+    stale_lambda: float = _OP["stale_lambda"]
+    age_max: int = _OP["age_max"]
+    budget_ms: float = _OP["budget_ms"]
+    quorum: float = _OP["quorum"]
+    gap_every: int = _OP["gap_every"]
+    gap_tol: float = _OP["gap_tol"]
+    kwta_k: float = _OP["kwta_k"]
+    block: int = _OP["block"]
+    max_gated_rows: int = _OP["max_gated_rows"]  # > 0: calls with more rows (prefill) run dense and resync the streams
 
     def __post_init__(self) -> None:
         problems = []

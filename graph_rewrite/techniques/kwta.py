@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from ..targets import TARGETS
 from ..rules import FLOAT32
@@ -34,6 +35,7 @@ from .base import (
 
 KWTA_SCORES = ("l2", "mean_abs", "l2_weighted")
 KWTA_DUTY_MODES = ("dense", "hold")
+_OP = op_schema.defaults("KwtaBlockMatMul")  # the op's defaults (graph_rewrite/op_schema.json, read by C++ too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +47,16 @@ class KwtaSettings(TechniqueSettings):
     float_fields: ClassVar[tuple[str, ...]] = ("k_frac", "threshold", "temp")
     always_shown: ClassVar[tuple[str, ...]] = ("block",)
 
-    k_frac: float = 0.5
-    k_abs: int = 0
-    score: str = "l2"
-    threshold: float = 0.0
-    temp: float = 1.0
-    duty: int = 1
-    duty_mode: str = "dense"
-    renorm: int = 0
-    block: int = 1
-    max_gated_rows: int = 0  # > 0: calls with more rows (prefill) run dense; 0: always gate
+    k_frac: float = _OP["k_frac"]
+    k_abs: int = _OP["k_abs"]
+    score: str = _OP["score"]
+    threshold: float = _OP["threshold"]
+    temp: float = _OP["temp"]
+    duty: int = _OP["duty"]
+    duty_mode: str = _OP["duty_mode"]
+    renorm: int = _OP["renorm"]
+    block: int = _OP["block"]
+    max_gated_rows: int = _OP["max_gated_rows"]  # > 0: calls with more rows (prefill) run dense; 0: always gate
 
     def __post_init__(self) -> None:
         problems = []

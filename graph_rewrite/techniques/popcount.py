@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from .base import Flag, FlagGroup, Switch, TechniqueSettings
 
@@ -40,6 +41,8 @@ GQA_FORM = "com.microsoft.GroupQueryAttention"
 ATTN_CHOICES = ("popcount", "energy", "pages", "none", "off")
 MODES = ("sign", "binary", "ternary")
 SELECTS = ("popcount", "energy", "pages", "none")
+# The ops' defaults (graph_rewrite/op_schema.json, which the C++ readers read too).
+_OP, _GQA = op_schema.defaults(OP_TYPE), op_schema.defaults(GQA_OP_TYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,27 +53,27 @@ class AttentionSettings(TechniqueSettings):
     label: ClassVar[str] = "attention"
     float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates", "event_topk", "event_gap_tol")
 
-    mode: str = "sign"
-    select: str = "popcount"
-    topk: int = 256
-    min_keys: int = 1024
-    eps: float = 1e-4
-    density_max: float = 0.15
-    candidates: float = 1.0
-    keep_first: int = 0
-    keep_recent: int = 0
-    pack_cache: int = 1
-    center: int = 1
-    proj_bits: int = 0
-    page_size: int = 16
-    verify_keys: int = 0  # GroupQueryAttention form only: key-summary reuse checked by row hash
-    # Event-driven attention by heads (docs/ops.md#event-driven-attention): decode steps of the
-    # budgeted page selector reuse a head's page choice while its query moves little.
-    event: int = 0
-    event_topk: float = 1.0    # of the heads the certificate does not cover, the fraction re-ranked
-    event_age_max: int = 8     # a head re-ranks after at most this many reuses in a row
-    event_gap_every: int = 64  # every N steps the uncertified reuses are checked (0: never)
-    event_gap_tol: float = 0.03  # a checked gap above this disables reuse for the session
+    mode: str = _OP["mode"]
+    select: str = _OP["select"]
+    topk: int = _OP["topk"]
+    min_keys: int = _OP["min_keys"]
+    eps: float = _OP["eps"]
+    density_max: float = _OP["density_max"]
+    candidates: float = _OP["candidates"]
+    keep_first: int = _OP["keep_first"]
+    keep_recent: int = _OP["keep_recent"]
+    pack_cache: int = _OP["pack_cache"]
+    center: int = _OP["center"]
+    proj_bits: int = _OP["proj_bits"]
+    page_size: int = _OP["page_size"]
+    verify_keys: int = _GQA["verify_keys"]  # GroupQueryAttention form only: key-summary reuse checked by row hash
+    # Event-driven attention by heads (docs/ops.md, "Event-driven attention by heads"): decode steps
+    # of the budgeted page selector reuse a head's page choice while its query moves little.
+    event: int = _OP["event"]
+    event_topk: float = _OP["event_topk"]  # of the heads the certificate does not cover, the fraction re-ranked
+    event_age_max: int = _OP["event_age_max"]  # a head re-ranks after at most this many reuses in a row
+    event_gap_every: int = _OP["event_gap_every"]  # every N steps the uncertified reuses are checked (0: never)
+    event_gap_tol: float = _OP["event_gap_tol"]  # a checked gap above this disables reuse for the session
 
     def __post_init__(self) -> None:
         problems = []
@@ -140,13 +143,10 @@ class AttentionSettings(TechniqueSettings):
         return {**self.attributes(), "verify_keys": int(self.verify_keys)}
 
     def for_form(self, form: str) -> AttentionSettings:
-        """The settings a core of ``form`` gets: ``--attn=popcount`` with every other flag at its
-        default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`; anything else as given.
-        The ``--attn-event*`` flags are kept either way (they choose reuse, not the selection)."""
-        event = {f: getattr(self, f) for f in EVENT_FIELDS}
-        if form == GQA_FORM and dataclasses.replace(self, **{f: getattr(_D, f) for f in EVENT_FIELDS}) == _PLAIN_POPCOUNT:
-            return dataclasses.replace(GQA_RECOMMENDED, **event)
-        return self
+        """The settings a core of ``form`` gets (:data:`FORMS`: ``--attn=popcount`` with every other
+        flag at its default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`); else as given.
+        The ``--attn-event*`` settings are kept either way (they choose reuse, not the selection)."""
+        return ATTENTION.build(form, self)[1]
 
     def short(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.attributes().items())
@@ -165,9 +165,10 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 _D = AttentionSettings()
 EVENT_FIELDS = ("event", "event_topk", "event_age_max", "event_gap_every", "event_gap_tol")
 _PLAIN_POPCOUNT = AttentionSettings(select="popcount")
-# The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md).
-GQA_RECOMMENDED = AttentionSettings(select="pages", topk=256, candidates=3.0, page_size=16, keep_first=4,
-                                    keep_recent=256, min_keys=2048)
+# The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md): the
+# op's own defaults.
+GQA_RECOMMENDED = AttentionSettings(**{field.name: _GQA[field.name] for field in dataclasses.fields(AttentionSettings)
+                                       if field.name in _GQA})
 
 # The ``--attn*`` flags (see the module docstring for the mapping). ``--attn`` not given is None:
 # config_from_flags then applies the --kwta-target=attn|both -> --attn=energy rule.
@@ -240,3 +241,78 @@ def attention_from_flags(values: Mapping[str, Any], select: str | None = None) -
     switch, *flags = ATTENTION_FLAGS.flags
     fields = {flag.field: values.get(flag.dest, flag.default) for flag in flags}
     return AttentionSettings(select=select or values.get(switch.dest), **fields)
+
+
+# --------------------------------------------------------------------------- attention as a technique
+
+CORES = "cores"  # the technique's kind: it replaces attention cores, not linear layers
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """What the technique emits for the cores of one form: the op, and what ``--attn=popcount`` with
+    every other ``--attn-*`` flag at its default means there (None: the settings as given)."""
+
+    op_type: str
+    plain_popcount: AttentionSettings | None = None
+    why: str = ""
+
+
+# What ``--attn=popcount`` means on each attention form, stated once (the rewrite report prints it).
+FORMS: dict[str, AttentionForm] = {
+    GQA_FORM: AttentionForm(GQA_OP_TYPE, GQA_RECOMMENDED,
+                            "the form's recommended page selector (measured on SmolLM2, docs/ops.md; the op's defaults)"),
+}
+OTHER_FORMS = AttentionForm(OP_TYPE)  # eager, SDPA, onnx Attention, com.microsoft Attention / MultiHeadAttention
+
+
+class AttentionTechnique:
+    """Attention as a technique, with the members the linear techniques have (techniques/base.py):
+    settings, flags as data, the choice the flags describe, and :meth:`build` (per core form: the op
+    and its settings). Its unit is an attention core, not a linear layer, so it has no ``--*-target``
+    and no override key; its composition rule with event-driven is ``compose.check_attention``."""
+
+    name = "attention"
+    kind = CORES
+    op_type = OP_TYPE
+    settings_type = AttentionSettings
+    title = ATTENTION_FLAGS.title
+    switch: Switch = ATTENTION_FLAGS.flags[0]
+    flags = ATTENTION_FLAGS.flags[1:]
+    turns_off_auto = True  # an explicit --attn switches KWTA's auto off
+
+    def flag_group(self) -> FlagGroup:
+        return ATTENTION_FLAGS
+
+    def flag_summary(self, settings: AttentionSettings) -> str:
+        """How the CLI spells this choice, for reasons in the report (``--attn=pages``)."""
+        return f"{self.switch.name}={settings.select}"
+
+    def choice_from_flags(self, values: Mapping[str, Any], kwta: Any = None) -> tuple[AttentionSettings | None, str]:
+        """(settings or None = off, why) that flag values describe. ``--attn`` not given: ``kwta``
+        (KWTA's resolved global choice) on ``attn`` or ``both`` means ``--attn=energy`` (KWTA's
+        attention side: low-energy keys dropped, the same key mask for K and V)."""
+        given = values.get(self.switch.dest)
+        if given is not None:
+            why = f"{self.switch.name}={given}"
+            return (attention_from_flags(values) if self.switch.enabled(given) else None), why
+        if kwta is not None and kwta.enabled and kwta.target in ("attn", "both"):
+            return (attention_from_flags(values, select="energy"),
+                    f"--kwta-target={kwta.target} (KWTA on attention: low-energy keys dropped -> select=energy)")
+        return None, "--attn not given (default off)"
+
+    def form(self, form: str) -> AttentionForm:
+        return FORMS.get(form, OTHER_FORMS)
+
+    def build(self, form: str, settings: AttentionSettings) -> tuple[str, AttentionSettings, str]:
+        """(op type, settings, what they mean: "" when as given) for a core of ``form``."""
+        spec = self.form(form)
+        event = {f: getattr(settings, f) for f in EVENT_FIELDS}  # reuse, not selection: kept as given
+        if spec.plain_popcount is not None and dataclasses.replace(settings, **{f: getattr(_D, f) for f in EVENT_FIELDS}) == _PLAIN_POPCOUNT:
+            chosen = dataclasses.replace(spec.plain_popcount, **event)
+            return (spec.op_type, chosen,
+                    f"{self.switch.name}=popcount on {form} cores means {spec.plain_popcount.short()}: {spec.why}")
+        return spec.op_type, settings, ""
+
+
+ATTENTION = AttentionTechnique()

@@ -9,8 +9,36 @@
 #include "attention/popcount_attention.h"
 #include "common/metrics.h"
 #include "ort/op_adapter.h"
+#include "ort/op_schema.h"
 
 namespace ortsparse::ort {
+
+// The selection defaults an attention op declares in its schema (graph_rewrite/op_schema.json ->
+// ort/op_schema.h): what read_selection_attributes falls back to for an absent attribute.
+template <class Schema>
+attention::PopcountAttentionConfig schema_selection_defaults() {
+  attention::PopcountAttentionConfig c;
+  c.mode = attention::parse_pack_mode(Schema::mode);
+  c.select = attention::parse_selector(Schema::select);
+  c.topk = Schema::topk;
+  c.min_keys = Schema::min_keys;
+  c.eps = Schema::eps;
+  c.density_max = Schema::density_max;
+  c.candidates = Schema::candidates;
+  c.cache_keys = Schema::pack_cache != 0;
+  c.keep_first = Schema::keep_first;
+  c.keep_recent = Schema::keep_recent;
+  c.center = Schema::center != 0;
+  c.proj_bits = Schema::proj_bits;
+  c.page_size = Schema::page_size;
+  c.prefill_rows = Schema::prefill_rows;
+  c.event.enabled = Schema::event != 0;
+  c.event.recompute = Schema::event_topk;
+  c.event.age_max = Schema::event_age_max;
+  c.event.gap_every = Schema::event_gap_every;
+  c.event.gap_tol = Schema::event_gap_tol;
+  return c;
+}
 
 // Reads select, topk, min_keys, mode, eps, density_max, candidates, pack_cache, keep_first,
 // keep_recent, center, proj_bits, page_size, prefill_rows and event-driven attention's event,

@@ -11,10 +11,13 @@
 #include "engine/gated_matmul.h"
 #include "engine/kwta_gate.h"
 #include "ort/matmul_io.h"
+#include "ort/op_schema.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
 namespace {
+
+using Schema = schema::EventDrivenMatMul;  // attribute defaults: graph_rewrite/op_schema.json
 
 enum Counter {
   kCalls, kRows, kEventRows, kBlocksTotal, kBlocksRefreshed, kBlocksForced, kDeadlineStops, kGapChecks,
@@ -48,18 +51,18 @@ std::vector<std::pair<std::string, double>> describe_event(const uint64_t* c, co
 
 engine::EventConfig read_config(const Attributes& attrs) {
   engine::EventConfig c;
-  c.axis = engine::parse_event_axis(attrs.get_string("axis", "sequence"));
-  c.topk = attrs.get_float("topk", 0.4f);
-  c.delta_theta = attrs.get_float("delta_theta", 0.01f);
-  c.stale_beta = attrs.get_float("stale_beta", 1.0f);
-  c.stale_lambda = attrs.get_float("stale_lambda", 0.0f);
-  c.age_max = attrs.get_int("age_max", 0);
-  c.budget_ms = attrs.get_float("budget_ms", 0.0f);
-  c.quorum = attrs.get_float("quorum", 0.6f);
-  c.gap_every = attrs.get_int("gap_every", 64);
-  c.gap_tol = attrs.get_float("gap_tol", 0.03f);
-  c.kwta_k = attrs.get_float("kwta_k", 0.0f);
-  c.max_gated_rows = attrs.get_int("max_gated_rows", 0);
+  c.axis = engine::parse_event_axis(attrs.get_string("axis", Schema::axis));
+  c.topk = attrs.get_float("topk", Schema::topk);
+  c.delta_theta = attrs.get_float("delta_theta", Schema::delta_theta);
+  c.stale_beta = attrs.get_float("stale_beta", Schema::stale_beta);
+  c.stale_lambda = attrs.get_float("stale_lambda", Schema::stale_lambda);
+  c.age_max = attrs.get_int("age_max", Schema::age_max);
+  c.budget_ms = attrs.get_float("budget_ms", Schema::budget_ms);
+  c.quorum = attrs.get_float("quorum", Schema::quorum);
+  c.gap_every = attrs.get_int("gap_every", Schema::gap_every);
+  c.gap_tol = attrs.get_float("gap_tol", Schema::gap_tol);
+  c.kwta_k = attrs.get_float("kwta_k", Schema::kwta_k);
+  c.max_gated_rows = attrs.get_int("max_gated_rows", Schema::max_gated_rows);
   if (c.max_gated_rows < 0) fail("attribute max_gated_rows=", c.max_gated_rows, " must be >= 0 (0: gate every call)");
   if (!(c.topk > 0.0 && c.topk <= 1.0)) fail("attribute topk=", c.topk, " must be in (0, 1]");
   if (!(c.delta_theta >= 0.0f && std::isfinite(c.delta_theta)))
@@ -92,7 +95,7 @@ class EventDrivenMatMulKernel : public KernelBase<EventDrivenMatMulKernel> {
     const Attributes attrs(info);
     kernel_set_or_fail();
     const engine::EventConfig config = read_config(attrs);
-    const int64_t block = attrs.get_int("block", 1);
+    const int64_t block = attrs.get_int("block", Schema::block);
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
     const size_t k = static_cast<size_t>(w.shape[0]), n = static_cast<size_t>(w.shape[1]);
     if (k == 0) fail("input W has shape ", shape_string(w.shape), ": K must be >= 1");

@@ -14,6 +14,7 @@
 #include "engine/quant_backend.h"
 #include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
+#include "ort/op_schema.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
@@ -78,8 +79,8 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   KwtaBlockMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
     const kernels::KernelSet& kernels = kernel_set_or_fail();
-    const engine::KwtaConfig config = read_kwta_attributes(attrs, "", 0.5f);
-    const int64_t block = attrs.get_int("block", 1);
+    const engine::KwtaConfig config = read_kwta_attributes(attrs, "", schema::KwtaBlockMatMul::k_frac);
+    const int64_t block = attrs.get_int("block", schema::KwtaBlockMatMul::block);
     quantized_ = input_type(info, 1) == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
     std::shared_ptr<const engine::WeightBackend> backend = quantized_ ? quant_backend(info, attrs) : dense_backend(info, attrs);
     const size_t k = backend->k();

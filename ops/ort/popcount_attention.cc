@@ -15,9 +15,10 @@ namespace ortsparse::ort {
 namespace {
 
 attention::PopcountAttentionConfig read_config(const Attributes& attrs) {
-  attention::PopcountAttentionConfig c = read_selection_attributes(attrs, attention::PopcountAttentionConfig{});
-  c.scale = attrs.get_float("scale", 0.0f);
-  const int64_t causal = attrs.get_int("is_causal", 0);
+  attention::PopcountAttentionConfig c =
+      read_selection_attributes(attrs, schema_selection_defaults<schema::PopcountAttention>());
+  c.scale = attrs.get_float("scale", schema::PopcountAttention::scale);
+  const int64_t causal = attrs.get_int("is_causal", schema::PopcountAttention::is_causal);
   if (causal != 0 && causal != 1) fail("attribute is_causal=", causal, " must be 0 or 1");
   c.causal = causal == 1;
   return c;

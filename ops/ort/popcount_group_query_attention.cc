@@ -20,24 +20,13 @@ enum Input {
   kQuery, kKey, kValue, kPastKey, kPastValue, kSeqlensK, kTotalSequenceLength, kCosCache, kSinCache,
   kPositionIds, kAttentionBias, kHeadSink, kKScale, kVScale, kQNormWeight, kKNormWeight, kQuerySeqlens, kInputCount
 };
-constexpr const char* kInputNames[kInputCount] = {
-    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
-    "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale", "q_norm_weight",
-    "k_norm_weight", "query_seqlens"};
+using Schema = schema::PopcountGroupQueryAttention;  // names and defaults: graph_rewrite/op_schema.json
+static_assert(Schema::kInputCount == kInputCount, "the Input enum and the schema's input list differ");
+constexpr const auto& kInputNames = Schema::kInputNames;
 
-// The selection defaults of this form: the page selector with the setting measured on SmolLM2
-// (docs/ops.md; the rewriter's recommended setting, graph_rewrite/techniques/popcount.py).
-attention::PopcountAttentionConfig gqa_selection_defaults() {
-  attention::PopcountAttentionConfig c;
-  c.select = attention::Selector::kPages;
-  c.topk = 256;
-  c.candidates = 3.0f;
-  c.page_size = 16;
-  c.keep_first = 4;
-  c.keep_recent = 256;
-  c.min_keys = 2048;
-  return c;
-}
+// The selection defaults of this form (the schema's): the page selector with the setting measured on
+// SmolLM2 (docs/ops.md; the rewriter's recommended setting, graph_rewrite/techniques/popcount.py).
+attention::PopcountAttentionConfig gqa_selection_defaults() { return schema_selection_defaults<Schema>(); }
 
 bool read_flag(const Attributes& attrs, const char* name, bool fallback) {
   const int64_t v = attrs.get_int(name, fallback ? 1 : 0);
@@ -66,7 +55,7 @@ attention::GqaConfig read_config(const Attributes& attrs) {
   if (const int64_t bits = attrs.get_int("kv_cache_bit_width", 0); bits != 0)
     fail("attribute kv_cache_bit_width=", bits, " is not supported (float32 KV cache only)");
   c.selection = read_selection_attributes(attrs, gqa_selection_defaults());
-  c.selection.verify_keys = read_flag(attrs, "verify_keys", false);
+  c.selection.verify_keys = read_flag(attrs, "verify_keys", Schema::verify_keys != 0);
   return c;
 }
 

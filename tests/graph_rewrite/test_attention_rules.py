@@ -308,6 +308,17 @@ def test_composition_popcount_approximate_with_event_driven_refused():
     popcount.check_composition(AttentionSettings(select="popcount", topk=8), event_on_attention=True)
 
 
+def test_a_config_made_in_code_is_checked_when_made():
+    """The composition check runs once, when the RewriteConfig is made (flags or code alike), not
+    again in the rewrite."""
+    from ortsparse.graph_rewrite.techniques import EventSettings, TechniqueChoice
+
+    event = {"event": TechniqueChoice(EventSettings(), enabled=True, target="attn")}
+    with pytest.raises(ConfigError, match="event-driven"):
+        RewriteConfig(techniques=event, attention=AttentionSettings(select="popcount", topk=0))
+    assert RewriteConfig(techniques=event, attention=AttentionSettings(select="popcount", topk=8)).attention.topk == 8
+
+
 def test_cli_list_rules_and_layers(capsys, tmp_path):
     from ortsparse.cli import main
 

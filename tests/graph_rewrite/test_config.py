@@ -49,8 +49,22 @@ def test_override_matching():
     assert not LayerOverride("role:down").matches(0, "x", "mlp", "up")
 
 
+def test_a_node_entry_matches_its_exact_name_only():
+    """``node`` is not a glob: the characters fnmatch reads as patterns are literal there."""
+    name = "/model/layers.0/mlp[x]/down*?"
+    (entry,) = parse_overrides([{"node": name, "kwta": "off"}])
+    assert entry.matches(0, name, "mlp", "down")
+    assert not entry.matches(0, "/model/layers.0/mlpx/downab", "mlp", "down")
+    assert not entry.matches(0, "layer:0", "mlp", "down") and not LayerOverride(node="layer:0").matches(
+        0, "x", "mlp", "down")
+    assert entry.label == f"node {name!r}"
+
+
 @pytest.mark.parametrize("entry, message", [
     ({"kwta": {"k_frac": 0.5}}, "missing 'match'"),
+    ({"match": "*", "node": "x"}, "not both"),
+    ({"node": "", "kwta": "off"}, "'node' must be a non-empty string"),
+    ({"node": 3, "kwta": "off"}, "'node' must be a non-empty string"),
     ({"match": "layer:x"}, "layer:<index>"),
     ({"match": "class:ffn"}, "class must be one of"),
     ({"match": "*", "kwta": {"k": 0.5}}, "unknown KWTA setting"),

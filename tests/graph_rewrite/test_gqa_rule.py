@@ -197,6 +197,33 @@ def test_flags_give_the_node_its_settings(argv, expected):
     assert ("event" in a) == bool(expected.event)  # written only when on
 
 
+@pytest.mark.parametrize("argv, meaning", [
+    (["--attn=popcount"], True), (["--attn=popcount", "--attn-topk=64"], False), (["--attn=pages"], False)])
+def test_the_report_says_what_the_flags_mean_on_this_form(argv, meaning):
+    """--attn=popcount alone means the form's recommended setting on a GroupQueryAttention core:
+    stated once (techniques.popcount.FORMS) and printed in the rewrite report, record and summary."""
+    from ortsparse.graph_rewrite.techniques.popcount import ATTENTION, GQA_FORM
+
+    report = rewrite_model(genai_layer(), _config(argv))[1]
+    (record,) = report.attention
+    stated = f"--attn=popcount on {GQA_FORM} cores means {GQA_RECOMMENDED.short()}: {ATTENTION.form(GQA_FORM).why}"
+    assert record.meaning == (stated if meaning else "")
+    assert (f"  {stated}" in report.summary().splitlines()) == meaning
+    assert record.to_dict()["meaning"] == record.meaning
+
+
+def test_attention_is_built_like_a_technique():
+    from ortsparse.graph_rewrite.techniques import ATTENTION, CORE_TECHNIQUES, TECHNIQUES, flag_groups
+    from ortsparse.graph_rewrite.techniques.popcount import GQA_FORM, GQA_OP_TYPE, OP_TYPE
+
+    assert CORE_TECHNIQUES == {"attention": ATTENTION} and "attention" not in TECHNIQUES  # no per-layer key
+    assert flag_groups()[-1] is ATTENTION.flag_group()
+    assert ATTENTION.build(GQA_FORM, AttentionSettings())[:2] == (GQA_OP_TYPE, GQA_RECOMMENDED)
+    assert ATTENTION.build("eager", AttentionSettings())[:2] == (OP_TYPE, AttentionSettings())
+    pages = AttentionSettings(select="pages")
+    assert ATTENTION.build(GQA_FORM, pages) == (GQA_OP_TYPE, pages, "")
+
+
 def test_recommended_setting_is_selective_and_valid():
     assert GQA_RECOMMENDED.select == "pages" and not GQA_RECOMMENDED.exact
     assert AttentionSettings(select="popcount").for_form("eager") == AttentionSettings(select="popcount")

@@ -116,7 +116,7 @@ def test_overrides_take_any_registered_technique(fakes):
     assert entries[0].setting("fakea") == {"scale": 3} and entries[1].setting("fakeb") == "off"
     with pytest.raises(ConfigError, match="unknown half setting.*nope"):
         parse_overrides([{"match": "*", "fakea": {"nope": 1}}])
-    with pytest.raises(ConfigError, match="unknown key.*zzz.*valid: .*fakea, fakeb, kwta, match, off"):
+    with pytest.raises(ConfigError, match="unknown key.*zzz.*valid: .*fakea, fakeb, kwta, match, node, off"):
         parse_overrides([{"match": "*", "zzz": {}}])
     config = RewriteConfig(overrides=entries, techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False)})
     _, report = rewrite_model(tg.llama_like(), config)

@@ -47,11 +47,14 @@ def test_quantiles_are_monotone_and_thresholds_reach_the_op(model, tokens):
     assert thresholds == pytest.approx(sorted(layer.quantiles[0.25] for layer in layers[:3]))
 
 
-def test_glob_escape_matches_only_the_literal_name():
-    import fnmatch
-    name = "/model/layers.0/mlp[x]/down*?"
-    assert fnmatch.fnmatchcase(name, calibrate.glob_escape(name))
-    assert not fnmatch.fnmatchcase("/model/layers.0/mlpx/downab", calibrate.glob_escape(name))
+def test_overrides_key_each_layer_by_its_exact_node_name(model):
+    """The harness writes ``node`` entries (exact names, no glob to escape) for the survey's layers."""
+    layers = calibrate.target_layers(model, "mlp")
+    for layer in layers:
+        layer.quantiles = {0.25: 0.5}
+    entries = calibrate.overrides_for(layers, {layer.name: 0.25 for layer in layers[:2]})
+    assert entries == [{"match": "*", "kwta": "off"}] + [
+        {"node": layer.name, "kwta": {"threshold": 0.5, "k_frac": 1.0, "block": 1}} for layer in layers[:2]]
 
 
 def _fake_layers():
@@ -114,7 +117,7 @@ def test_calibrate_runs_on_a_genai_folder(tmp_path, tokens):
     assert code == (0 if held_out <= 0.05 else 1), (code, held_out)
     entries = json.loads(out.read_text())["layers"]
     assert entries[0] == {"match": "*", "kwta": "off"}
-    assert {e["match"] for e in entries[1:]} <= {f"/model/layers.{i}/mlp/{p}_proj/MatMul" for i in (0, 1)
+    assert {e["node"] for e in entries[1:]} <= {f"/model/layers.{i}/mlp/{p}_proj/MatMul" for i in (0, 1)
                                                 for p in ("gate", "up", "down")}
     assert report["model"] == str(GENAI / "model.onnx")
     config = RewriteConfig(overrides=load_overrides(str(out)))

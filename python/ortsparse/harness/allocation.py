@@ -37,9 +37,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
-from ..graph_rewrite.config import parse_overrides
-from ..graph_rewrite.rules import dequantize_nbits
+from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
+from ..graph_rewrite.layers import LinearLayer
+from ..graph_rewrite.rules import FloatWeight
 from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
 from .corpus import (
     default_sentences,
@@ -51,7 +51,7 @@ from .corpus import (
     text_per_window,
 )
 from .embeddings import compare_embeddings, mean_pool
-from .head_placement import DENSE_ON_OURS, glob_escape
+from .head_placement import DENSE_ON_OURS
 from .models import model_path
 from .perplexity import compare_lm, log_softmax_blocks, perplexity, score_logits
 
@@ -115,57 +115,27 @@ def _block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _weight_matrix(model: onnx.ModelProto, node: onnx.NodeProto, k: int, n: int) -> tuple[np.ndarray, int] | None:
-    """The [K, N] float weight of a linear node (MatMul(X, W), Gemm(X, W[, transB]), MatMul(X,
-    Transpose(W)), com.microsoft MatMulNBits dequantized) and the bytes its stored form takes."""
-    inits = {init.name: init for init in model.graph.initializer}
-    if node.op_type == "MatMulNBits":
-        return _nbits_matrix(inits, node, k, n)
-    producers = {out: p for p in model.graph.node for out in p.output}
-    name = node.input[1]
-    transposed = False
-    if node.op_type == "Gemm":
-        transposed = any(a.name == "transB" and a.i == 1 for a in node.attribute)
-    if name not in inits and name in producers and producers[name].op_type == "Transpose":
-        transposed = not transposed
-        name = producers[name].input[0]
-    if name not in inits:
-        return None
-    weight = numpy_helper.to_array(inits[name]).astype(np.float32)
-    weight = weight.T if transposed else weight
-    return (weight, 4 * weight.size) if weight.shape == (k, n) else None
-
-
-def _nbits_matrix(inits: Mapping[str, onnx.TensorProto], node: onnx.NodeProto, k: int, n: int
-                  ) -> tuple[np.ndarray, int] | None:
-    """MatMulNBits' weight as the op computes with it (the rewriter passes these tensors through
-    untouched, so the gate sees the same numbers); bytes = B + scales + zero points as stored."""
-    attributes = {a.name: a.i for a in node.attribute}
-    names = [name for name in node.input[1:4] if name]
-    if any(name not in inits for name in names) or len(names) < 2:
-        return None
-    b, scales = (numpy_helper.to_array(inits[name]) for name in names[:2])
-    zero_points = numpy_helper.to_array(inits[node.input[3]]) if len(node.input) > 3 and node.input[3] else None
-    weight = dequantize_nbits(b, scales, zero_points, k, n, attributes.get("bits", 4), attributes["block_size"])
-    return weight, sum(inits[name].ByteSize() for name in names)
+def _weight(model: onnx.ModelProto, layer: LinearLayer) -> tuple[np.ndarray, int]:
+    """The [K, N] float weight the survey matched for ``layer`` (MatMulNBits dequantized as the op
+    computes with it: the rewriter passes those tensors through untouched, so the gate sees the same
+    numbers) and the bytes its stored form takes (B + scales + zero points as stored)."""
+    weight = layer.operands.weight
+    if isinstance(weight, FloatWeight):
+        array = weight.value.const_value.numpy().astype(np.float32)
+        array = array.T if weight.transposed else array  # a view, as the layer's [K, N]
+        return array, 4 * array.size
+    stored = {init.name: init for init in model.graph.initializer}
+    return weight.matrix(), sum(stored[source.name].ByteSize() for source in weight.sources)
 
 
 def gated_layers(model: onnx.ModelProto, target: str = "both") -> list[GatedLayer]:
     """The linear layers KWTA's ``target`` selects (``both`` = attention + MLP, ``all`` = also the
-    head and other linears), with their weights."""
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target=target)})
-    nodes = {node.name: node for node in model.graph.node}
+    head and other linears): the rewriter's own layer records, with their weights."""
     layers = []
-    for record in list_layers(model, config).layers:
-        if record.decision != "rewritten" or record.k is None or record.n is None:
-            continue
-        node = nodes[record.name]
-        found = _weight_matrix(model, node, int(record.k), int(record.n))
-        if found is None:
-            continue
-        weight, stored_bytes = found
-        layers.append(GatedLayer(record.name, record.role, record.layer_class, _block_index(record.name),
-                                 node.input[0], weight, stored_bytes))
+    for layer in selected_layers(model, "kwta", target):
+        weight, stored_bytes = _weight(model, layer)
+        layers.append(GatedLayer(layer.name, layer.role, layer.layer_class, _block_index(layer.name),
+                                 layer.node.inputs[0].name, weight, stored_bytes))
     return layers
 
 
@@ -552,17 +522,21 @@ class Allocation:
         """Override entries (``{"layers": entries}`` is the file ``rewrite-onnx --config`` reads):
         every layer off, the ``dense_on_ours`` layers dense on our kernel, then each gated layer
         with its threshold (block 1, k_frac 1)."""
-        entries: list[dict[str, Any]] = [{"match": "*", "kwta": "off"}]
-        entries += [{"match": glob_escape(name), "kwta": dict(DENSE_ON_OURS)} for name in self.dense_on_ours]
+        return override_entries("kwta", self.layer_settings())
+
+    def layer_settings(self) -> list[tuple[str, dict[str, Any]]]:
+        """(layer, KWTA settings) of every layer the allocation puts on our op, in the entries' order:
+        the ``dense_on_ours`` layers, then each gated layer with its threshold."""
+        settings: list[tuple[str, dict[str, Any]]] = [(name, dict(DENSE_ON_OURS)) for name in self.dense_on_ours]
         sparsity = self.sparsity()
         for name, threshold in self.thresholds().items():
             if sparsity[name] <= 0.0:
                 continue
-            settings: dict[str, Any] = {"threshold": threshold, "k_frac": 1.0, "block": 1}
+            gate: dict[str, Any] = {"threshold": threshold, "k_frac": 1.0, "block": 1}
             if self.score != "l2":
-                settings["score"] = self.score
-            entries.append({"match": glob_escape(name), "kwta": settings})
-        return entries
+                gate["score"] = self.score
+            settings.append((name, gate))
+        return settings
 
     def report(self) -> dict[str, Any]:
         return {
@@ -586,10 +560,8 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
     accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576)."""
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")})
-    return [record.name for record in list_layers(model, config).layers
-            if record.op_type.endswith("MatMulNBits") and record.layer_class == "head" and record.rewritten
-            and record.name not in set(gated)]
+    return [layer.name for layer in selected_layers(model, "kwta", "all")
+            if layer.op_type.endswith("MatMulNBits") and layer.layer_class == "head" and layer.name not in set(gated)]
 
 
 @dataclasses.dataclass
@@ -715,13 +687,6 @@ def allocate_encoder(model: Any, batches: Sequence[Mapping[str, np.ndarray]], mi
 
 
 # --------------------------------------------------------------------------- `ortsparse calibrate --method allocated`
-
-
-def rewritten_with(model: onnx.ModelProto, entries: list[dict[str, Any]]) -> onnx.ModelProto:
-    """``model`` rewritten with the override entries alone (every other layer dense)."""
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
-                           overrides=parse_overrides({"layers": entries}))
-    return rewrite_model(model, config)[0]
 
 
 def bytes_summary(model: onnx.ModelProto, measured: Mapping[str, Any], dense: Sequence[str] = ()) -> dict[str, Any]:

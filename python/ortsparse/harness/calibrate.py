@@ -24,10 +24,11 @@ import numpy as np
 import onnx
 
 from .. import flag_types, tt
-from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, list_layers, rewrite_model
+from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
+from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
 from . import allocation, head_placement
@@ -52,26 +53,17 @@ class TargetLayer:
     quantiles: dict[float, float]  # sparsity -> |x| threshold
 
 
-def glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
-
-
 def target_layers(model, target: str) -> list[TargetLayer]:
     """The linear layers `target` selects, with the graph value feeding each (its X)."""
-    report = list_layers(model, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target=target)}))
-    nodes = {node.name: node for node in model.graph.node}
     layers = []
     seen_roles: set[str] = set()
-    for record in report.layers:
-        if record.rule is None or record.decision != "rewritten":
-            continue
-        node = nodes[record.name]
+    for layer in selected_layers(model, "kwta", target):
         # The first layer of each role gets its own group: on SmolLM2 layer 0's MLP is by far the
         # most fragile (measure.md), and the greedy stage should be able to spare it alone.
-        group = record.role if record.role in seen_roles else f"{record.role}@first"
-        seen_roles.add(record.role)
-        layers.append(TargetLayer(record.name, group, record.layer_class, node.input[0],
-                                  4 * int(record.k) * int(record.n), {}))
+        group = layer.role if layer.role in seen_roles else f"{layer.role}@first"
+        seen_roles.add(layer.role)
+        layers.append(TargetLayer(layer.name, group, layer.layer_class, layer.node.inputs[0].name,
+                                  4 * int(layer.k) * int(layer.n), {}))
     return layers
 
 
@@ -112,20 +104,9 @@ def layer_calibration(model, target: str, batches: Iterable[Any], max_rows: int 
 
 def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list[dict[str, Any]]:
     """Override entries: each layer gated by its own threshold (or off at sparsity 0)."""
-    entries: list[dict[str, Any]] = [{"match": "*", "kwta": "off"}]
-    for layer in layers:
-        s = sparsity.get(layer.name, 0.0)
-        if s <= 0.0:
-            continue
-        entries.append({"match": glob_escape(layer.name),
-                        "kwta": {"threshold": layer.quantiles[s], "k_frac": 1.0, "block": 1}})
-    return entries
-
-
-def rewritten_with(model, entries: list[dict[str, Any]]):
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, overrides=parse_overrides({"layers": entries}))
-    rewritten, _ = rewrite_model(model, config)
-    return rewritten
+    return override_entries("kwta", [(layer.name, {"threshold": layer.quantiles[sparsity[layer.name]], "k_frac": 1.0,
+                                                   "block": 1})
+                                     for layer in layers if sparsity.get(layer.name, 0.0) > 0.0])
 
 
 def skipped_bytes(layers: list[TargetLayer], sparsity: dict[str, float]) -> float:

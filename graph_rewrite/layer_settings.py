@@ -1,0 +1,53 @@
+"""Per-layer settings keyed by the rewriter's own layer records, for callers that choose them
+(calibrate, allocation, tune, head placement, the TT sweep).
+
+Before: a caller matched MatMul / Gemm / Transpose / MatMulNBits on the protobuf a second time and
+wrote each choice as a glob-escaped node name that the rewriter fnmatched back.
+After: :func:`selected_layers` hands out the survey's :class:`~.layers.LinearLayer` records (node,
+class, role, the weight operands the rewrite will take) of the layers a technique's target selects;
+the caller keys its choices by those records and :func:`override_entries` turns them into override
+entries with an exact ``node`` key (no glob). Override files users write with ``match`` globs read as
+before (graph_rewrite/config.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from .config import RewriteConfig, parse_overrides
+from .decide import decide_layer
+from .layers import LinearLayer, survey
+from .rewrite import rewrite_model
+from .techniques import TECHNIQUES, KwtaSettings, TechniqueChoice
+
+
+def selected_layers(model: onnx.ModelProto | ir.Model, technique: str = "kwta", target: str = "both"
+                    ) -> list[LinearLayer]:
+    """The survey's linear layers (graph order) that ``technique`` on ``target`` would rewrite: a rule
+    fits and the decision takes them (what ``list_layers`` reports as rewritten for that config)."""
+    ir_model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
+    choice = TechniqueChoice(TECHNIQUES[technique].settings_type(), enabled=True, target=target)
+    config = RewriteConfig(techniques={technique: choice})
+    return [layer for layer in survey(ir_model).layers
+            if layer.rule is not None and decide_layer(layer, config).op_type is not None]
+
+
+def override_entries(technique: str, per_layer: Iterable[tuple[str, Mapping[str, Any]]],
+                     rest: str | None = "off") -> list[dict[str, Any]]:
+    """Override entries (``{"layers": entries}`` is a ``rewrite-onnx --config`` file): ``technique``
+    ``rest`` (``"off"``: every other layer without it; None: no such entry) for all layers, then
+    one entry per (node name, settings) in the given order, keyed by the exact node name."""
+    entries: list[dict[str, Any]] = [{"match": "*", technique: rest}] if rest is not None else []
+    entries += [{"node": name, technique: dict(settings)} for name, settings in per_layer]
+    return entries
+
+
+def rewritten_with(model: onnx.ModelProto, entries: list[dict[str, Any]]) -> onnx.ModelProto:
+    """``model`` rewritten with the override ``entries`` alone: KWTA off globally (every layer no
+    entry selects stays dense), the other techniques at their defaults."""
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
+                           overrides=parse_overrides({"layers": entries}))
+    return rewrite_model(model, config)[0]
