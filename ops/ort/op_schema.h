@@ -50,6 +50,11 @@ struct PopcountAttention {
   static constexpr int64_t proj_bits = 0;  // settings
   static constexpr int64_t page_size = 16;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
+  static constexpr int64_t event = 0;  // settings
+  static constexpr float event_topk = 0x1.0000000000000p+0f /* 1.0 */;  // settings
+  static constexpr int64_t event_age_max = 8;  // settings
+  static constexpr int64_t event_gap_every = 64;  // settings
+  static constexpr float event_gap_tol = 0x1.eb851e0000000p-6f /* 0.03 */;  // settings
   static constexpr float scale = 0x0.0p+0f /* 0.0 */;  // from_graph
   static constexpr int64_t is_causal = 0;  // from_graph
 };
@@ -70,6 +75,11 @@ struct PopcountGroupQueryAttention {
   static constexpr int64_t page_size = 16;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
   static constexpr int64_t verify_keys = 0;  // settings
+  static constexpr int64_t event = 0;  // settings
+  static constexpr float event_topk = 0x1.0000000000000p+0f /* 1.0 */;  // settings
+  static constexpr int64_t event_age_max = 8;  // settings
+  static constexpr int64_t event_gap_every = 64;  // settings
+  static constexpr float event_gap_tol = 0x1.eb851e0000000p-6f /* 0.03 */;  // settings
   static constexpr int64_t num_heads = 0;  // from_graph
   static constexpr int64_t kv_num_heads = 0;  // from_graph
   static constexpr float scale = 0x0.0p+0f /* 0.0 */;  // from_graph
