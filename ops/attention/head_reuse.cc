@@ -5,8 +5,8 @@
 namespace ortsparse::attention {
 
 void validate(const HeadReuseConfig& c) {
-  if (!(c.recompute >= 0.0f && c.recompute <= 1.0f))
-    fail("attribute event_topk=", c.recompute, " must be in [0, 1] (the fraction of uncertified heads re-ranked)");
+  if (!(c.topk >= 0.0f && c.topk <= 1.0f))
+    fail("attribute event_topk=", c.topk, " must be in [0, 1] (the fraction of uncertified heads re-ranked)");
   if (c.age_max < 1) fail("attribute event_age_max=", c.age_max, " must be >= 1");
   if (c.gap_every < 0) fail("attribute event_gap_every=", c.gap_every, " must be >= 0 (0: never)");
   if (!(c.gap_tol >= 0.0f) || !std::isfinite(c.gap_tol))

@@ -9,7 +9,7 @@
 // the query moves by Δq, so with gap > 2 · scale · |q - q_ref|_1 · max|k| (+ rounding slack) every
 // chosen page still outranks every unchosen one: the selector would choose the same pages of the
 // keys it ranked then. Such a reuse is *certified*. Beyond the certificate a budget decides:
-// of the heads the certificate does not cover, the fraction `recompute` with the largest relative
+// of the heads the certificate does not cover, the fraction `topk` with the largest relative
 // query change re-ranks its pages, the others reuse uncertified. A head re-ranks after `age_max`
 // reuses in a row (staleness). Every `gap_every` steps the uncertified reuses are also computed
 // fresh and compared; a relative L2 gap above `gap_tol` disables reuse for the kernel's life.
@@ -30,7 +30,7 @@ namespace ortsparse::attention {
 
 struct HeadReuseConfig {
   bool enabled = false;
-  float recompute = 1.0f;  // of the heads not certified, the fraction re-ranked (1: certified reuse only)
+  float topk = 1.0f;       // of the heads not certified, the fraction re-ranked (1: certified reuse only)
   int64_t age_max = 8;     // a head re-ranks after at most this many reuses in a row
   int64_t gap_every = 64;  // every N decode steps the uncertified reuses are checked (0: never)
   float gap_tol = 0.03f;   // relative L2 gap of a checked head's output that disables reuse
@@ -154,8 +154,8 @@ std::vector<HeadAction> HeadReuse::plan(uint64_t call, size_t batch, size_t head
       }
     }
   }
-  // Of the uncovered heads, the `recompute` fraction that moved most ranks; the rest reuse.
-  const size_t rank = static_cast<size_t>(std::ceil(static_cast<double>(config_.recompute) * budget.size()));
+  // Of the uncovered heads, the `topk` fraction that moved most ranks; the rest reuse.
+  const size_t rank = static_cast<size_t>(std::ceil(static_cast<double>(config_.topk) * budget.size()));
   std::sort(budget.begin(), budget.end(), [](const Candidate& a, const Candidate& b) {
     return a.change > b.change || (a.change == b.change && a.index < b.index);
   });

@@ -32,7 +32,7 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
   c.page_size = attrs.get_int("page_size", defaults.page_size);
   c.prefill_rows = attrs.get_int("prefill_rows", defaults.prefill_rows);
   c.event.enabled = read_flag(attrs, "event", defaults.event.enabled);
-  c.event.recompute = attrs.get_float("event_topk", defaults.event.recompute);
+  c.event.topk = attrs.get_float("event_topk", defaults.event.topk);
   c.event.age_max = attrs.get_int("event_age_max", defaults.event.age_max);
   c.event.gap_every = attrs.get_int("event_gap_every", defaults.event.gap_every);
   c.event.gap_tol = attrs.get_float("event_gap_tol", defaults.event.gap_tol);

@@ -33,7 +33,7 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
   c.page_size = Schema::page_size;
   c.prefill_rows = Schema::prefill_rows;
   c.event.enabled = Schema::event != 0;
-  c.event.recompute = Schema::event_topk;
+  c.event.topk = Schema::event_topk;
   c.event.age_max = Schema::event_age_max;
   c.event.gap_every = Schema::event_gap_every;
   c.event.gap_tol = Schema::event_gap_tol;

@@ -31,7 +31,8 @@ READERS = {
 # KwtaBlockMatMul also reads the state-pack, GLU and weight-form attributes, not (yet) in the schema.
 COMPLETE = {"PopcountAttention", "PopcountGroupQueryAttention", "EventDrivenMatMul"}
 # The readers' field names where they differ from the attribute's.
-FIELDS = {"pack_cache": "cache_keys"}
+FIELDS = {"pack_cache": "cache_keys", "event_topk": "topk", "event_age_max": "age_max", "event_gap_every": "gap_every",
+          "event_gap_tol": "gap_tol"}  # event_*: HeadReuseConfig's fields
 _CALL = re.compile(r'(get_int|get_float|get_string|read_flag)\(\s*(?:attrs,\s*)?(?:name\()?"(\w+)"\)?(?:\.c_str\(\))?,'
                    r'\s*([^;]+?)\)(?:\s*;|\s*!=|\s*\))')
 # for (const char* name : {"a", "b"}) ... get_string(name, DEFAULT): one read per listed attribute
