@@ -55,6 +55,8 @@ struct PopcountAttention {
   static constexpr int64_t event_age_max = 8;  // settings
   static constexpr int64_t event_gap_every = 64;  // settings
   static constexpr float event_gap_tol = 0x1.eb851e0000000p-6f /* 0.03 */;  // settings
+  static constexpr int64_t reuse_rows = 0;  // settings
+  static constexpr float reuse_tol = 0x0.0p+0f /* 0.0 */;  // settings
   static constexpr float scale = 0x0.0p+0f /* 0.0 */;  // from_graph
   static constexpr int64_t is_causal = 0;  // from_graph
 };

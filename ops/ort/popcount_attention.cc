@@ -81,9 +81,9 @@ class PopcountAttentionKernel : public KernelBase<PopcountAttentionKernel> {
     metrics_->set_constant(kMode, static_cast<double>(static_cast<int>(config.mode)));
     metrics_->set_constant(kPopcnt, static_cast<double>(static_cast<int>(kernels.popcnt_path)));
     metrics_->set_constant(kSelect, static_cast<double>(static_cast<int>(config.select)));
-    const int64_t reuse_rows = Attributes(info).get_int("reuse_rows", 0);
+    const int64_t reuse_rows = Attributes(info).get_int("reuse_rows", schema::PopcountAttention::reuse_rows);
     if (reuse_rows != 0 && reuse_rows != 1) fail("attribute reuse_rows=", reuse_rows, " must be 0 or 1");
-    reuse_tol_ = Attributes(info).get_float("reuse_tol", 0.0f);
+    reuse_tol_ = Attributes(info).get_float("reuse_tol", schema::PopcountAttention::reuse_tol);
     if (!(reuse_tol_ >= 0.0f) || !std::isfinite(reuse_tol_))
       fail("attribute reuse_tol=", reuse_tol_, " must be a finite number >= 0 (0: rows reused only when bit-identical)");
     if (reuse_rows == 1) {
