@@ -7,7 +7,10 @@ sessions, 1 thread:
 - `input`: the folder as built (com.microsoft.GroupQueryAttention, exact);
 - `pages`: `--attn=popcount` (PopcountGroupQueryAttention, the recommended budgeted page selector);
 - `event-*`: the same plus `--attn-event=1` at several budgets (`--attn-event-topk`: of the heads
-  the certificate does not cover, the fraction that re-ranks; 1 = certified reuse only).
+  the certificate does not cover, the fraction that re-ranks; 1 = certified reuse only), with the
+  default gap check (every 64 steps, 3% relative L2 per head output) or without it (`-nogap`), and
+  the default staleness (8 reuses in a row) or `-age2`. Every loop opens fresh sessions (a gap
+  check's disable lasts for the session).
 
 Per model and context: decode tok/s (median step; min / median over rounds of the ratio to
 `pages`), the (head, step) pairs reused with the certificate and by the budget (the op's metrics;
@@ -36,13 +39,15 @@ from ortsparse.runtime import genai_decoder
 
 MODELS = Path.home() / ".cache" / "ortsparse" / "models" / "smollm2"
 CORPUS = MODELS / "corpus_britannica.npy"
-VARIANTS = {
+EVENT = ["--attn=popcount", "--attn-event=1"]
+VARIANTS = {  # name: topk (fraction of uncertified heads re-ranked), age (max reuses in a row), gap check
     "pages": ["--attn=popcount"],
-    "event-cert": ["--attn=popcount", "--attn-event=1", "--attn-event-topk=1"],
-    "event-0.5": ["--attn=popcount", "--attn-event=1", "--attn-event-topk=0.5"],
-    "event-0.25": ["--attn=popcount", "--attn-event=1", "--attn-event-topk=0.25"],
-    "event-0": ["--attn=popcount", "--attn-event=1", "--attn-event-topk=0"],
-    "event-0-nogap": ["--attn=popcount", "--attn-event=1", "--attn-event-topk=0", "--attn-event-gap-every=0"],
+    "event-cert": [*EVENT, "--attn-event-topk=1"],
+    "event-0.5": [*EVENT, "--attn-event-topk=0.5"],
+    "event-0": [*EVENT, "--attn-event-topk=0"],
+    "event-0.5-nogap": [*EVENT, "--attn-event-topk=0.5", "--attn-event-gap-every=0"],
+    "event-0-age2-nogap": [*EVENT, "--attn-event-topk=0", "--attn-event-age-max=2", "--attn-event-gap-every=0"],
+    "event-0-nogap": [*EVENT, "--attn-event-topk=0", "--attn-event-gap-every=0"],
 }
 
 
@@ -91,10 +96,13 @@ def main(argv=None) -> int:
     models = {"input": str(info.model_file)}
     for label in args.variants:
         models[label] = rewritten(info.model_file, VARIANTS[label], label)
-    steppers = {label: decode.OrtStepper(source, 1, layout_source=info.model_file) for label, source in models.items()}
     rows = []
     for round_index in range(args.rounds):
         for context in args.contexts:
+            # Fresh sessions per loop: a gap check disables reuse for a kernel's life (the session's),
+            # which would carry over from one loop into the next.
+            steppers = {label: decode.OrtStepper(source, 1, layout_source=info.model_file)
+                        for label, source in models.items()}
             loop = decode.plan(context, args.steps, args.warmup, offset=args.offset + round_index * 97,
                                max_positions=info.context_length)
             print(f"round {round_index + 1}/{args.rounds}, context {context} (prompt {loop.prompt})", flush=True)
@@ -111,6 +119,7 @@ def main(argv=None) -> int:
                       f"{row['certified']:.1%} certified + {row['budget']:.1%} budget, dppl vs input "
                       f"{row['dppl_vs_input']:+.2%}, vs pages {row['dppl_vs_pages']:+.2%}, disabled layers "
                       f"{row['layers_disabled']}", flush=True)
+            del steppers
     summary = []
     for context in args.contexts:
         for label in models:
