@@ -188,6 +188,18 @@ float bound_slack(size_t d, float q_abs_sum) {
   return static_cast<float>((4.0 * static_cast<double>(d) + 16.0) * 0x1.0p-24) * q_abs_sum;
 }
 
+// q split by sign into [max(q, 0) (D), min(q, 0) (D)], the query side of a page bound (a dot with a
+// page's [max K (D), min K (D)]); returns |q|_1 (non-finite: q holds a non-finite value).
+float split_query(const float* q, size_t d, float* qsplit) {
+  float q_abs = 0.0f;
+  for (size_t i = 0; i < d; ++i) {
+    qsplit[i] = std::max(q[i], 0.0f);
+    qsplit[d + i] = std::min(q[i], 0.0f);
+    q_abs += std::fabs(q[i]);
+  }
+  return q_abs;
+}
+
 // Scores the gathered key rows exactly (one list: the kernel prefetches along it, across scattered
 // pages) and keeps the topk best (ties: lower position in rows) in heap_scores / heap_rows
 // [0, kept); kth: the worst kept score. False when a score is NaN.
@@ -270,12 +282,7 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
   const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
   s.reserve_pages(r.hi, d, page);
-  float q_abs = 0.0f;
-  for (size_t i = 0; i < d; ++i) {
-    s.qsplit[i] = std::max(q[i], 0.0f);
-    s.qsplit[d + i] = std::min(q[i], 0.0f);
-    q_abs += std::fabs(q[i]);
-  }
+  const float q_abs = split_query(q, d, s.qsplit.data());
   if (!std::isfinite(q_abs)) return false;
   const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
   float* bound = s.bounds.data();
@@ -423,12 +430,7 @@ ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, cons
   const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
   const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
   s.reserve_pages(r.hi, d, page);
-  float q_abs = 0.0f;  // as attend_row_pages, so a bound here equals the ranking's bit for bit
-  for (size_t i = 0; i < d; ++i) {
-    s.qsplit[i] = std::max(q[i], 0.0f);
-    s.qsplit[d + i] = std::min(q[i], 0.0f);
-    q_abs += std::fabs(q[i]);
-  }
+  const float q_abs = split_query(q, d, s.qsplit.data());  // as attend_row_pages: the same bounds, bit for bit
   if (!std::isfinite(q_abs)) return kReuseExact;
   const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
   const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention/exact_attention.h"
+#include "common/finite.h"
 
 namespace ortsparse::attention {
 
@@ -16,17 +17,6 @@ constexpr size_t kKeys = kernels::kFlashKeys;
 constexpr size_t kBlockRows = 64;  // query rows per flash block (as the tiled prompt path)
 
 enum RowKind : uint8_t { kReuse, kCorrect, kRecompute };
-
-// Exponent bits all set: Inf or NaN (integer ops, so the loop vectorises without fast-math).
-bool all_finite(const float* x, size_t n) {
-  uint32_t bad = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof(bits));
-    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  return bad == 0;
-}
 
 // Row a (this call's) counts as unchanged from b (the state's): bit-identical with tol = 0, else
 // max|a - b| <= tol · max|b|. A NaN or Inf in a always counts as a change (the caller's finiteness

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention/exact_attention.h"
+#include "common/finite.h"
 
 namespace ortsparse::attention {
 
@@ -17,17 +18,6 @@ constexpr size_t kKeys = kernels::kFlashKeys;
 // and one tile's scores are 3 x 64 x 64 floats at D = 64 (48 KiB), in L1/L2 while a K/V tile
 // (2 x 16 KiB) streams through; more rows would read each tile fewer times but spill the scores.
 constexpr size_t kBlockRows = 64;
-
-// Exponent bits all set: Inf or NaN (integer ops, so the loop vectorises without fast-math).
-bool all_finite(const float* x, size_t n) {
-  uint32_t bad = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof(bits));
-    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  return bad == 0;
-}
 
 struct Block {
   size_t b, hk, i0, positions;

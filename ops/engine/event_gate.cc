@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "common/finite.h"
 #include "kernels/top_k.h"
 
 namespace ortsparse::engine {
@@ -22,16 +23,6 @@ EventAxis parse_event_axis(const std::string& name) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-bool all_finite(const float* v, size_t n) {
-  uint32_t bad = 0;  // integer test of the exponent bits: vectorises (a float reduction would not)
-  for (size_t j = 0; j < n; ++j) {
-    uint32_t bits;
-    std::memcpy(&bits, v + j, sizeof(bits));
-    bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
-  }
-  return bad == 0;
-}
 
 // A fraction of `total` as a count: ceil with the same float32 slack as KWTA's k_frac.
 size_t fraction_count(double fraction, size_t total) {

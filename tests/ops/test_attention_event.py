@@ -9,15 +9,13 @@ certificate (the budget) outputs may differ; staleness, the gap check and a brok
 prompt, another buffer) are checked through the op's metrics."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import ortsparse
 
+from .isa_runs import ISAS, run_file_under_isa
 from . import gqa_graphs as G
 
 CFG = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16)
@@ -180,17 +178,10 @@ def test_bad_event_attributes_name_themselves(attr, value, words):
         G.session(CFG, ours=True, node_name="bad", **SELECT, **{"event": 1, attr: value})
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_every_isa_keeps_certified_reuse_exact(isa):
     """The cases above under each ISA's kernels (ORTSPARSE_ISA is read once per process)."""
-    if os.environ.get("ORTSPARSE_ISA"):
-        pytest.skip("already inside an ISA run")
-    if isa == "avx512" and "avx512f" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX-512 on this CPU")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                           "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    run_file_under_isa(__file__, isa)
 
 
 def test_the_4d_op_reuses_by_the_key_cache_s_hashes(rng):

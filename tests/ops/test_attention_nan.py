@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -32,6 +29,7 @@ from onnx import TensorProto, helper
 
 import ortsparse
 
+from .isa_runs import ISAS, run_file_under_isa
 from . import gqa_graphs as G
 
 H, HKV, D = 4, 2, 8
@@ -271,17 +269,10 @@ def test_popcount_attention_causal_nan_value_outside_the_range_reaches_its_colum
 
 # ---------------------------------------------------------------- every ISA
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_every_isa_propagates_nan_the_same_way(isa):
     """The cases above under each ISA's kernels (ORTSPARSE_ISA is read once per process)."""
-    if os.environ.get("ORTSPARSE_ISA"):
-        pytest.skip("already inside an ISA run")
-    if isa == "avx512" and "avx512f" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX-512 on this CPU")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                           "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    run_file_under_isa(__file__, isa)
 
 
 def test_gqa_without_sink_gives_nan_where_onnxruntime_plain_softmax_gives_zero():

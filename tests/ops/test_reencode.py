@@ -4,9 +4,6 @@ or corrected rather than recomputed."""
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -16,6 +13,7 @@ from onnx import TensorProto
 import ortsparse
 from ortsparse import _kernels as K
 
+from .isa_runs import run_file_under_isa
 from . import attention_reference as ref
 
 ISAS = K.supported_isas()
@@ -70,17 +68,10 @@ def make_mask(kind, batch, rng):
 FRACTIONS = {"none": 0, "one": 1, "tenth": S // 10, "all": S}
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_every_isa_reencodes_the_same(isa):
     """This file's tests under each ISA's kernels (ORTSPARSE_ISA is read once per process)."""
-    if os.environ.get("ORTSPARSE_ISA"):
-        pytest.skip("already inside an ISA run")
-    if isa not in ISAS:
-        pytest.skip(f"no {isa} on this CPU")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                           "not every_isa"], env={**os.environ, "ORTSPARSE_ISA": isa}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    run_file_under_isa(__file__, isa)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
