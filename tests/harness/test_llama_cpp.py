@@ -51,3 +51,12 @@ def test_archive_members_cannot_leave_the_folder(tmp_path):
     with pytest.raises(llama_cpp.PeerUnavailable, match="evil.tar.gz"):
         llama_cpp._safe_extract(archive, target)
     assert not (tmp_path / "outside.txt").exists()
+
+
+def test_the_build_asks_for_the_extensions_the_cpu_reports_not_native():
+    cpuinfo = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_vnni\n"
+    flags = llama_cpp.isa_flags(cpuinfo)
+    assert flags[0] == "-DGGML_NATIVE=OFF"
+    assert set(flags[1:]) == {"-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                              "-DGGML_AVX512=ON", "-DGGML_AVX512_BW=ON", "-DGGML_AVX512_VNNI=ON"}
+    assert llama_cpp.isa_flags("processor\t: 0\n") == ["-DGGML_NATIVE=OFF"]

