@@ -119,6 +119,151 @@ void page_add(float* s, float& absmax, const float* x, size_t d, bool first) {
   }
 }
 
+// A new cache with room for need_blocks key blocks per head (headroom when kept, so the following
+// decode steps extend it in place), holding each head's reused prefix copied from `old`.
+std::shared_ptr<KeyCache> new_cache(const KeySummary& summary, bool keep, bool by_hash,
+                                    const std::shared_ptr<const std::vector<uint32_t>>& hash_key, size_t heads,
+                                    size_t d, size_t need_blocks, const std::vector<HeadPlan>& plan,
+                                    const KeyCache* old) {
+  const bool popcount = summary.select == Selector::kPopcount;
+  const bool pages = summary.select == Selector::kPages;
+  const size_t page = pages ? static_cast<size_t>(summary.page_size) : 0;
+  const bool center = popcount && summary.center;
+  const size_t dp = popcount && summary.proj_bits > 0 ? static_cast<size_t>(summary.proj_bits) : d;
+  auto fresh = std::make_shared<KeyCache>();
+  KeyCache& n = *fresh;
+  n.heads = heads;
+  n.d = d;
+  n.words = popcount ? (dp + 63) / 64 : 0;
+  n.planes = popcount ? pack_planes(summary.mode) : 0;
+  n.block_words = n.planes * n.words * kLanes;
+  n.packed_dim = popcount ? dp : d;
+  // Headroom so the following decode steps extend in place.
+  n.cap_blocks = keep ? need_blocks + need_blocks / 2 + 8 : need_blocks;
+  n.rows.assign(heads, 0);
+  n.bits_set.assign(heads, 0);
+  n.center.assign(center ? heads * d : 0, 0.0f);
+  n.hash_key = hash_key;
+  if (by_hash) n.hashes.assign(heads * n.cap_blocks * kLanes * 2, 0);
+  n.page = page;
+  if (popcount) {
+    n.packed.assign(heads * n.cap_blocks * n.block_words, 0);
+    n.gamma.assign(heads * n.cap_blocks * kLanes, 0.0f);
+  } else if (pages) {
+    n.cap_pages = (n.cap_blocks * kLanes + page - 1) / page;
+    n.pages.assign(heads * n.cap_pages * 2 * d, 0.0f);
+    n.page_absmax.assign(heads * n.cap_pages, 0.0f);
+  } else {
+    n.energy.assign(heads * n.cap_blocks * kLanes, 0.0f);
+  }
+  {  // copy each head's reused prefix
+    for (size_t hk = 0; hk < heads; ++hk) {
+      const size_t reuse = plan[hk].reuse;
+      if (reuse == 0) continue;
+      const size_t blocks = (reuse + kLanes - 1) / kLanes;
+      if (popcount) {
+        std::copy_n(old->head_packed(hk), blocks * n.block_words, n.packed.data() + hk * n.cap_blocks * n.block_words);
+        std::copy_n(old->head_gamma(hk), reuse, n.gamma.data() + hk * n.cap_blocks * kLanes);
+      } else if (pages) {
+        const size_t used = (reuse + page - 1) / page;
+        std::copy_n(old->head_pages(hk), used * 2 * d, n.pages.data() + hk * n.cap_pages * 2 * d);
+        std::copy_n(old->head_page_absmax(hk), used, n.page_absmax.data() + hk * n.cap_pages);
+      } else {
+        std::copy_n(old->head_energy(hk), reuse, n.energy.data() + hk * n.cap_blocks * kLanes);
+      }
+      if (by_hash)
+        std::copy_n(old->hashes.data() + hk * old->cap_blocks * kLanes * 2, 2 * reuse,
+                    n.hashes.data() + hk * n.cap_blocks * kLanes * 2);
+      if (center) std::copy_n(old->center.data() + hk * d, d, n.center.data() + hk * d);
+      n.rows[hk] = old->rows[hk];  // the task below recounts bits_set when only a prefix is reused
+      n.bits_set[hk] = old->bits_set[hk];
+    }
+  }
+  return fresh;
+}
+
+// Summarises head hk's rows [reuse, keys) of the call into `kc` (hashes, page bounds, packed bits or
+// energies), after fixing what a rewound head's reused prefix left stale (bits_set, its last page).
+void summarise_head(const AttentionCall& call, const kernels::KernelSet& kernels, const KeySummary& summary,
+                    bool hash_rows, const uint32_t* key, const float* proj_p, const HeadPlan& plan, size_t hk,
+                    KeyCache& kc) {
+  const AttentionDims& dims = call.dims;
+  const size_t d = dims.d;
+  const bool popcount = summary.select == Selector::kPopcount;
+  const bool pages = summary.select == Selector::kPages;
+  const size_t page = pages ? static_cast<size_t>(summary.page_size) : 0;
+  const bool center = popcount && summary.center;
+  const size_t dp = popcount && summary.proj_bits > 0 ? static_cast<size_t>(summary.proj_bits) : d;
+  const int mode = static_cast<int>(summary.mode);
+  const float eps = summary.eps;
+  KeyCache* kp = &kc;
+  const size_t b = hk / dims.hkv, h = hk % dims.hkv;
+  const size_t keys = plan.keys, reuse = plan.reuse;
+  const kernels::AttentionKernels& attn = *kernels.attention;
+  auto row = [&](size_t j) { return call.k + call.k_rows.at(b, h, j); };
+  // Packing assigns every word of a row's lanes, so rows left over from a longer earlier
+  // sequence need no clearing: no query reads lanes past its head's keys.
+  if (reuse == 0) {
+    kp->bits_set[hk] = 0;
+    if (center) {
+      // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
+      const size_t rows = std::min(keys, kCenterRows);
+      std::vector<double> sum(d, 0.0);
+      for (size_t j = 0; j < rows; ++j)
+        for (size_t i = 0; i < d; ++i) sum[i] += row(j)[i];
+      for (size_t i = 0; i < d; ++i)
+        kp->center[hk * d + i] = rows ? static_cast<float>(sum[i] / static_cast<double>(rows)) : 0.0f;
+    }
+  }
+  if (reuse > 0 && reuse < kp->rows[hk]) {
+    // bits_set counts the summarised rows: recount the reused prefix (a rewound head).
+    uint64_t bits = 0;
+    if (popcount) {
+      const uint64_t* base = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
+      for (size_t j = 0; j < reuse; ++j)
+        for (size_t w = 0; w < kp->planes * kp->words; ++w)
+          bits += static_cast<uint64_t>(__builtin_popcountll(base[(j / kLanes) * kp->block_words + w * kLanes + j % kLanes]));
+    }
+    kp->bits_set[hk] = bits;
+  }
+  float* page_base = pages ? kp->pages.data() + hk * kp->cap_pages * 2 * d : nullptr;
+  float* absmax = pages ? kp->page_absmax.data() + hk * kp->cap_pages : nullptr;
+  if (pages && reuse % page != 0 && reuse < kp->rows[hk]) {
+    // A rewound head: its last reused page also bounds rows past `reuse`; rebuild it from its
+    // reused rows (the rows the caller vouches for, or whose hashes matched).
+    const size_t p = reuse / page;
+    for (size_t j = p * page; j < reuse; ++j) page_add(page_base + p * 2 * d, absmax[p], row(j), d, j == p * page);
+  }
+  std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
+  for (size_t j = reuse; j < keys; ++j) {
+    const float* x = row(j);
+    if (hash_rows) attn.row_hash(x, d, key, kp->hashes.data() + (hk * kp->cap_blocks * kLanes + j) * 2);
+    if (pages) {
+      const size_t p = j / page;
+      page_add(page_base + p * 2 * d, absmax[p], x, d, j % page == 0);
+    } else if (popcount) {
+      if (center) {
+        const float* mu = kp->center.data() + hk * d;
+        for (size_t i = 0; i < d; ++i) centered[i] = x[i] - mu[i];
+        x = centered.data();
+      }
+      if (proj_p) {
+        kernels.matmul->gemv_rows(proj_p, dp, nullptr, x, d, projected.data(), dp, false);
+        x = projected.data();
+      }
+      uint64_t* out = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
+      float* g = kp->gamma.data() + hk * kp->cap_blocks * kLanes;
+      g[j] = attn.pack_row(x, dp, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
+                           &kp->bits_set[hk]);
+    } else {
+      double s = 0.0;
+      for (size_t i = 0; i < d; ++i) s += static_cast<double>(x[i]) * x[i];
+      kp->energy[hk * kp->cap_blocks * kLanes + j] = static_cast<float>(std::sqrt(s));
+    }
+  }
+  kp->rows[hk] = keys;
+}
+
 }  // namespace
 
 void KeyCacheSlot::track(const AttentionCall& call, const KeyProvenance* provenance) const {
@@ -217,55 +362,7 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   if (compatible && reused_total > 0 && old.use_count() == 1 && old->cap_blocks >= need_blocks) {
     fresh = old;  // no run holds it: extend in place (new rows go to unused lanes / blocks)
   } else {
-    fresh = std::make_shared<KeyCache>();
-    KeyCache& n = *fresh;
-    n.heads = heads;
-    n.d = d;
-    n.words = popcount ? (dp + 63) / 64 : 0;
-    n.planes = popcount ? pack_planes(summary_.mode) : 0;
-    n.block_words = n.planes * n.words * kLanes;
-    n.packed_dim = popcount ? dp : d;
-    // Headroom so the following decode steps extend in place.
-    n.cap_blocks = keep_ ? need_blocks + need_blocks / 2 + 8 : need_blocks;
-    n.rows.assign(heads, 0);
-    n.bits_set.assign(heads, 0);
-    n.center.assign(center ? heads * d : 0, 0.0f);
-    n.hash_key = hash_key;
-    if (by_hash) n.hashes.assign(heads * n.cap_blocks * kLanes * 2, 0);
-    n.page = page;
-    if (popcount) {
-      n.packed.assign(heads * n.cap_blocks * n.block_words, 0);
-      n.gamma.assign(heads * n.cap_blocks * kLanes, 0.0f);
-    } else if (pages) {
-      n.cap_pages = (n.cap_blocks * kLanes + page - 1) / page;
-      n.pages.assign(heads * n.cap_pages * 2 * d, 0.0f);
-      n.page_absmax.assign(heads * n.cap_pages, 0.0f);
-    } else {
-      n.energy.assign(heads * n.cap_blocks * kLanes, 0.0f);
-    }
-    if (reused_total > 0) {
-      for (size_t hk = 0; hk < heads; ++hk) {
-        const size_t reuse = plan[hk].reuse;
-        if (reuse == 0) continue;
-        const size_t blocks = (reuse + kLanes - 1) / kLanes;
-        if (popcount) {
-          std::copy_n(old->head_packed(hk), blocks * n.block_words, n.packed.data() + hk * n.cap_blocks * n.block_words);
-          std::copy_n(old->head_gamma(hk), reuse, n.gamma.data() + hk * n.cap_blocks * kLanes);
-        } else if (pages) {
-          const size_t used = (reuse + page - 1) / page;
-          std::copy_n(old->head_pages(hk), used * 2 * d, n.pages.data() + hk * n.cap_pages * 2 * d);
-          std::copy_n(old->head_page_absmax(hk), used, n.page_absmax.data() + hk * n.cap_pages);
-        } else {
-          std::copy_n(old->head_energy(hk), reuse, n.energy.data() + hk * n.cap_blocks * kLanes);
-        }
-        if (by_hash)
-          std::copy_n(old->hashes.data() + hk * old->cap_blocks * kLanes * 2, 2 * reuse,
-                      n.hashes.data() + hk * n.cap_blocks * kLanes * 2);
-        if (center) std::copy_n(old->center.data() + hk * d, d, n.center.data() + hk * d);
-        n.rows[hk] = old->rows[hk];  // the task below recounts bits_set when only a prefix is reused
-        n.bits_set[hk] = old->bits_set[hk];
-      }
-    }
+    fresh = new_cache(summary_, keep_, by_hash, hash_key, heads, d, need_blocks, plan, old.get());
   }
   KeyCache& kc = *fresh;
   kc.reused.resize(heads);
@@ -276,75 +373,8 @@ std::shared_ptr<const KeyCache> KeyCacheSlot::prepare(const AttentionCall& call,
   const float* proj_p = proj ? proj->data() : nullptr;
   KeyCache* kp = &kc;
   const HeadPlan* pl = plan.data();
-  const int mode = static_cast<int>(summary_.mode);
-  const float eps = summary_.eps;
-  const bool hash_rows = by_hash;
   runner.run(heads, [&, kp, pl, proj_p, key](size_t hk) {
-    const size_t b = hk / dims.hkv, h = hk % dims.hkv;
-    const size_t keys = pl[hk].keys, reuse = pl[hk].reuse;
-    const kernels::AttentionKernels& attn = *kernels.attention;
-    auto row = [&](size_t j) { return call.k + call.k_rows.at(b, h, j); };
-    // Packing assigns every word of a row's lanes, so rows left over from a longer earlier
-    // sequence need no clearing: no query reads lanes past its head's keys.
-    if (reuse == 0) {
-      kp->bits_set[hk] = 0;
-      if (center) {
-        // q·(k − μ) ranks keys as q·k does, and centered keys carry informative sign bits.
-        const size_t rows = std::min(keys, kCenterRows);
-        std::vector<double> sum(d, 0.0);
-        for (size_t j = 0; j < rows; ++j)
-          for (size_t i = 0; i < d; ++i) sum[i] += row(j)[i];
-        for (size_t i = 0; i < d; ++i)
-          kp->center[hk * d + i] = rows ? static_cast<float>(sum[i] / static_cast<double>(rows)) : 0.0f;
-      }
-    }
-    if (reuse > 0 && reuse < kp->rows[hk]) {
-      // bits_set counts the summarised rows: recount the reused prefix (a rewound head).
-      uint64_t bits = 0;
-      if (popcount) {
-        const uint64_t* base = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
-        for (size_t j = 0; j < reuse; ++j)
-          for (size_t w = 0; w < kp->planes * kp->words; ++w)
-            bits += static_cast<uint64_t>(__builtin_popcountll(base[(j / kLanes) * kp->block_words + w * kLanes + j % kLanes]));
-      }
-      kp->bits_set[hk] = bits;
-    }
-    float* page_base = pages ? kp->pages.data() + hk * kp->cap_pages * 2 * d : nullptr;
-    float* absmax = pages ? kp->page_absmax.data() + hk * kp->cap_pages : nullptr;
-    if (pages && reuse % page != 0 && reuse < kp->rows[hk]) {
-      // A rewound head: its last reused page also bounds rows past `reuse`; rebuild it from its
-      // reused rows (the rows the caller vouches for, or whose hashes matched).
-      const size_t p = reuse / page;
-      for (size_t j = p * page; j < reuse; ++j) page_add(page_base + p * 2 * d, absmax[p], row(j), d, j == p * page);
-    }
-    std::vector<float> centered(center ? d : 0), projected(proj_p ? dp : 0);
-    for (size_t j = reuse; j < keys; ++j) {
-      const float* x = row(j);
-      if (hash_rows) attn.row_hash(x, d, key, kp->hashes.data() + (hk * kp->cap_blocks * kLanes + j) * 2);
-      if (pages) {
-        const size_t p = j / page;
-        page_add(page_base + p * 2 * d, absmax[p], x, d, j % page == 0);
-      } else if (popcount) {
-        if (center) {
-          const float* mu = kp->center.data() + hk * d;
-          for (size_t i = 0; i < d; ++i) centered[i] = x[i] - mu[i];
-          x = centered.data();
-        }
-        if (proj_p) {
-          kernels.matmul->gemv_rows(proj_p, dp, nullptr, x, d, projected.data(), dp, false);
-          x = projected.data();
-        }
-        uint64_t* out = kp->packed.data() + hk * kp->cap_blocks * kp->block_words;
-        float* g = kp->gamma.data() + hk * kp->cap_blocks * kLanes;
-        g[j] = attn.pack_row(x, dp, mode, eps, out + (j / kLanes) * kp->block_words + j % kLanes, kLanes,
-                             &kp->bits_set[hk]);
-      } else {
-        double s = 0.0;
-        for (size_t i = 0; i < d; ++i) s += static_cast<double>(x[i]) * x[i];
-        kp->energy[hk * kp->cap_blocks * kLanes + j] = static_cast<float>(std::sqrt(s));
-      }
-    }
-    kp->rows[hk] = keys;
+    summarise_head(call, kernels, summary_, by_hash, key, proj_p, pl[hk], hk, *kp);
   });
   kc.source = provenance ? provenance->current : nullptr;
   kc.source_rows = provenance ? provenance->current_rows : 0;
