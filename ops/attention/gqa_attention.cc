@@ -42,11 +42,10 @@ GroupQueryAttention::GroupQueryAttention(const GqaConfig& config, const kernels:
     fail("attribute sliding_window_cache=1 needs local_window_size > 0, got ", config.local_window_size);
 }
 
-GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
-  GqaPlan p;
-  const size_t h = static_cast<size_t>(config_.num_heads), hkv = static_cast<size_t>(config_.kv_num_heads);
-  p.h = h;
-  p.hkv = hkv;
+namespace {
+
+// Query, key, value: batch, sequence, head size, packed or not.
+void plan_qkv(const GqaInputs& in, size_t h, size_t hkv, GqaPlan& p) {
   check_dims("query", in.query.shape, 3, "[batch, sequence, hidden]");
   p.b = static_cast<size_t>(in.query.shape[0]);
   p.s = static_cast<size_t>(in.query.shape[1]);
@@ -74,6 +73,10 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
            "kv_num_heads·head_size] = ", shape_string(want), " (query ", shape_string(in.query.shape), ", num_heads=", h,
            ", kv_num_heads=", hkv, ")");
   }
+}
+
+// past_key / past_value rows, seqlens_k and total_sequence_length; returns the total.
+int64_t plan_lengths(const GqaInputs& in, size_t hkv, GqaPlan& p) {
   if (in.past_key.present() != in.past_value.present())
     fail("inputs past_key and past_value must both be given or both be empty");
   if (in.past_key.present()) {
@@ -95,11 +98,15 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   const int64_t total = in.total_sequence_length.data[0];
   if (total < 1) fail("total_sequence_length=", total, " must be >= 1");
   p.present_rows = std::max(static_cast<size_t>(total), p.past_rows);
+  return total;
+}
 
+// cos_cache / sin_cache with do_rotary: the rotated pairs per row; returns the cache's positions.
+size_t plan_rotary(const GqaConfig& config, const GqaInputs& in, GqaPlan& p) {
   if (in.cos_cache.present() != in.sin_cache.present())
     fail("inputs cos_cache and sin_cache must both be given or both be empty");
   size_t cos_rows = 0;
-  if (config_.do_rotary) {
+  if (config.do_rotary) {
     if (!in.cos_cache.present()) fail("do_rotary=1 needs the cos_cache and sin_cache inputs");
     check_dims("cos_cache", in.cos_cache.shape, 2, "[positions, rotary_dim / 2]");
     if (in.sin_cache.shape != in.cos_cache.shape)
@@ -111,6 +118,11 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
            p.d, "]");
   }
 
+  return cos_rows;
+}
+
+// Per batch entry: its past rows, keys and each new row's rotary position.
+void plan_positions(const GqaConfig& config, const GqaInputs& in, int64_t total, size_t cos_rows, GqaPlan& p) {
   // Phases as onnxruntime defines them: the first prompt has S == total_sequence_length (every
   // entry starts at position 0, right-padded to S); otherwise S == 1 (token) or batch 1 (a later
   // prompt chunk), and entry b's new rows start at seqlens_k[b] + 1 - S.
@@ -131,7 +143,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   for (size_t b = 0; b < p.b; ++b) {
     const int64_t sk = in.seqlens_k.data[b];
     // A window-sized buffer holds the last rows of a longer sequence (plan_window checks it).
-    if (sk < 0 || (!config_.sliding_window_cache && sk >= static_cast<int64_t>(p.present_rows)))
+    if (sk < 0 || (!config.sliding_window_cache && sk >= static_cast<int64_t>(p.present_rows)))
       fail("seqlens_k[", b, "]=", sk, " is outside the KV buffer: it must be in [0, ", p.present_rows,
            ") (present rows = max(total_sequence_length=", total, ", past buffer=", p.past_rows, "))");
     if (sk + 1 > total)
@@ -141,7 +153,7 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
     if (!p.first_prompt) {
       if (keys < p.s) fail("seqlens_k[", b, "]=", sk, " is too small for ", p.s, " new rows (seqlens_k + 1 >= S)");
       past = keys - p.s;
-      if (past > p.past_rows && !config_.sliding_window_cache)
+      if (past > p.past_rows && !config.sliding_window_cache)
         fail("seqlens_k[", b, "]=", sk, " needs ", past, " past rows but past_key holds ", p.past_rows,
              p.past_rows ? "" : " (no past_key/past_value given)");
     }
@@ -153,12 +165,16 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
       int64_t pos = static_cast<int64_t>(past + s);
       if (custom_positions)
         pos = p.first_prompt ? in.position_ids.data[0] + static_cast<int64_t>(s) : in.position_ids.data[b * p.s + s];
-      if (config_.do_rotary && (pos < 0 || pos >= static_cast<int64_t>(cos_rows)))
+      if (config.do_rotary && (pos < 0 || pos >= static_cast<int64_t>(cos_rows)))
         fail("cos_cache/sin_cache have ", cos_rows, " positions but batch entry ", b, " rotates row ", s,
              " by position ", pos, custom_positions ? " (from position_ids)" : "");
       p.rotary_position[b * p.s + s] = static_cast<size_t>(std::max<int64_t>(pos, 0));
     }
   }
+}
+
+// The optional attention_bias and head_sink inputs' shapes.
+void check_bias_and_sink(const GqaInputs& in, size_t h, int64_t total, GqaPlan& p) {
   if (in.attention_bias.present()) {
     check_dims("attention_bias", in.attention_bias.shape, 4, "[batch | 1, num_heads | 1, sequence, total_sequence_length]");
     const std::vector<int64_t>& a = in.attention_bias.shape;
@@ -169,6 +185,20 @@ GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
   }
   if (in.head_sink.present() && (in.head_sink.shape.size() != 1 || in.head_sink.shape[0] != static_cast<int64_t>(h)))
     fail("input head_sink ", shape_string(in.head_sink.shape), " must be [num_heads] = [", h, "]");
+}
+
+}  // namespace
+
+GqaPlan GroupQueryAttention::plan(const GqaInputs& in) const {
+  GqaPlan p;
+  const size_t h = static_cast<size_t>(config_.num_heads), hkv = static_cast<size_t>(config_.kv_num_heads);
+  p.h = h;
+  p.hkv = hkv;
+  plan_qkv(in, h, hkv, p);
+  const int64_t total = plan_lengths(in, hkv, p);
+  const size_t cos_rows = plan_rotary(config_, in, p);
+  plan_positions(config_, in, total, cos_rows, p);
+  check_bias_and_sink(in, h, total, p);
   if (config_.sliding_window_cache) plan_window(in, p);
   p.output_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(p.s), static_cast<int64_t>(h * p.d)};
   p.present_shape = {static_cast<int64_t>(p.b), static_cast<int64_t>(hkv), static_cast<int64_t>(p.present_rows),
