@@ -226,125 +226,143 @@ void EventGate::commit_row(const float* xr, const RowPlan& plan, size_t done, co
   }
 }
 
+void EventGate::finish_row(const RowPlan& plan, const float* bias, float* y) const {
+  float* yr = y + plan.row * n_;
+  const float* sy = plan.stream->y.data();
+  for (size_t j = 0; j < n_; ++j) yr[j] = sy[j] + (bias ? bias[j] : 0.0f);
+}
+
 void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
                          const WeightProduct& product, GateStats& stats) {
+  if (config_.budget_ms <= 0.0) {
+    run_wave_unbounded(x, wave, bias, y, product, stats);
+  } else {
+    run_wave_deadline(x, wave, bias, y, product, stats);
+  }
+  check_gaps(x, wave, bias, y, product, stats);
+}
+
+void EventGate::run_wave_unbounded(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                                   const WeightProduct& product, GateStats& stats) {
   const size_t k = partition_.k, n = n_;
   const size_t m = wave.size();
   const bool need_fresh = config_.stale_beta != 1.0f;
-  auto finish_row = [&](const RowPlan& plan) {
-    float* yr = y + plan.row * n;
-    const float* sy = plan.stream->y.data();
-    for (size_t j = 0; j < n; ++j) yr[j] = sy[j] + (bias ? bias[j] : 0.0f);
-  };
-
-  if (config_.budget_ms <= 0.0) {
-    // No deadline. Dense rows (fresh streams, full refreshes) share one backend run: at M > 2 the
-    // engine's token tiles reuse each W row across them. Gated rows each have their own row list,
-    // whose union over a tile is most of W, so they run one by one on the decode path (whole W rows
-    // streamed, y in L1), which measured faster than tiling them.
-    out_.resize(m * n);
-    if (need_fresh) fresh_out_.resize(m * n);
-    inputs_.resize(std::max(inputs_.size(), m * k));
-    gated_.clear();
-    dense_rows_.clear();
-    for (size_t i = 0; i < m; ++i) {
-      if (!wave[i].dense) continue;
-      copy_floats(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k);
-      dense_rows_.push_back(i);
-      gated_.add_dense_token();
-    }
-    if (!dense_rows_.empty()) {
-      dense_out_.resize(dense_rows_.size() * n);
-      product(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data());
-      for (size_t d = 0; d < dense_rows_.size(); ++d)
-        copy_floats(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n);
-    }
-    for (size_t i = 0; i < m; ++i) {
-      RowPlan& plan = wave[i];
-      if (plan.dense) continue;
-      const float* xr = x + plan.row * k;
-      int32_t* blocks = order_.data() + plan.order_begin;
-      // Forced and by-delta blocks are each ascending already: W rows in memory order.
-      if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
-      write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
-      gated_.clear();
-      gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
-      product(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n);
-      if (need_fresh) product(xr, 1, gated_, nullptr, fresh_out_.data() + i * n);
-    }
-    resync_rows_.clear();
-    for (size_t i = 0; i < m; ++i) {
-      RowPlan& plan = wave[i];
-      const float* xr = x + plan.row * k;
-      if (plan.dense) {
-        set_dense_state(xr, *plan.stream, out_.data() + i * n);
-      } else {
-        commit_row(xr, plan, plan.order_count, out_.data() + i * n, need_fresh ? fresh_out_.data() + i * n : nullptr);
-        stats.blocks_kept += plan.order_count;
-        if (plan.stream->resync) {
-          resync_rows_.push_back(i);
-          continue;
-        }
-      }
-      finish_row(plan);
-    }
-    resync_rows(x, wave, resync_rows_, bias, y, product, stats);
-  } else {
-    // Deadline: row by row, the refreshed blocks in delta order in chunks; the clock is read
-    // between chunks only, and the first quorum_count blocks run whatever it says.
-    const size_t chunk_blocks = std::max<size_t>(1, kDeadlineChunkRows / partition_.block);
-    const double budget_ns = config_.budget_ms * 1e6;
-    inputs_.resize(std::max(inputs_.size(), k));
-    out_.resize(2 * n);
-    fresh_out_.resize(2 * n);
-    for (RowPlan& plan : wave) {
-      const auto start = Clock::now();
-      const float* xr = x + plan.row * k;
-      gated_.clear();
-      if (plan.dense) {
-        gated_.add_dense_token();
-        product(xr, 1, gated_, nullptr, out_.data());
-        set_dense_state(xr, *plan.stream, out_.data());
-        finish_row(plan);
-        continue;
-      }
-      int32_t* blocks = order_.data() + plan.order_begin;
-      float* acc = out_.data() + n;
-      float* fresh_acc = fresh_out_.data() + n;
-      std::fill(acc, acc + n, 0.0f);
-      if (need_fresh) std::fill(fresh_acc, fresh_acc + n, 0.0f);
-      write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
-      size_t done = 0;
-      while (done < plan.order_count) {
-        if (done >= plan.quorum_count &&
-            static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()) >
-                budget_ns) {
-          ++stats.deadline_stops;
-          break;
-        }
-        const size_t end = done < plan.quorum_count ? plan.quorum_count : std::min(plan.order_count, done + chunk_blocks);
-        std::sort(blocks + done, blocks + end);  // same set, W rows in memory order
-        gated_.clear();
-        gated_.add_token_blocks(partition_, blocks + done, end - done, 1.0f);
-        product(inputs_.data(), 1, gated_, nullptr, out_.data());
-        for (size_t j = 0; j < n; ++j) acc[j] += out_[j];
-        if (need_fresh) {
-          product(xr, 1, gated_, nullptr, fresh_out_.data());
-          for (size_t j = 0; j < n; ++j) fresh_acc[j] += fresh_out_[j];
-        }
-        done = end;
-      }
-      commit_row(xr, plan, done, acc, fresh_acc);
-      stats.blocks_kept += done;
-      if (plan.stream->resync) {
-        resync_rows(x, wave, {static_cast<size_t>(&plan - wave.data())}, bias, y, product, stats);
-        continue;
-      }
-      finish_row(plan);
-    }
+  // No deadline. Dense rows (fresh streams, full refreshes) share one backend run: at M > 2 the
+  // engine's token tiles reuse each W row across them. Gated rows each have their own row list,
+  // whose union over a tile is most of W, so they run one by one on the decode path (whole W rows
+  // streamed, y in L1), which measured faster than tiling them.
+  out_.resize(m * n);
+  if (need_fresh) fresh_out_.resize(m * n);
+  inputs_.resize(std::max(inputs_.size(), m * k));
+  gated_.clear();
+  dense_rows_.clear();
+  for (size_t i = 0; i < m; ++i) {
+    if (!wave[i].dense) continue;
+    copy_floats(inputs_.data() + dense_rows_.size() * k, x + wave[i].row * k, k);
+    dense_rows_.push_back(i);
+    gated_.add_dense_token();
   }
+  if (!dense_rows_.empty()) {
+    dense_out_.resize(dense_rows_.size() * n);
+    product(inputs_.data(), dense_rows_.size(), gated_, nullptr, dense_out_.data());
+    for (size_t d = 0; d < dense_rows_.size(); ++d)
+      copy_floats(out_.data() + dense_rows_[d] * n, dense_out_.data() + d * n, n);
+  }
+  for (size_t i = 0; i < m; ++i) {
+    RowPlan& plan = wave[i];
+    if (plan.dense) continue;
+    const float* xr = x + plan.row * k;
+    int32_t* blocks = order_.data() + plan.order_begin;
+    // Forced and by-delta blocks are each ascending already: W rows in memory order.
+    if (plan.forced_count > 0) std::inplace_merge(blocks, blocks + plan.forced_count, blocks + plan.order_count);
+    write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
+    gated_.clear();
+    gated_.add_token_blocks(partition_, blocks, plan.order_count, 1.0f);
+    product(inputs_.data(), 1, gated_, nullptr, out_.data() + i * n);
+    if (need_fresh) product(xr, 1, gated_, nullptr, fresh_out_.data() + i * n);
+  }
+  resync_rows_.clear();
+  for (size_t i = 0; i < m; ++i) {
+    RowPlan& plan = wave[i];
+    const float* xr = x + plan.row * k;
+    if (plan.dense) {
+      set_dense_state(xr, *plan.stream, out_.data() + i * n);
+    } else {
+      commit_row(xr, plan, plan.order_count, out_.data() + i * n, need_fresh ? fresh_out_.data() + i * n : nullptr);
+      stats.blocks_kept += plan.order_count;
+      if (plan.stream->resync) {
+        resync_rows_.push_back(i);
+        continue;
+      }
+    }
+    finish_row(plan, bias, y);
+  }
+  resync_rows(x, wave, resync_rows_, bias, y, product, stats);
+}
 
-  // Gap check: the dense row too; the output takes the dense value and the stream resyncs on it.
+void EventGate::run_wave_deadline(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                                  const WeightProduct& product, GateStats& stats) {
+  const size_t k = partition_.k, n = n_;
+  const bool need_fresh = config_.stale_beta != 1.0f;
+  // Deadline: row by row, the refreshed blocks in delta order in chunks; the clock is read
+  // between chunks only, and the first quorum_count blocks run whatever it says.
+  const size_t chunk_blocks = std::max<size_t>(1, kDeadlineChunkRows / partition_.block);
+  const double budget_ns = config_.budget_ms * 1e6;
+  inputs_.resize(std::max(inputs_.size(), k));
+  out_.resize(2 * n);
+  fresh_out_.resize(2 * n);
+  for (RowPlan& plan : wave) {
+    const auto start = Clock::now();
+    const float* xr = x + plan.row * k;
+    gated_.clear();
+    if (plan.dense) {
+      gated_.add_dense_token();
+      product(xr, 1, gated_, nullptr, out_.data());
+      set_dense_state(xr, *plan.stream, out_.data());
+      finish_row(plan, bias, y);
+      continue;
+    }
+    int32_t* blocks = order_.data() + plan.order_begin;
+    float* acc = out_.data() + n;
+    float* fresh_acc = fresh_out_.data() + n;
+    std::fill(acc, acc + n, 0.0f);
+    if (need_fresh) std::fill(fresh_acc, fresh_acc + n, 0.0f);
+    write_delta(xr, *plan.stream, blocks, plan.order_count, inputs_.data());
+    size_t done = 0;
+    while (done < plan.order_count) {
+      if (done >= plan.quorum_count &&
+          static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()) >
+              budget_ns) {
+        ++stats.deadline_stops;
+        break;
+      }
+      const size_t end = done < plan.quorum_count ? plan.quorum_count : std::min(plan.order_count, done + chunk_blocks);
+      std::sort(blocks + done, blocks + end);  // same set, W rows in memory order
+      gated_.clear();
+      gated_.add_token_blocks(partition_, blocks + done, end - done, 1.0f);
+      product(inputs_.data(), 1, gated_, nullptr, out_.data());
+      for (size_t j = 0; j < n; ++j) acc[j] += out_[j];
+      if (need_fresh) {
+        product(xr, 1, gated_, nullptr, fresh_out_.data());
+        for (size_t j = 0; j < n; ++j) fresh_acc[j] += fresh_out_[j];
+      }
+      done = end;
+    }
+    commit_row(xr, plan, done, acc, fresh_acc);
+    stats.blocks_kept += done;
+    if (plan.stream->resync) {
+      resync_rows(x, wave, {static_cast<size_t>(&plan - wave.data())}, bias, y, product, stats);
+      continue;
+    }
+    finish_row(plan, bias, y);
+  }
+}
+
+void EventGate::check_gaps(const float* x, const std::vector<RowPlan>& wave, const float* bias, float* y,
+                           const WeightProduct& product, GateStats& stats) {
+  const size_t k = partition_.k, n = n_;
+  const size_t m = wave.size();
+  // The dense row too; the output takes the dense value and the stream resyncs on it.
   gated_.clear();
   inputs_.resize(std::max(inputs_.size(), m * k));
   std::vector<const RowPlan*> checks;
@@ -375,7 +393,7 @@ void EventGate::run_wave(const float* x, std::vector<RowPlan>& wave, const float
       ++stats.disables;
     }
     set_dense_state(x + plan.row * k, *plan.stream, dense);
-    finish_row(plan);
+    finish_row(plan, bias, y);
   }
 }
 

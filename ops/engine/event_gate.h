@@ -88,6 +88,16 @@ class EventGate final : public InputGate {
   void run_dense_call(const GateCall& call, const WeightProduct& product);
   void run_wave(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y, const WeightProduct& product,
                 GateStats& stats);
+  // run_wave's steps: the wave without a deadline (dense rows in one product, gated rows one by
+  // one), with one (row by row, chunks between clock reads), and the wave's gap checks.
+  void run_wave_unbounded(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                          const WeightProduct& product, GateStats& stats);
+  void run_wave_deadline(const float* x, std::vector<RowPlan>& wave, const float* bias, float* y,
+                         const WeightProduct& product, GateStats& stats);
+  void check_gaps(const float* x, const std::vector<RowPlan>& wave, const float* bias, float* y,
+                  const WeightProduct& product, GateStats& stats);
+  // y's row of `plan`: its stream's output plus the bias.
+  void finish_row(const RowPlan& plan, const float* bias, float* y) const;
   // The stream update after its refreshed blocks order_[begin, begin + done) were computed.
   void commit_row(const float* xr, const RowPlan& plan, size_t done, const float* delta_product,
                   const float* fresh_product);
