@@ -308,13 +308,9 @@ ReencodeStats Reencoder::run_locked(const AttentionCall& c, const ReencodeParams
           if (masked)
             for (size_t t = 0; t < m; ++t)
               for (size_t j = 0; j < n; ++j) bias[t * kKeys + j] = mrows[t].value(t0 + j);
-          tile.kt = kt.data() + (t0 / kKeys) * D * kKeys;
-          tile.v = v_state + t0 * Dv;
-          tile.n = n;
-          tile.lo = whole ? nullptr : tile_lo.data();
-          tile.hi = whole ? nullptr : tile_hi.data();
-          tile.bias = masked ? bias.data() : nullptr;
-          tile.ldb = kKeys;
+          tile.set_keys(kt.data() + (t0 / kKeys) * D * kKeys, v_state + t0 * Dv, n,
+                        whole ? nullptr : tile_lo.data(), whole ? nullptr : tile_hi.data(),
+                        masked ? bias.data() : nullptr);
           ks.attention->flash_tile(tile);
         }
         for (size_t t = 0; t < m; ++t) {

@@ -147,13 +147,9 @@ bool tiled_exact_attention(const AttentionCall& c, const kernels::KernelSet& ks,
           ok = ok && std::none_of(dst, dst + n, [](float x) { return std::isnan(x) || x == kPosInf; });
         }
       }
-      tile.kt = kthead + (t0 / kKeys) * d * kKeys;
-      tile.v = vhead + t0 * c.v_rows.pos;
-      tile.n = n;
-      tile.lo = whole ? nullptr : tile_lo.data();
-      tile.hi = whole ? nullptr : tile_hi.data();
-      tile.bias = masked ? bias.data() : nullptr;
-      tile.ldb = kKeys;
+      tile.set_keys(kthead + (t0 / kKeys) * d * kKeys, vhead + t0 * c.v_rows.pos, n,
+                    whole ? nullptr : tile_lo.data(), whole ? nullptr : tile_hi.data(),
+                    masked ? bias.data() : nullptr);
       ks.attention->flash_tile(tile);
     }
     for (size_t r = 0; r < m; ++r) {

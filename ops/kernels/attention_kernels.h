@@ -31,7 +31,23 @@ struct FlashTile {
   float* row_max = nullptr;     // m: running max (-inf before the first tile)
   float* row_sum = nullptr;     // m: running sum of exp(s - row_max)
   float* o = nullptr;           // m rows of dv floats, contiguous
+
+  // Points the tile at n keys (kt, v) with per-row ranges (null: every key) and a bias (null: none;
+  // rows kFlashKeys apart), the part that changes from one key tile to the next.
+  void set_keys(const float* keys_t, const float* values, size_t count, const int32_t* row_lo, const int32_t* row_hi,
+                const float* tile_bias);
 };
+
+inline void FlashTile::set_keys(const float* keys_t, const float* values, size_t count, const int32_t* row_lo,
+                                const int32_t* row_hi, const float* tile_bias) {
+  kt = keys_t;
+  v = values;
+  n = count;
+  lo = row_lo;
+  hi = row_hi;
+  bias = tile_bias;
+  ldb = kFlashKeys;
+}
 
 struct AttentionKernels {
   // out[i] = sum_d q[d] * k[row(i) * ldk + d],  row(i) = rows ? rows[i] : i.
