@@ -258,6 +258,44 @@ void finish_kept_row(const CallPlan& p, const float* q, const float* khead, size
   softmax_pv(ks, hs, vhead, ldv, dd.dv, 0, hr, count, y, sink);
 }
 
+// A page's raw bound (its dot with the split query) in score space: rounding slack, scale, soft-cap
+// (all monotone, so the order of bounds is the order of the keys' best possible scores).
+float score_space_bound(float raw, float absmax, float slack, const ScoreParams& sp) {
+  float b = (raw + slack * absmax) * sp.scale;
+  if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
+  return b;
+}
+
+// Bounds of every page holding keys [mid_lo, mid_hi) of query q into s.bounds (page pg0 first), the
+// page's largest mask value added (a fully masked page: -inf). False when q or a page holds a
+// non-finite value or a mask value is NaN: the row is computed exactly.
+bool page_bounds(const CallPlan& p, size_t hk, const float* q, const MaskRow& m, size_t mid_lo, size_t mid_hi,
+                 Scratch& s) {
+  const KeyCache& kc = *p.keys;
+  const size_t d = p.call->dims.d, page = kc.page;
+  const float q_abs = split_query(q, d, s.qsplit.data());
+  if (!std::isfinite(q_abs)) return false;
+  const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
+  float* bound = s.bounds.data();
+  p.kernels->attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg0 * 2 * d, 2 * d, 2 * d, nullptr, npg, bound);
+  const float slack = bound_slack(d, q_abs);
+  const float* absmax = kc.head_page_absmax(hk) + pg0;
+  for (size_t t = 0; t < npg; ++t) {
+    if (std::isnan(absmax[t])) return false;
+    float b = score_space_bound(bound[t], absmax[t], slack, p.score);
+    if (m.any()) {
+      float top = kNegInf;
+      for (size_t j = std::max(mid_lo, (pg0 + t) * page); j < std::min(mid_hi, (pg0 + t + 1) * page); ++j) {
+        if (std::isnan(m.value(j))) return false;  // a NaN bias must reach the output, not lower a bound
+        top = std::max(top, m.value(j));
+      }
+      b = top == kNegInf ? kNegInf : b + top;
+    }
+    bound[t] = b;
+  }
+  return true;
+}
+
 // The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
 // are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
 // (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
@@ -282,32 +320,14 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
   const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
   s.reserve_pages(r.hi, d, page);
-  const float q_abs = split_query(q, d, s.qsplit.data());
-  if (!std::isfinite(q_abs)) return false;
   const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
-  float* bound = s.bounds.data();
-  ks.attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg0 * 2 * d, 2 * d, 2 * d, nullptr, npg, bound);
-  const float slack = bound_slack(d, q_abs);
-  const float* absmax = kc.head_page_absmax(hk) + pg0;
-  const ScoreParams& sp = p.score;
   auto page_keys = [&](size_t t) {
     return std::make_pair(std::max(mid_lo, (pg0 + t) * page), std::min(mid_hi, (pg0 + t + 1) * page));
   };
-  for (size_t t = 0; t < npg; ++t) {
-    if (std::isnan(absmax[t])) return false;
-    float b = (bound[t] + slack * absmax[t]) * sp.scale;
-    if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
-    if (m.any()) {
-      const auto [a, e] = page_keys(t);
-      float top = kNegInf;
-      for (size_t j = a; j < e; ++j) {
-        if (std::isnan(m.value(j))) return false;  // a NaN bias must reach the output, not lower a bound
-        top = std::max(top, m.value(j));
-      }
-      b = top == kNegInf ? kNegInf : b + top;
-    }
-    bound[t] = b;
-  }
+  if (!page_bounds(p, hk, q, m, mid_lo, mid_hi, s)) return false;
+  float* bound = s.bounds.data();
+  const float* absmax = kc.head_page_absmax(hk) + pg0;
+  const ScoreParams& sp = p.score;
   int32_t* order = s.page_order.data();
   for (size_t t = 0; t < npg; ++t) order[t] = static_cast<int32_t>(t);
   const auto higher_bound_first = [bound](int32_t a, int32_t b) {
@@ -452,9 +472,7 @@ ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, cons
     const float absmax = kc.head_page_absmax(hk)[pg];
     if (std::isnan(absmax)) return kReuseExact;
     ks.attention->dot_rows(s.qsplit.data(), kc.head_pages(hk) + pg * 2 * d, 2 * d, 2 * d, nullptr, 1, bound + c);
-    float b = (bound[c] + slack * absmax) * sp.scale;
-    if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
-    bound[c] = b;
+    bound[c] = score_space_bound(bound[c], absmax, slack, sp);
   }
   std::vector<uint32_t>& pos = s.select;  // candidate positions, best bound first (ties: lower page)
   if (pos.size() < count) pos.resize(count);

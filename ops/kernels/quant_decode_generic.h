@@ -108,7 +108,7 @@ void for_each_decode_pass(const QuantPacked& p, size_t panel, size_t b0, size_t 
         for (size_t i = begin; i < end; ++i) xs += x[rows ? rows[i] : i];
       },
       [&](size_t b, size_t count, Mode mode, const size_t* r, const uint8_t** qr, const uint8_t** pf) {
-        float xv[kPass];
+        float xv[kPass] = {};  // [count, kPass) unread; initialised so the compiler can tell
         for (size_t e = 0; e < count; ++e) xv[e] = x[r[e]];
         run_pass(static_cast<int>(count), mode, qr, pf, xv, scales + b * width, zp ? zp + b * width : nullptr, xs);
       });
