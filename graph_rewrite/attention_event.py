@@ -67,18 +67,12 @@ def event_attention(config) -> EventAttention:
                                      event_gap_every=int(s.gap_every), event_gap_tol=float(s.gap_tol)))
 
 
-def reencoding_tolerance(config) -> float | None:
-    """``reuse_tol`` for the 4-D attention ops of a rewrite with ``config``, or None."""
-    return event_attention(config).reuse_tol
-
-
-def for_op(settings: AttentionSettings, new_op: str, event: EventAttention | float | None) -> AttentionSettings:
+def for_op(settings: AttentionSettings, new_op: str, event: EventAttention | None) -> AttentionSettings:
     """The settings an emitted attention op gets: re-encoding on the 4-D op when asked for; reuse by
     heads on either op where it selects with the budgeted page selector, unless ``--attn-event``
-    already turned it on (its own settings win). A float
-    ``event`` is a re-encoding tolerance."""
-    if not isinstance(event, EventAttention):
-        event = EventAttention(reuse_tol=event)
+    already turned it on (its own settings win)."""
+    if event is None:
+        return settings
     # by heads only where the op can do it: the budgeted page selector
     if event.heads is not None and not settings.event and settings.select == "pages" and settings.candidates > 0:
         settings = dataclasses.replace(settings, **event.heads)
