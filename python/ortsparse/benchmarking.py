@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -25,11 +26,12 @@ from .runtime import open_session, thread_options
 
 
 def alternate(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
-              min_seconds: float = 0.0) -> dict[str, list[float]]:
+              min_seconds: float = 0.0, before: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Runs the callables round-robin (A B A B ...) and returns each one's wall times in seconds.
 
     Alternating spreads machine noise (other tenants, frequency changes) over all candidates
-    alike, so the ratio of medians is fair even when absolute times drift.
+    alike, so the ratio of medians is fair even when absolute times drift. ``before``: called,
+    untimed, before each timed call (e.g. a cache flush).
     """
     for _ in range(warmup):
         for fn in candidates.values():
@@ -39,11 +41,18 @@ def alternate(candidates: dict[str, Callable[[], object]], repeats: int, warmup:
     rounds = 0
     while rounds < repeats or time.perf_counter() - start < min_seconds:
         for name, fn in candidates.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
         rounds += 1
     return times
+
+
+def sign_test(wins: int, pairs: int) -> float:
+    """P(at least ``wins`` of ``pairs`` fair coin flips): the one-sided sign test on paired runs."""
+    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2.0 ** pairs
 
 
 def median(values: list[float]) -> float:
@@ -57,12 +66,13 @@ def session(model: Any, threads: int):
 
 
 def time_sessions(sessions: Mapping[str, Any], feeds: Mapping[str, Any], repeats: int, warmup: int = 2,
-                  min_seconds: float = 0.0, per_session: bool = False) -> dict[str, list[float]]:
+                  min_seconds: float = 0.0, per_session: bool = False,
+                  before: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """:func:`alternate` over ``session.run(None, feeds)`` of every session. ``feeds``: one feed dict
     for all, or (``per_session``) a feed dict per session name."""
     runners = {name: (lambda s=s, f=(feeds[name] if per_session else feeds): s.run(None, f))
                for name, s in sessions.items()}
-    return alternate(runners, repeats=repeats, warmup=warmup, min_seconds=min_seconds)
+    return alternate(runners, repeats=repeats, warmup=warmup, min_seconds=min_seconds, before=before)
 
 
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:

@@ -152,7 +152,8 @@ def test_without_matplotlib_the_model_and_reports_are_written(tmp_path, text):
         "import ortsparse.tuning.tune as tune\n"  # the tiny model's speed is noise: fixed, as elsewhere
         "tune.decode_speed = lambda *a, **k: {'input': {'tokens_per_s': 1.0}, 'tuned': {'tokens_per_s': 1.1}}\n"
         "from ortsparse.cli import main\n"
-        f"sys.exit(main(['tune', {str(GENAI)!r}, '--text', {str(text)!r}, '-o', {str(out)!r}, '--max-dppl', '1.0']))\n")
+        f"sys.exit(main(['tune', {str(GENAI)!r}, '--text', {str(text)!r}, '-o', {str(out)!r}, '--max-dppl', '1.0', "
+        "'--no-speed-aware']))\n")  # the tiny model's layers are too small to pay (test_layer_speed.py)
     done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (out / "genai_config.json").is_file() and (tmp_path / "tuned.tune.md").is_file()
@@ -185,3 +186,55 @@ def test_a_short_text_is_refused_before_any_model_is_run(tmp_path, monkeypatch):
 def test_output_onto_the_input_is_refused(tmp_path, text, capsys):
     assert main(["tune", str(GENAI), "--text", str(text), "-o", str(GENAI)]) == EXIT_USAGE
     assert "source folder" in capsys.readouterr().err
+
+
+def _class_speed(pays):
+    from ortsparse.tuning import layer_speed
+
+    def measure(model, signature, units, **kwargs):
+        ours = {0.25: 40.0, 0.5: 60.0, 0.75: 80.0, 1.0: 95.0}
+        return layer_speed.ClassSpeed(" + ".join(signature), len(units), 100.0, ours, 30, "fixed for the test",
+                                      dict(ours), {k: (0.001 if pays else 0.5) for k in ours})
+    return measure
+
+
+def test_where_no_layer_pays_tune_says_so_before_calibrating(tmp_path, text, monkeypatch, measured_layer_speed,
+                                                             capsys):
+    from ortsparse.harness import allocation
+    from ortsparse.tuning import layer_speed
+
+    monkeypatch.setattr(layer_speed, "measure_class", _class_speed(pays=False))
+    monkeypatch.setattr(allocation, "prepare_lm", lambda *a, **k: pytest.fail("calibrated although nothing pays"))
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--threads", "2"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "gating pays for no layer on this machine at 2 thread(s)" in last and "nothing written" in last
+    assert not out.exists() and not (tmp_path / "tuned.tune.json").exists()
+
+
+def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, text, monkeypatch, measured_layer_speed,
+                                                                   steady_tune_speed):
+    from ortsparse.harness import allocation
+    from ortsparse.tuning import layer_speed
+
+    monkeypatch.setattr(layer_speed, "measure_class", _class_speed(pays=True))
+    timed = []
+    real_allocate = allocation.allocate
+    monkeypatch.setattr(allocation, "allocate", lambda units, *a, **k: (
+        timed.append(all(u.saving is not None for u in units)), real_allocate(units, *a, **k))[1])
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0"]) == 0
+    assert timed and all(timed)  # every allocation valued the measured time
+    report = json.loads((tmp_path / "tuned.tune.json").read_text())
+    assert len(report["layer_speed"]) == 4 and all(c["break_even"] == 0.0 for c in report["layer_speed"])
+    assert "## What gating saves here" in (tmp_path / "tuned.tune.md").read_text()
+
+
+def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer_speed, steady_tune_speed):
+    from ortsparse.tuning import layer_speed
+
+    monkeypatch.setattr(layer_speed, "measure_class", lambda *a, **k: pytest.fail("measured with --no-speed-aware"))
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0", "--no-speed-aware"]) == 0
+    report = json.loads((tmp_path / "tuned.tune.json").read_text())
+    assert report["layer_speed"].startswith("not measured (--no-speed-aware)")

@@ -93,6 +93,9 @@ class Unit:
     error: np.ndarray | None = None  # relative output error per grid s (summed over the unit's layers)
     scale: float = 0.0  # loss per unit of output error (from the probe)
     probe: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Time saved per decode row at each grid sparsity, measured (ortsparse.tuning.layer_speed); None:
+    # not measured, the allocation values skipped bytes.
+    saving: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -440,16 +443,33 @@ def probe_units(units: Sequence[Unit], layers: Sequence[GatedLayer], probe_loss:
 
 def allocate(units: Sequence[Unit], mu: float, cap: float = 1.0, floor: float = 0.0) -> dict[str, int]:
     """The Lagrangian choice for price ``mu``: per unit the grid index minimising
-    loss_u(s) - mu * bytes_u / total_bytes * s (sparsities above ``cap`` not allowed, nor those
-    between 0 and ``floor``: a layer gated that little skips too few bytes to pay for its gate)."""
+    ``loss_u(s) - mu * value_u(s)``. When every unit has a measured ``saving`` the value is the time
+    it saves (0 at sparsity 0: the layer stays as the input has it; scaled by the units' largest
+    savings summed, so the price keeps the byte model's range), and sparsities that save none are
+    not allowed; otherwise it is the bytes skipped, ``bytes_u / total_bytes * s``, and sparsities between
+    0 and ``floor`` are not allowed (a layer gated that little skips too few bytes to pay for its
+    gate). Sparsities above ``cap`` are never allowed."""
+    timed = bool(units) and all(unit.saving is not None for unit in units)
     total = sum(unit.weight_bytes for unit in units)
+    scale = _saving_scale(units) if timed else 1.0
     choice = {}
     for unit in units:
         grid = np.asarray(unit.grid)
-        objective = unit.loss() - mu * unit.weight_bytes / total * grid
-        objective[(grid > cap) | ((grid > 0.0) & (grid < floor))] = np.inf
+        if timed:
+            value = np.where(grid > 0.0, unit.saving, 0.0) / scale
+            objective = unit.loss() - mu * value
+            objective[(grid > 0.0) & (unit.saving <= 0.0)] = np.inf
+        else:
+            objective = unit.loss() - mu * unit.weight_bytes / total * grid
+            objective[(grid > 0.0) & (grid < floor)] = np.inf
+        objective[grid > cap] = np.inf
         choice[unit.input_name] = int(np.argmin(objective))
     return choice
+
+
+def _saving_scale(units: Sequence[Unit]) -> float:
+    """The units' largest savings summed (a positive normaliser: prices stay in the byte model's range)."""
+    return max(sum(max(float(np.max(unit.saving)), 0.0) for unit in units if unit.saving is not None), 1e-12)
 
 
 def predicted_loss(units: Sequence[Unit], choice: Mapping[str, int]) -> float:

@@ -16,7 +16,6 @@ rewrite does not take, or whose inputs are not constant, stays as it is.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..benchmarking import sign_test
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..runtime import open_session, thread_options
 
@@ -90,11 +90,6 @@ def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProt
     head = helper.make_model(graph, opset_imports=opsets)
     head.ir_version = model.ir_version
     return head, k, n
-
-
-def sign_test(wins: int, pairs: int) -> float:
-    """P(at least ``wins`` of ``pairs`` fair coin flips): one-sided sign test."""
-    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2.0 ** pairs
 
 
 def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5,

@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",
                         help="per-layer sparsities from measured sensitivities (default), or one for every layer")
     parser.add_argument("--threads", type=flag_types.threads, default=1,
-                        help="intra-op threads of the speed check (default 1)")
+                        help="intra-op threads of the layer speed measurement and the speed check (default 1)")
+    parser.add_argument("--no-speed-aware", dest="speed_aware", action="store_false",
+                        help="value every skipped weight byte alike (gating each layer from 10%% sparsity) instead "
+                             "of by the time gating that layer measurably saves on this machine")
     parser.add_argument("--windows", type=flag_types.int_in(1, 256), default=None, metavar="N",
                         help="calibration windows, and at most as many check windows (default: every window the "
                              "text gives, within ~15 min of loss passes)")
@@ -67,5 +70,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
     report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, reference=args.reference, method=args.method,
-                  windows=args.windows, command=getattr(args, "command_line", None), bos=bos, protected=protected)
+                  windows=args.windows, command=getattr(args, "command_line", None), bos=bos, protected=protected,
+                  speed_aware=args.speed_aware)
     return report["exit_status"]

@@ -84,6 +84,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"Attention: {report['attention_note']}."]
     if report.get("held_out_long"):
         lines.append(f"Held-out at the full context: dppl {_pct(report['held_out_long']['dppl'])}.")
+    lines += ["", "## What gating saves here", ""] + _layer_speed_lines(report)
     lines += ["", "## How far from the cliff", "",
               f"Choice rule: {report['selection']['rule']} (z = {report['selection']['z']}, "
               f"sqrt(1/n + 1/m) = {report['selection']['margin_factor']:.3f}).", "",
@@ -103,6 +104,24 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", report["plot"]]
     lines += ["", f"Exit status {report['exit_status']}: {report['last_line']}"]
     return "\n".join(lines) + "\n"
+
+
+def _layer_speed_lines(report: dict[str, Any]) -> list[str]:
+    speeds = report.get("layer_speed")
+    if not isinstance(speeds, list):
+        return [f"Layer speed {speeds or 'not measured'}."]
+    lines = ["Per speed class (the units sharing ops and shapes), microseconds per unit and decode row, caches "
+             "flushed, this machine at the run's threads; a unit is gated only where gating saves time:", "",
+             "| class | units | input | ours keep 1 / 0.75 / 0.5 / 0.25 | gating pays from |", "|---|---|---|---|---|"]
+    for speed in speeds:
+        if speed["input_us"] is None:
+            lines.append(f"| {speed['signature']} | {speed['units']} | — | {speed['note']} | byte model |")
+            continue
+        ours = " / ".join(f"{v:.1f}" for v in speed["ours_us"].values())
+        even = speed["break_even"]
+        lines.append(f"| {speed['signature']} | {speed['units']} | {speed['input_us']:.1f} | {ours} | "
+                     + ("never" if even is None else f"{100 * even:.0f}%") + " |")
+    return lines
 
 
 def write_plot(report: dict[str, Any], write: Callable[[Callable[[Path], None]], None]) -> str | None:

@@ -26,8 +26,8 @@ PATH_FRACTIONS = (0.15, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25, 1.6, 2.0, 2.6)
 EXTENSION = 2.0  # the next fraction when the last point is still within the budget
 MAX_EXTENSIONS = 6
 REFINEMENTS = 2
-# A unit gated below this sparsity skips too few bytes to pay for its gate (int8 decode: our kernel
-# is 0.93-1.03x MatMulNBits at keep 1.0, issue 25), so it is left dense.
+# Without a speed measurement (units without ``saving``): a unit gated below this sparsity skips too
+# few bytes to pay for its gate, so it is left dense. Measured units use their own break-even.
 MIN_PAYING_SPARSITY = 0.1
 UNIFORM_SPARSITIES = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6)
 

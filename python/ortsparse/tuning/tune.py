@@ -3,8 +3,9 @@
 1. **Windows** (:mod:`.windows`): the text cut into calibration and check windows; too short a text
    is refused before anything is measured.
 2. **Calibrate** (:mod:`ortsparse.harness.allocation`): each gated layer's cost curve and probe on
-   the calibration windows; then a **path** of allocations of increasing skipped bytes, each
-   measured window by window (:mod:`.search`).
+   the calibration windows; what gating each layer saves in time on this machine
+   (:mod:`.layer_speed`: a layer stays dense where gating does not pay); then a **path** of
+   allocations of increasing skipped bytes, each measured window by window (:mod:`.search`).
 3. **Choose** (:mod:`.selection`): the point skipping the most bytes whose monotone-fitted loss plus
    a margin from the measured window-to-window spread is within the budget.
 4. **Write once, into staging**: the model (a genai folder or an .onnx file) is rewritten once,
@@ -51,7 +52,7 @@ from ..harness.speed import decode_speed
 from ..harness.text import BosChoice, as_bos
 from ..runtime import genai_decoder, genai_folder, open_session, uses_ortsparse
 from . import report as reports
-from . import search, selection
+from . import layer_speed, search, selection
 from .windows import check_length, plan_windows, window_length
 
 LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
@@ -170,8 +171,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
          margin: float | None = None, context: int | None = None, threads: int = 1, speed_steps: int = 32,
          report_stem: str | Path | None = None, protected: Mapping[str | os.PathLike, str] | None = None,
          reference: str | Path | None = None, method: str = "allocated", log: Callable[[str], None] = print,
-         windows: int | None = None, command: str | None = None, bos: BosChoice | int | None = None
-         ) -> dict[str, Any]:
+         windows: int | None = None, command: str | None = None, bos: BosChoice | int | None = None,
+         speed_aware: bool = True) -> dict[str, Any]:
     """Tune ``model`` (an ONNX decoder or a genai folder) on ``tokens`` within ``max_dppl`` on check
     windows; write ``output`` and the report ``<report_stem>.{json,md,png}`` together, or nothing.
     Returns the report: ``written``, ``exit_status`` (:data:`EXIT_WRITTEN`, :data:`EXIT_NOT_WRITTEN`,
@@ -180,7 +181,9 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     calibration bound must also stay within margin x budget (default: the bound's own margin
     only). ``windows``: calibration windows and at most as many check windows (default: what the
     text gives within the time budget). ``command``: the command line the report quotes. ``bos``: the
-    token every window starts with (the command asks the model's tokenizer: harness.text.resolve_bos)."""
+    token every window starts with (the command asks the model's tokenizer: harness.text.resolve_bos).
+    ``speed_aware``: value each layer's sparsity by the time it measurably saves here, at ``threads``
+    (:mod:`.layer_speed`); False: by the bytes it skips, every layer gated from 10% sparsity."""
     started = time.perf_counter()
     source = Path(model)
     folder = genai_folder(source) if source.is_dir() else None
@@ -211,7 +214,17 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
 
     # 2. Calibrate: curves and probes, then the path, window by window.
     graph = onnx.load(str(decoder))
+    measured = layer_speed.measure_model(graph, threads=threads, log=log) if speed_aware else None
+    if measured is not None and measured.nothing_pays:  # before minutes of calibration are spent
+        note = layer_speed.nothing_pays(measured.records, threads)
+        line = f"tune: {note}: nothing written"
+        log(line)
+        return {"command": command, "model": str(source), "output": str(out), "written": False, "advice": note,
+                "layer_speed": [speed.to_dict() for speed in measured.records], "exit_status": EXIT_NOT_WRITTEN,
+                "last_line": line, "seconds": round(time.perf_counter() - started, 1)}
     prepared = allocation.prepare_lm(graph, _with_bos(plan.calibration, bos.id), _with_bos(plan.probe, bos.id), log=log)
+    for unit in prepared.units:
+        unit.saving = measured.savings.get(unit.input_name) if measured and measured.savings else None
     # Against the input itself its dense run on the probe graph is the baseline; against a reference
     # (the fp32 model of a quantized one) the reference's NLL per window.
     baseline_nll = None if reference is None else perplexity(
@@ -239,6 +252,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
         "bos": bos.to_dict(), "window_construction": construction,
         "windows_available": list(plan.available), "windows_note": plan.note,
         "seconds_per_window": seconds_per_window,
+        "layer_speed": ([speed.to_dict() for speed in measured.records] if measured is not None
+                        else "not measured (--no-speed-aware): skipped bytes valued alike, gating from 10% sparsity"),
         "selection": {"z": chosen.z, "margin_factor": chosen.margin_factor, "index": chosen.index,
                       "rule": "most skipped bytes whose monotone-fitted calibration loss + z x window sd x "
                               "sqrt(1/calibration + 1/check windows) is within the budget"},

@@ -1,0 +1,282 @@
+"""What gating a layer saves on this machine, measured: the speed side of tune's allocation.
+
+The allocation (:mod:`ortsparse.harness.allocation`) trades each unit's loss against what skipping
+its inputs is worth. Counting skipped *bytes* assumes every layer turns a skipped byte into the
+same time; measured, it does not: a narrow layer pays the gate and a node's fixed cost for few
+bytes, a quantized layer's unpacking is arithmetic that skipping rows does not remove in the same
+proportion, and at two threads a small layer's work splits worse than a wide one's (issue 25). So
+tune measures, per **speed class** (units whose layers have the same op, shapes and storage: the
+same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down):
+
+- a graph of up to :data:`UNITS_PER_CLASS` units of the class with their real weights (enough that
+  one run is not all fixed cost; more would only multiply the sessions' memory), each reading its own copy of
+  one decode row ``[1, 1, K]`` (units apart, as in the model: the rewrite fuses a unit's layers only),
+  once as the input model has them and once on our op at each keep of :data:`KEEPS` (a
+  threshold on a fixed row putting exactly that fraction of the inputs through);
+- the sessions run in rotation, each run after the caches were flushed by a read of twice the
+  last-level cache (in a decode step every other layer's weights pass between two uses of a
+  layer's: the weights come from memory, not the cache), the same threads as the speed check;
+- per class and keep: ours' time as the median of the paired ratios to the input (run back to
+  back: the same load on both) times the input's median, made non-decreasing in the keep (fewer
+  rows never cost more: a pool-adjacent-violators pass irons out what the noise inverts), and a
+  sign test on the pairs: is ours faster than the input in more pairs than chance explains.
+
+A unit's value at sparsity ``s`` is then the time it saves, ``t_input - t(1 - s)`` per unit
+(linear between the measured keeps, flat below the lowest); the allocation gates a unit only at
+sparsities that save time, and only when at some measured keep ours was *shown* faster (sign test,
+p < :data:`SIGNIFICANCE`) — under noise that shows nothing the class stays dense, as the input has
+it — and, with its price, buys loss with measured time instead of bytes. A class that cannot be measured (a layer whose weight is not a plain initializer
+of its node) keeps the byte model. Cost: a few seconds per class (12-25 s for SmolLM2's four).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..benchmarking import last_level_cache_bytes, sign_test, time_sessions
+from ..graph_rewrite.layer_settings import override_entries, rewritten_with
+from ..harness.allocation import Unit, gated_layers, units_of
+from ..runtime import open_session, thread_options
+
+KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
+SIGNIFICANCE = 0.05  # one-sided sign test: ours faster than the input in this many pairs by chance
+OURS_OP = "KwtaBlockMatMul"
+UNITS_PER_CLASS = 8
+SECONDS_PER_CLASS = 3.0  # rotation time per class (~40-60 rounds for SmolLM2's classes here)
+
+
+@dataclasses.dataclass
+class ClassSpeed:
+    """One speed class's measurement, per unit (the class graph's times / its units): microseconds
+    per decode row for the input form and for ours at each keep, and the fit through them."""
+
+    signature: str
+    units: int
+    input_us: float | None
+    ours_us: dict[float, float]
+    rounds: int
+    note: str
+    monotone_us: dict[float, float] = dataclasses.field(default_factory=dict)  # ours, non-decreasing in keep
+    p_values: dict[float, float] = dataclasses.field(default_factory=dict)  # sign test per keep
+
+    @property
+    def measured(self) -> bool:
+        return self.input_us is not None and bool(self.ours_us)
+
+    @property
+    def shown_faster(self) -> bool:
+        """Ours faster than the input in more pairs than chance explains at some measured keep."""
+        return any(p < SIGNIFICANCE for p in self.p_values.values())
+
+    def ours_at(self, keep: np.ndarray | float) -> np.ndarray:
+        keeps = sorted(self.monotone_us)
+        return np.interp(np.asarray(keep, dtype=np.float64), keeps, [self.monotone_us[k] for k in keeps])
+
+    def saving(self, sparsity: np.ndarray) -> np.ndarray:
+        """Microseconds per unit saved against the input form at each sparsity; where gating was
+        not shown to pay, zero or less everywhere (the allocation leaves those sparsities out)."""
+        saved = self.input_us - self.ours_at(1.0 - np.asarray(sparsity, dtype=np.float64))
+        return saved if self.shown_faster else np.minimum(saved, 0.0)
+
+    @property
+    def break_even(self) -> float | None:
+        """The smallest sparsity (1% steps) from which gating saves time; None: at none."""
+        if not self.measured:
+            return None
+        grid = np.linspace(0.0, 1.0, 101)
+        paying = np.flatnonzero(self.saving(grid) > 0.0)
+        return float(grid[paying[0]]) if paying.size else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signature": self.signature, "units": self.units, "input_us": self.input_us,
+                "ours_us": {f"{k:g}": v for k, v in self.ours_us.items()}, "rounds": self.rounds,
+                "monotone_us": {f"{k:g}": v for k, v in self.monotone_us.items()},
+                "sign_test_p": {f"{k:g}": v for k, v in self.p_values.items()}, "break_even": self.break_even,
+                "note": self.note}
+
+    def describe(self) -> str:
+        if not self.measured:
+            return f"{self.signature}: not measured ({self.note})"
+        ours = ", ".join(f"keep {k:g} {v:.1f}" for k, v in self.ours_us.items())
+        even = self.break_even
+        pays = ("gating never pays here" if even is None else
+                f"gating pays from {even:.0%} sparsity" if even > 0 else "gating pays at every sparsity")
+        return (f"{self.signature} x {self.units}: input {self.input_us:.1f} us, ours {ours} us per unit and decode "
+                f"row ({self.rounds} rounds, caches flushed): {pays}")
+
+
+def _signature(model: onnx.ModelProto, unit: Unit) -> tuple[str, ...] | None:
+    """What decides a unit's kernels: per layer op, K x N and storage attributes (None: a layer's
+    node is not found)."""
+    nodes = {node.name: node for node in model.graph.node}
+    parts = []
+    for layer in unit.layers:
+        node = nodes.get(layer.name)
+        if node is None:
+            return None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
+                 if a.name in ("bits", "block_size", "accuracy_level", "transA", "transB")}
+        storage = ",".join(f"{k}={v}" for k, v in sorted(attrs.items()))
+        k, n = layer.weight.shape
+        parts.append(f"{node.op_type} {k}x{n}" + (f" [{storage}]" if storage else ""))
+    return tuple(parts)
+
+
+def speed_classes(model: onnx.ModelProto, units: Sequence[Unit]) -> dict[tuple[str, ...], list[Unit]]:
+    """Units grouped by :func:`_signature` (graph order inside a class); units without one are left out."""
+    classes: dict[tuple[str, ...], list[Unit]] = {}
+    for unit in units:
+        signature = _signature(model, unit)
+        if signature is not None:
+            classes.setdefault(signature, []).append(unit)
+    return classes
+
+
+def class_model(model: onnx.ModelProto, units: Sequence[Unit]) -> onnx.ModelProto:
+    """A graph of the ``units``' layer nodes with their constant inputs, unit ``i`` reading input
+    ``X{i}`` [1, 1, K]; raises ValueError when a node reads a non-constant beyond its first input."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    nodes = {node.name: node for node in model.graph.node}
+    k = units[0].layers[0].weight.shape[0]
+    copies, constants, outputs, used = [], [], [], set()
+    for index, unit in enumerate(units):
+        for layer in unit.layers:
+            node = onnx.NodeProto()
+            node.CopyFrom(nodes[layer.name])
+            for value in node.input[1:]:
+                if not value:
+                    continue
+                if value not in initializers:
+                    raise ValueError(f"{layer.name}: input {value!r} is not a constant initializer")
+                if value not in used:
+                    used.add(value)
+                    constants.append(initializers[value])
+            node.input[0] = f"X{index}"
+            del node.output[1:]
+            node.output[0] = f"Y{len(outputs)}"
+            outputs.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
+            copies.append(node)
+    inputs = [helper.make_tensor_value_info(f"X{i}", onnx.TensorProto.FLOAT, [1, 1, k]) for i in range(len(units))]
+    graph = helper.make_graph(copies, "speed_class", inputs, outputs, constants)
+    domains = {node.domain for node in copies} | {""}
+    single = helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in domains
+                                                     or (o.domain == "ai.onnx" and "" in domains)])
+    single.ir_version = model.ir_version
+    return single
+
+
+def keep_threshold(row: np.ndarray, keep: float) -> float:
+    """A threshold on |x| through which ``keep`` of ``row``'s entries pass (score l2 at block 1)."""
+    magnitudes = np.sort(np.abs(row.reshape(-1)))[::-1]
+    kept = int(round(keep * magnitudes.size))
+    if kept >= magnitudes.size:
+        return 0.0
+    return float((magnitudes[kept - 1] + magnitudes[kept]) / 2.0) if kept > 0 else float(magnitudes[0]) * 2.0 + 1.0
+
+
+def flush_bytes() -> int:
+    """Twice the last-level cache sysfs reports, at least 64 MiB; a report over 64 MiB (virtual
+    machines overstate it: 480 MiB on a 32 MiB-L3 machine here) counts as 64 MiB, so a flush stays
+    ~10 ms."""
+    llc = last_level_cache_bytes()
+    return 2 * min(max(llc, 32 << 20), 64 << 20)
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing sequence closest to ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequence[Unit], *, threads: int = 1,
+                  seconds: float | None = None, min_rounds: int = 5, keeps: Iterable[float] = KEEPS) -> ClassSpeed:
+    """The input form and our op at each of ``keeps`` on the class graph of ``units`` (real weights),
+    rotating for about ``seconds`` (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds``
+    rotations), caches flushed before each timed run."""
+    name = " + ".join(signature)
+    class_size, units = len(units), units[:UNITS_PER_CLASS]
+    try:
+        graph = class_model(model, units)
+    except (ValueError, KeyError) as error:
+        return ClassSpeed(name, class_size, None, {}, 0, f"not measurable: {error}")
+    k = units[0].layers[0].weight.shape[0]
+    row = np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)
+    layer_names = [layer.name for unit in units for layer in unit.layers]
+    options = thread_options(threads)
+    sessions = {"input": open_session(graph, options)}
+    for keep in keeps:
+        gate = {"threshold": keep_threshold(row, keep), "k_frac": 1.0, "block": 1}
+        ours = rewritten_with(graph, override_entries("kwta", [(n, gate) for n in layer_names], rest=None))
+        if {node.op_type for node in ours.graph.node} & {node.op_type for node in graph.graph.node}:
+            return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
+        sessions[keep] = open_session(ours, options)
+    flush = np.ones(flush_bytes() // 8, dtype=np.float64)
+    # Every weight byte from memory, as in a decode step; one warm-up run each (allocations, packing).
+    times = time_sessions(sessions, {f"X{i}": row for i in range(len(units))}, repeats=min_rounds, warmup=1,
+                          min_seconds=SECONDS_PER_CLASS if seconds is None else seconds,
+                          before=flush.sum)
+    base = np.asarray(times["input"])
+    input_us = 1e6 * float(np.median(base)) / len(units)
+    measured = sorted(key for key in sessions if key != "input")
+    ours_us = {float(keep): input_us * float(np.median(np.asarray(times[keep]) / base)) for keep in measured}
+    monotone = dict(zip(map(float, measured), non_decreasing([ours_us[float(k)] for k in measured])))
+    p_values = {float(keep): sign_test(int(np.sum(np.asarray(times[keep]) < base)), base.size) for keep in measured}
+    return ClassSpeed(name, class_size, input_us, ours_us, len(base),
+                      f"{len(units)} units timed; paired ratios to the input form, medians", monotone, p_values)
+
+
+def measure_units(model: onnx.ModelProto, units: Sequence[Unit], *, threads: int = 1, seconds: float | None = None,
+                  log: Callable[[str], None] = print) -> list[ClassSpeed]:
+    """Every speed class of ``units`` measured; sets each measured unit's ``saving`` (microseconds
+    saved per decode row at each grid sparsity). Returns the classes' records."""
+    records = []
+    for signature, members in speed_classes(model, units).items():
+        speed = measure_class(model, signature, members, threads=threads, seconds=seconds)
+        log(f"layer speed: {speed.describe()}")
+        records.append(speed)
+        if speed.measured:
+            for unit in members:
+                unit.saving = speed.saving(np.asarray(unit.grid))
+    return records
+
+
+@dataclasses.dataclass
+class Measured:
+    """The classes' records and what tune's allocation gets from them: ``savings`` {unit input name:
+    saving per grid sparsity} when every class was measured (else None: the byte model for all),
+    and whether any unit saves time at some sparsity."""
+
+    records: list[ClassSpeed]
+    savings: dict[str, np.ndarray] | None
+
+    @property
+    def nothing_pays(self) -> bool:
+        return self.savings is not None and not any(np.any(s > 0.0) for s in self.savings.values())
+
+
+def measure_model(model: onnx.ModelProto, target: str = "both", *, threads: int = 1, seconds: float | None = None,
+                  log: Callable[[str], None] = print) -> Measured:
+    """The gated units of ``model`` (KWTA's ``target``) measured, class by class."""
+    units = units_of(gated_layers(model, target))
+    records = measure_units(model, units, threads=threads, seconds=seconds, log=log)
+    if not records or any(not record.measured for record in records):
+        return Measured(records, None)
+    return Measured(records, {unit.input_name: unit.saving for unit in units})
+
+
+def nothing_pays(records: Sequence[ClassSpeed], threads: int) -> str:
+    """Why nothing is gated when every class was measured and none paid (the advice tune prints)."""
+    return (f"gating pays for no layer on this machine at {threads} thread(s): in each of the {len(records)} speed "
+            "classes our op was not shown faster than the input's own at any measured keep (see the layer speed "
+            "lines; a busy machine hides the gain: rerun when it is quieter, or --no-speed-aware values skipped "
+            "bytes alike)")
