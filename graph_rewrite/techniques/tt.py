@@ -170,7 +170,7 @@ class TT(Technique):
                            metadata={"ortsparse.tt": json.dumps(meta, default=float)})
         notes.insert(0, f"TT {result.method} modes {result.in_modes}x{result.out_modes} ranks {result.ranks} "
                         f"gap {result.gap:.4f} FLOP ratio {result.flop_ratio:.2f} memory {result.mem_ratio:.1%}")
-        return OpBuild(self.op_type, [tt.pack_cores(result.cores), BIAS, WEIGHT if settings.keep_dense else None],
+        return OpBuild(self.op_type, [tt.concat_cores(result.cores), BIAS, WEIGHT if settings.keep_dense else None],
                        tt.node_attributes(result, settings.nan_guard),
                        metadata={"ortsparse.tt": json.dumps(meta, default=float)}, notes=notes, exact=False)
 

@@ -1,5 +1,5 @@
 // TTMatMul(X, cores, B?, W_dense?) = the composer with the dense gate (every row) over the `tt`
-// weight backend, with the NaN guard. The cores come as one packed constant tensor (see
+// weight backend, with the NaN guard. The cores come as one concatenated constant tensor (see
 // docs/ops.md); a dense copy of W is only kept when the rewriter asks for the guard's fallback.
 #include <cstdint>
 #include <cstring>
