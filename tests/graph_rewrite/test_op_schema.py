@@ -1,7 +1,9 @@
 """One op schema read by both sides (graph_rewrite/op_schema.json): the C++ header generated from it is
-current, the C++ attribute readers read exactly the declared attributes with the declared types and
-defaults, and the Python techniques' defaults are the schema's. Each check is also run on a changed
-reader or schema, to show it fails when the two sides disagree."""
+current; every registered op has an entry; each op's C++ attribute readers (a shared reader counted
+at each call, with its prefix) read exactly the declared attributes with the declared types and
+defaults; the Python techniques' defaults are the schema's; and every attribute a rewrite writes is
+declared. Each check is also run on a changed reader or schema, to show it fails when the two sides
+disagree."""
 from __future__ import annotations
 
 import copy
