@@ -57,7 +57,7 @@ def build(k, n, copies, distinct, rng, tt_shape=None):
             in_modes, out_modes, ranks = tt_shape
             cores = [(rng.standard_normal((ranks[t], a, b, ranks[t + 1])) / math.sqrt(ranks[t] * a)).astype(np.float32)
                      for t, (a, b) in enumerate(zip(in_modes, out_modes))]
-            inits.append(numpy_helper.from_array(tt.pack_cores(cores), f"W{c}"))
+            inits.append(numpy_helper.from_array(tt.concat_cores(cores), f"W{c}"))
     for c in range(copies):
         wname = f"W{c if distinct else 0}"
         if tt_shape is None:

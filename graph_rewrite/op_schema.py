@@ -17,7 +17,7 @@ import numpy as np
 
 SCHEMA_FILE = Path(__file__).with_name("op_schema.json")
 HEADER = Path("ops") / "ort" / "op_schema.h"  # relative to the repository root
-SECTIONS = ("settings", "from_graph", "refused")  # the attribute groups of an op, in header order
+SECTIONS = ("settings", "from_graph", "built", "refused")  # the attribute groups of an op, in header order
 _CPP_TYPES = {"int": "int64_t", "float": "float", "string": "const char*"}
 
 
@@ -33,8 +33,9 @@ def attributes(op: str, section: str = "settings") -> dict[str, dict[str, Any]]:
 
 
 def defaults(op: str, section: str = "settings") -> dict[str, Any]:
-    """``{attribute: default}`` of one section of ``op`` (the op's value when the attribute is absent)."""
-    return {name: spec["default"] for name, spec in attributes(op, section).items()}
+    """``{attribute: default}`` of one section of ``op`` (the op's value when the attribute is absent;
+    attributes without a fixed default, ``required`` or ``default_from``, are left out)."""
+    return {name: spec["default"] for name, spec in attributes(op, section).items() if "default" in spec}
 
 
 def inputs(op: str) -> tuple[str, ...]:
@@ -63,6 +64,11 @@ def cpp_header(data: Mapping[str, Any] | None = None) -> str:
         for section in SECTIONS:
             for name, attribute in spec.get(section, {}).items():
                 kind = attribute["type"]
+                if "default" not in attribute:  # no constant to declare: say what absence means
+                    absent = (f"the value of {attribute['default_from']}" if "default_from" in attribute
+                              else "the node is refused")
+                    lines.append(f"  // {name}: {kind}, {section}; absent: {absent}")
+                    continue
                 lines.append(f"  static constexpr {_CPP_TYPES[kind]} {name} = {_cpp_value(kind, attribute['default'])};"
                              f"  // {section}")
         if "inputs" in spec:

@@ -5,7 +5,7 @@ import hashlib
 
 from ortsparse import digest
 from ortsparse.graph_rewrite import genai
-from ortsparse.harness import models
+from ortsparse.harness import builds
 
 
 def test_sha256_reads_the_whole_file_in_chunks(tmp_path):
@@ -17,5 +17,5 @@ def test_sha256_reads_the_whole_file_in_chunks(tmp_path):
 
 
 def test_manifests_and_genai_folders_use_the_one_digest():
-    assert models.sha256 is digest.sha256
+    assert builds.sha256 is digest.sha256
     assert genai.sha256 is digest.sha256

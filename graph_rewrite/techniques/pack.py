@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from ..rules import FLOAT32
 from ..targets import TARGETS
@@ -31,11 +32,14 @@ from .base import (
 )
 
 PACK_MODES = ("binary", "ternary")
+_OP = op_schema.defaults("KwtaBlockMatMul")  # the op's defaults (graph_rewrite/op_schema.json, read by C++ too)
 
 
 @dataclasses.dataclass(frozen=True)
 class PackSettings(TechniqueSettings):
-    """The ``pack_*`` attributes of ``KwtaBlockMatMul`` (ortsparse additions, docs/ops.md)."""
+    """The ``pack_*`` attributes of ``KwtaBlockMatMul`` (ortsparse additions, docs/ops.md). ``mode`` and
+    ``eps`` are the technique's own defaults: the op's (pack_mode none, pack_eps 0) mean no bitmap and
+    an exact one."""
 
     label: ClassVar[str] = "state-pack"
     float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max")
@@ -43,9 +47,9 @@ class PackSettings(TechniqueSettings):
 
     mode: str = "binary"
     eps: float = 1e-4
-    density_max: float = 0.15  # active-block density of a call above this: the bitmap is off for it
-    block: int = 1
-    max_gated_rows: int = 0
+    density_max: float = _OP["pack_density_max"]  # active-block density of a call above this: the bitmap is off for it
+    block: int = _OP["block"]
+    max_gated_rows: int = _OP["max_gated_rows"]
 
     def __post_init__(self) -> None:
         problems = []

@@ -16,12 +16,14 @@ from typing import Any, ClassVar
 from ortsparse.proc_sparse import block_importance, build_proc_sparse
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import BIAS, TARGET, WEIGHTS, Flag, LayerWeights, OpBuild, Switch, Technique, TechniqueSettings
 
 PROC_SCORES = ("delta", "wanda")
 PROC_DELTA_DTYPES = ("float16", "float32")
+_OP = op_schema.defaults("ProcSparseMatMul")  # the op's defaults (graph_rewrite/op_schema.json, read by C++ too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +43,9 @@ class ProcSettings(TechniqueSettings):
 
     fanout: int = 64
     fanout_frac: float = 0.0
-    block: int = 32
-    base_scale: float = 0.0
-    seed: int = 0
+    block: int = _OP["block"]
+    base_scale: float = _OP["base_scale"]
+    seed: int = _OP["seed"]
     shed_eps: float = 1e-3
     watermark: int = 4096
     score: str = "delta"

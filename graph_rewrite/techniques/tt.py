@@ -20,6 +20,7 @@ import numpy as np
 from ortsparse import tt
 
 from ... import flag_types
+from .. import op_schema
 from ..errors import ConfigError
 from ..targets import TARGETS
 from .base import (
@@ -40,6 +41,7 @@ TT_METHODS = ("auto", "svd", "svd-whitened", "cross")
 # "auto" uses TT-cross above this many weight entries (a full SVD of a 4096 x 4096 matrix is
 # already ~1 minute here) and TT-SVD below it; the whitened SVD when calibration inputs exist.
 CROSS_MIN_ENTRIES = 1 << 24
+_OP = op_schema.defaults("TTMatMul")  # the op's defaults (graph_rewrite/op_schema.json, read by C++ too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,7 @@ class TTSettings(TechniqueSettings):
     d: int = 2  # cores (balanced layout)
     method: str = "auto"
     min_flop_ratio: float = 1.5  # dense / TT multiply-adds a layer must reach; 0: no check
-    nan_guard: int = 1
+    nan_guard: int = _OP["nan_guard"]
     keep_dense: int = 0  # 1: keep W as the NaN guard's dense fallback (W_dense input; costs memory)
 
     def __post_init__(self) -> None:
@@ -168,7 +170,7 @@ class TT(Technique):
                            metadata={"ortsparse.tt": json.dumps(meta, default=float)})
         notes.insert(0, f"TT {result.method} modes {result.in_modes}x{result.out_modes} ranks {result.ranks} "
                         f"gap {result.gap:.4f} FLOP ratio {result.flop_ratio:.2f} memory {result.mem_ratio:.1%}")
-        return OpBuild(self.op_type, [tt.pack_cores(result.cores), BIAS, WEIGHT if settings.keep_dense else None],
+        return OpBuild(self.op_type, [tt.concat_cores(result.cores), BIAS, WEIGHT if settings.keep_dense else None],
                        tt.node_attributes(result, settings.nan_guard),
                        metadata={"ortsparse.tt": json.dumps(meta, default=float)}, notes=notes, exact=False)
 

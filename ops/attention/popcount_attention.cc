@@ -296,137 +296,166 @@ bool page_bounds(const CallPlan& p, size_t hk, const float* q, const MaskRow& m,
   return true;
 }
 
+// One query row's pages, as the pages selector ranks them: the keys [mid_lo, mid_hi) outside the
+// protected first / recent ones lie in the cache's pages pg0 .. pg0 + npg; bound[t]: page t's bound
+// in score space (page_bounds); order: page indices both modes rearrange (initially 0 .. npg).
+struct RowPages {
+  size_t mid_lo, mid_hi, page, pg0, npg;
+  const float* bound;
+  int32_t* order;
+
+  std::pair<size_t, size_t> keys(size_t t) const {
+    return std::make_pair(std::max(mid_lo, (pg0 + t) * page), std::min(mid_hi, (pg0 + t + 1) * page));
+  }
+  bool higher_bound_first(int32_t a, int32_t b) const {
+    return bound[a] > bound[b] || (bound[a] == bound[b] && a < b);
+  }
+};
+
+// What a mode chose: the kept keys in s.heap_scores / s.heap_rows [0, kept), the keys and pages it
+// scored exactly, and whether no key of another page could have entered the top-k.
+struct RowChoice {
+  size_t kept = 0, visited_keys = 0, visited_pages = 0;
+  bool certified = true;
+};
+
+// Budget mode (candidates > 0): the ceil(candidates·topk / page_size) best-bound pages are scored
+// exactly and their topk best keys kept; certified when every other page's bound is below the k-th
+// kept score. With `record`, the choice is kept for event-driven attention's next steps. False when
+// an exact score is NaN.
+bool choose_budget_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
+                         const MaskRow& m, const RowPages& pages, Scratch& s, HeadMemory* record, RowChoice& choice) {
+  const PopcountAttentionConfig& cfg = *p.config;
+  const size_t topk = static_cast<size_t>(cfg.topk), page = pages.page, npg = pages.npg;
+  const float* bound = pages.bound;
+  int32_t* order = pages.order;
+  const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));
+  size_t chosen = std::min(npg, (budget + page - 1) / page);
+  std::nth_element(order, order + chosen, order + npg,
+                   [&pages](int32_t a, int32_t b) { return pages.higher_bound_first(a, b); });
+  for (size_t c = 0; c < chosen;) {  // fully masked pages hold no candidate
+    if (bound[order[c]] == kNegInf) {
+      std::swap(order[c], order[--chosen]);
+    } else {
+      ++c;
+    }
+  }
+  std::sort(order, order + chosen);  // ascending key order: ties of the top-k go to the lower key
+  int32_t* rows = s.kept.data();
+  for (size_t c = 0; c < chosen; ++c) {
+    const auto [a, e] = pages.keys(static_cast<size_t>(order[c]));
+    for (size_t j = a; j < e; ++j) rows[choice.visited_keys++] = static_cast<int32_t>(j);
+  }
+  choice.visited_pages = chosen;
+  float kth = kPosInf;
+  if (!keep_best_keys(p, q, khead, ldk, m, rows, choice.visited_keys, s, choice.kept, kth)) return false;
+  // Certified when no page left out could hold a key scoring above the k-th kept one.
+  float rest = kNegInf;
+  for (size_t t = chosen; t < npg; ++t) rest = std::max(rest, bound[order[t]]);
+  choice.certified = choice.kept == topk ? rest < kth : rest == kNegInf;
+  if (record != nullptr) {  // event-driven attention: this choice, for the next steps to reuse
+    const float* absmax = p.keys->head_page_absmax(hk) + pages.pg0;
+    float worst_chosen = chosen > 0 ? kPosInf : kNegInf, top_absmax = 0.0f;
+    record->pages.resize(chosen);
+    for (size_t c = 0; c < chosen; ++c) {
+      record->pages[c] = static_cast<int32_t>(pages.pg0) + order[c];
+      worst_chosen = std::min(worst_chosen, bound[order[c]]);
+    }
+    for (size_t t = 0; t < npg; ++t) top_absmax = std::max(top_absmax, absmax[t]);
+    record->gap = rest == kNegInf ? kPosInf : worst_chosen - rest;
+    record->absmax = top_absmax;
+    record->ranked_hi = pages.mid_hi;
+    record->q_ref.assign(q, q + p.call->dims.d);
+    record->age = 0;
+    record->valid = true;
+  }
+  return true;
+}
+
+// Certified mode (candidates = 0): pages are scored exactly best bound first into a top-k heap
+// whose top is the worst kept key (lower score, or equal score and higher index), until the next
+// bound is below the k-th best score: no key of an unvisited page could enter the top-k. False
+// when an exact score is NaN.
+bool choose_certified_pages(const CallPlan& p, const float* q, const float* khead, size_t ldk, const MaskRow& m,
+                            const RowPages& pages, Scratch& s, RowChoice& choice) {
+  const size_t topk = static_cast<size_t>(p.config->topk);
+  const float* bound = pages.bound;
+  int32_t* order = pages.order;
+  const auto lower_bound_first = [&pages](int32_t a, int32_t b) { return pages.higher_bound_first(b, a); };
+  std::make_heap(order, order + pages.npg, lower_bound_first);
+  float* hs = s.heap_scores.data();  // kept scores
+  int32_t* hr = s.heap_rows.data();  // their key indices
+  const auto better = [hs, hr](uint32_t a, uint32_t b) { return hs[a] > hs[b] || (hs[a] == hs[b] && hr[a] < hr[b]); };
+  std::vector<uint32_t>& slot = s.select;
+  if (slot.size() < topk + 1) slot.resize(topk + 1);
+  uint32_t* heap = slot.data();
+  float* page_scores = s.scores.data();
+  size_t& kept = choice.kept;
+  size_t left = pages.npg;
+  while (left > 0) {
+    const int32_t t = order[0];
+    const float b = bound[t];
+    if (b == kNegInf || (kept == topk && b < hs[heap[0]])) break;
+    std::pop_heap(order, order + left, lower_bound_first);
+    --left;
+    const auto [a, e] = pages.keys(static_cast<size_t>(t));
+    exact_scores(*p.kernels, p.score, q, p.call->dims.d, khead, ldk, m, a, nullptr, e - a, page_scores);
+    choice.visited_keys += e - a;
+    ++choice.visited_pages;
+    for (size_t j = 0; j < e - a; ++j) {
+      const float v = page_scores[j];
+      if (std::isnan(v)) return false;
+      if (v == kNegInf || v < kMaskedOut) continue;  // masked out
+      const int32_t row = static_cast<int32_t>(a + j);
+      if (kept < topk) {
+        hs[kept] = v;
+        hr[kept] = row;
+        heap[kept] = static_cast<uint32_t>(kept);
+        ++kept;
+        std::push_heap(heap, heap + kept, better);
+      } else {
+        const uint32_t top = heap[0];
+        if (v > hs[top] || (v == hs[top] && row < hr[top])) {
+          std::pop_heap(heap, heap + kept, better);
+          hs[top] = v;
+          hr[top] = row;
+          std::push_heap(heap, heap + kept, better);
+        }
+      }
+    }
+  }
+  return true;
+}
+
 // The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
 // are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
 // (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
-// monotone), orders the pages (ties: lower page first).
-// - candidates = 0 (certified): pages are scored exactly best bound first, keeping the topk best
-//   scores (ties: lower key index), until the next bound is below the k-th best score: no key of an
-//   unvisited page could enter the top-k.
-// - candidates > 0 (budget): the ceil(candidates·topk / page_size) best-bound pages are scored
-//   exactly and their topk best keys kept; the row counts as certified when every other page's
-//   bound is below the k-th kept score.
+// monotone), orders the pages (ties: lower page first). The keys are chosen by the budget mode
+// (candidates > 0: choose_budget_pages) or the certified one (candidates = 0: choose_certified_pages).
 // Returns false (caller computes exact attention) when a page or q holds a non-finite value, a mask
 // value of the range is NaN, or an exact score is NaN.
 bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
                       const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink, float* y,
                       Scratch& s, HeadMemory* record) {
-  const AttentionDims& dd = p.call->dims;
   const PopcountAttentionConfig& cfg = *p.config;
-  const kernels::KernelSet& ks = *p.kernels;
-  const KeyCache& kc = *p.keys;
-  const size_t d = dd.d, page = kc.page, n = r.hi - r.lo, topk = static_cast<size_t>(cfg.topk);
+  const size_t page = p.keys->page, n = r.hi - r.lo;
   const size_t first = std::min(n, static_cast<size_t>(cfg.keep_first));
   const size_t recent_begin = std::max(first, n - std::min(n, static_cast<size_t>(cfg.keep_recent)));
   const size_t mid_lo = r.lo + first, mid_hi = r.lo + recent_begin;
-  s.reserve_pages(r.hi, d, page);
+  s.reserve_pages(r.hi, p.call->dims.d, page);
   const size_t pg0 = mid_lo / page, pg1 = (mid_hi + page - 1) / page, npg = pg1 - pg0;
-  auto page_keys = [&](size_t t) {
-    return std::make_pair(std::max(mid_lo, (pg0 + t) * page), std::min(mid_hi, (pg0 + t + 1) * page));
-  };
   if (!page_bounds(p, hk, q, m, mid_lo, mid_hi, s)) return false;
-  float* bound = s.bounds.data();
-  const float* absmax = kc.head_page_absmax(hk) + pg0;
-  const ScoreParams& sp = p.score;
-  int32_t* order = s.page_order.data();
-  for (size_t t = 0; t < npg; ++t) order[t] = static_cast<int32_t>(t);
-  const auto higher_bound_first = [bound](int32_t a, int32_t b) {
-    return bound[a] > bound[b] || (bound[a] == bound[b] && a < b);
-  };
-  float* hs = s.heap_scores.data();  // kept scores (then the protected keys' after them)
-  int32_t* hr = s.heap_rows.data();  // their key indices
-  size_t kept = 0, visited_keys = 0, visited_pages = 0;
-  bool certified = true;
-  auto usable = [](float v) { return v != kNegInf && !(v < kMaskedOut); };
-
-  if (cfg.candidates > 0.0f) {
-    // Budget: the ceil(budget / page_size) best-bound pages, then the top-k of their keys.
-    const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));
-    size_t chosen = std::min(npg, (budget + page - 1) / page);
-    std::nth_element(order, order + chosen, order + npg, higher_bound_first);
-    for (size_t c = 0; c < chosen;) {  // fully masked pages hold no candidate
-      if (bound[order[c]] == kNegInf) {
-        std::swap(order[c], order[--chosen]);
-      } else {
-        ++c;
-      }
-    }
-    std::sort(order, order + chosen);  // ascending key order: ties of the top-k go to the lower key
-    int32_t* rows = s.kept.data();
-    for (size_t c = 0; c < chosen; ++c) {
-      const auto [a, e] = page_keys(static_cast<size_t>(order[c]));
-      for (size_t j = a; j < e; ++j) rows[visited_keys++] = static_cast<int32_t>(j);
-    }
-    visited_pages = chosen;
-    float kth = kPosInf;
-    if (!keep_best_keys(p, q, khead, ldk, m, rows, visited_keys, s, kept, kth)) return false;
-    // Certified when no page left out could hold a key scoring above the k-th kept one.
-    float rest = kNegInf;
-    for (size_t t = chosen; t < npg; ++t) rest = std::max(rest, bound[order[t]]);
-    certified = kept == topk ? rest < kth : rest == kNegInf;
-    if (record != nullptr) {  // event-driven attention: this choice, for the next steps to reuse
-      float worst_chosen = chosen > 0 ? kPosInf : kNegInf, top_absmax = 0.0f;
-      record->pages.resize(chosen);
-      for (size_t c = 0; c < chosen; ++c) {
-        record->pages[c] = static_cast<int32_t>(pg0) + order[c];
-        worst_chosen = std::min(worst_chosen, bound[order[c]]);
-      }
-      for (size_t t = 0; t < npg; ++t) top_absmax = std::max(top_absmax, absmax[t]);
-      record->gap = rest == kNegInf ? kPosInf : worst_chosen - rest;
-      record->absmax = top_absmax;
-      record->ranked_hi = mid_hi;
-      record->q_ref.assign(q, q + d);
-      record->age = 0;
-      record->valid = true;
-    }
-  } else {
-    // Certified: pages best bound first, a top-k heap whose top is the worst kept key (lower
-    // score, or equal score and higher index), until the next bound cannot beat it.
-    std::make_heap(order, order + npg, [&](int32_t a, int32_t b) { return higher_bound_first(b, a); });
-    const auto better = [hs, hr](uint32_t a, uint32_t b) { return hs[a] > hs[b] || (hs[a] == hs[b] && hr[a] < hr[b]); };
-    std::vector<uint32_t>& slot = s.select;
-    if (slot.size() < topk + 1) slot.resize(topk + 1);
-    uint32_t* heap = slot.data();
-    float* page_scores = s.scores.data();
-    size_t left = npg;
-    while (left > 0) {
-      const int32_t t = order[0];
-      const float b = bound[t];
-      if (b == kNegInf || (kept == topk && b < hs[heap[0]])) break;
-      std::pop_heap(order, order + left, [&](int32_t x, int32_t z) { return higher_bound_first(z, x); });
-      --left;
-      const auto [a, e] = page_keys(static_cast<size_t>(t));
-      exact_scores(ks, sp, q, d, khead, ldk, m, a, nullptr, e - a, page_scores);
-      visited_keys += e - a;
-      ++visited_pages;
-      for (size_t j = 0; j < e - a; ++j) {
-        const float v = page_scores[j];
-        if (std::isnan(v)) return false;
-        if (!usable(v)) continue;
-        const int32_t row = static_cast<int32_t>(a + j);
-        if (kept < topk) {
-          hs[kept] = v;
-          hr[kept] = row;
-          heap[kept] = static_cast<uint32_t>(kept);
-          ++kept;
-          std::push_heap(heap, heap + kept, better);
-        } else {
-          const uint32_t top = heap[0];
-          if (v > hs[top] || (v == hs[top] && row < hr[top])) {
-            std::pop_heap(heap, heap + kept, better);
-            hs[top] = v;
-            hr[top] = row;
-            std::push_heap(heap, heap + kept, better);
-          }
-        }
-      }
-    }
-  }
+  const RowPages pages{mid_lo, mid_hi, page, pg0, npg, s.bounds.data(), s.page_order.data()};
+  for (size_t t = 0; t < npg; ++t) pages.order[t] = static_cast<int32_t>(t);
+  RowChoice choice;
+  const bool chosen = cfg.candidates > 0.0f ? choose_budget_pages(p, hk, q, khead, ldk, m, pages, s, record, choice)
+                                            : choose_certified_pages(p, q, khead, ldk, m, pages, s, choice);
+  if (!chosen) return false;
   s.pages_total += npg;
-  s.pages_visited += visited_pages;
+  s.pages_visited += choice.visited_pages;
   ++s.rows_paged;
-  s.rows_certified += certified ? 1 : 0;
-  finish_kept_row(p, q, khead, ldk, vhead, ldv, r, mid_lo, mid_hi, m, sink, y, s, kept, visited_keys);
+  s.rows_certified += choice.certified ? 1 : 0;
+  finish_kept_row(p, q, khead, ldk, vhead, ldv, r, mid_lo, mid_hi, m, sink, y, s, choice.kept, choice.visited_keys);
   return true;
 }
 

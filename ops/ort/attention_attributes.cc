@@ -4,15 +4,11 @@
 
 namespace ortsparse::ort {
 
-namespace {
-
 bool read_flag(const Attributes& attrs, const char* name, bool fallback) {
   const int64_t v = attrs.get_int(name, fallback ? 1 : 0);
   if (v != 0 && v != 1) fail("attribute ", name, "=", v, " must be 0 or 1");
   return v == 1;
 }
-
-}  // namespace
 
 attention::PopcountAttentionConfig read_selection_attributes(const Attributes& attrs,
                                                              const attention::PopcountAttentionConfig& defaults) {

@@ -40,6 +40,9 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
   return c;
 }
 
+// A 0/1 attribute as a bool (`fallback` when absent); throws naming it for any other value.
+bool read_flag(const Attributes& attrs, const char* name, bool fallback);
+
 // Reads select, topk, min_keys, mode, eps, density_max, candidates, pack_cache, keep_first,
 // keep_recent, center, proj_bits, page_size, prefill_rows and event-driven attention's event,
 // event_topk, event_age_max, event_gap_every, event_gap_tol, with `defaults` for absent ones; throws naming the

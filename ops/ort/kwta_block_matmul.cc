@@ -20,6 +20,8 @@
 namespace ortsparse::ort {
 namespace {
 
+using Schema = schema::KwtaBlockMatMul;  // names and defaults: graph_rewrite/op_schema.json
+
 enum Counter { kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits, kPackCalls, kPackApplied, kPackActive, kPackBlocks };
 enum Constant { kTemp, kKeepCount, kNumBlocks, kPackEnabled, kPackMode, kPackPopcnt };
 
@@ -45,9 +47,9 @@ std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, con
 
 engine::BitmapConfig read_bitmap_config(const Attributes& attrs, const engine::KwtaConfig& kwta) {
   engine::BitmapConfig c;
-  c.mode = engine::parse_pack_gate_mode(attrs.get_string("pack_mode", "none"));
-  c.eps = attrs.get_float("pack_eps", 0.0f);
-  c.density_max = attrs.get_float("pack_density_max", 0.15f);
+  c.mode = engine::parse_pack_gate_mode(attrs.get_string("pack_mode", Schema::pack_mode));
+  c.eps = attrs.get_float("pack_eps", Schema::pack_eps);
+  c.density_max = attrs.get_float("pack_density_max", Schema::pack_density_max);
   if (c.mode != engine::PackGateMode::kNone && kwta.duty != 1)
     fail("attribute pack_mode='", c.mode == engine::PackGateMode::kBinary ? "binary" : "ternary",
          "' composes with the kwta rule of every call; duty=", kwta.duty, " is not supported with it (use duty=1)");
@@ -57,7 +59,7 @@ engine::BitmapConfig read_bitmap_config(const Attributes& attrs, const engine::K
 // Attribute glu: "none" (Y = X·W, N columns) or "silu" (W's N columns are [gate | up]; Y =
 // silu(X·W_gate) * (X·W_up), N/2 columns).
 engine::Glu read_glu(const Attributes& attrs, size_t n) {
-  const std::string glu = attrs.get_string("glu", "none");
+  const std::string glu = attrs.get_string("glu", Schema::glu);
   if (glu == "none") return engine::Glu::kNone;
   if (glu != "silu") fail("attribute glu='", glu, "' is not one of 'none', 'silu'");
   if (n % 2 != 0) fail("attribute glu='silu' needs an even N (the weight's two halves, gate and up), got N=", n);
@@ -79,8 +81,8 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   KwtaBlockMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
     const kernels::KernelSet& kernels = kernel_set_or_fail();
-    const engine::KwtaConfig config = read_kwta_attributes(attrs, "", schema::KwtaBlockMatMul::k_frac);
-    const int64_t block = attrs.get_int("block", schema::KwtaBlockMatMul::block);
+    const engine::KwtaConfig config = read_kwta_attributes(attrs, "", Schema::k_frac);
+    const int64_t block = attrs.get_int("block", Schema::block);
     quantized_ = input_type(info, 1) == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
     std::shared_ptr<const engine::WeightBackend> backend = quantized_ ? quant_backend(info, attrs) : dense_backend(info, attrs);
     const size_t k = backend->k();
@@ -130,8 +132,8 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
  private:
   static std::shared_ptr<const engine::WeightBackend> dense_backend(const OrtKernelInfo* info, const Attributes& attrs) {
     const ConstantTensor w = constant_float_input(info, 1, "W", 2);
-    if (attrs.get_int("accuracy_level", 0) != 0)
-      fail("attribute accuracy_level=", attrs.get_int("accuracy_level", 0),
+    if (attrs.get_int("accuracy_level", Schema::accuracy_level) != 0)
+      fail("attribute accuracy_level=", attrs.get_int("accuracy_level", Schema::accuracy_level),
            " belongs to the quantized form (uint8 input B); a float W is multiplied in fp32");
     if (input_present(info, 3) || input_present(info, 4))
       fail("inputs zero_points / bias (#3, #4) belong to the quantized form, whose input 1 is MatMulNBits' uint8 B; "
@@ -144,10 +146,10 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
   static std::shared_ptr<const engine::WeightBackend> quant_backend(const OrtKernelInfo* info, const Attributes& attrs) {
     constexpr const char* kWhy = "MatMulNBits' quantized weights, repacked once at session creation";
     engine::MatMulNBitsTensors t;
-    t.k = attrs.get_int("K", 0);
-    t.n = attrs.get_int("N", 0);
-    t.bits = attrs.get_int("bits", 0);
-    t.block_size = attrs.get_int("block_size", 0);
+    t.k = attrs.get_int("K", Schema::K);
+    t.n = attrs.get_int("N", Schema::N);
+    t.bits = attrs.get_int("bits", Schema::bits);
+    t.block_size = attrs.get_int("block_size", Schema::block_size);
     if (t.k < 1 || t.n < 1 || t.bits == 0 || t.block_size == 0)
       fail("the quantized form (uint8 input B) needs attributes K, N, bits and block_size as MatMulNBits has them; got K=",
            t.k, ", N=", t.n, ", bits=", t.bits, ", block_size=", t.block_size);
@@ -169,7 +171,7 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
       t.zero_points_are_float = zp.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     }
     engine::QuantTuning tuning;
-    tuning.int8_decode = engine::int8_decode_for_accuracy_level(attrs.get_int("accuracy_level", 0));
+    tuning.int8_decode = engine::int8_decode_for_accuracy_level(attrs.get_int("accuracy_level", Schema::accuracy_level));
     return std::make_shared<const engine::QuantBackend>(std::make_shared<const engine::QuantWeights>(t), tuning);
   }
 

@@ -17,6 +17,43 @@ struct KwtaBlockMatMul {
   static constexpr int64_t renorm = 0;  // settings
   static constexpr int64_t block = 1;  // settings
   static constexpr int64_t max_gated_rows = 0;  // settings
+  static constexpr const char* pack_mode = "none";  // settings
+  static constexpr float pack_eps = 0x0.0p+0f /* 0.0 */;  // settings
+  static constexpr float pack_density_max = 0x1.3333340000000p-3f /* 0.15 */;  // settings
+  static constexpr const char* glu = "none";  // from_graph
+  static constexpr int64_t K = 0;  // from_graph
+  static constexpr int64_t N = 0;  // from_graph
+  static constexpr int64_t bits = 0;  // from_graph
+  static constexpr int64_t block_size = 0;  // from_graph
+  static constexpr int64_t accuracy_level = 0;  // from_graph
+};
+
+struct ProcSparseMatMul {
+  static constexpr int64_t block = 32;  // settings
+  static constexpr int64_t seed = 0;  // settings
+  static constexpr float base_scale = 0x0.0p+0f /* 0.0 */;  // settings
+  static constexpr float kwta_k_frac = 0x1.0000000000000p+0f /* 1.0 */;  // settings
+  static constexpr int64_t kwta_k_abs = 0;  // settings
+  static constexpr const char* kwta_score = "l2";  // settings
+  static constexpr float kwta_threshold = 0x0.0p+0f /* 0.0 */;  // settings
+  static constexpr float kwta_temp = 0x1.0000000000000p+0f /* 1.0 */;  // settings
+  static constexpr int64_t kwta_duty = 1;  // settings
+  static constexpr const char* kwta_duty_mode = "dense";  // settings
+  static constexpr int64_t kwta_renorm = 0;  // settings
+  // kwta_block: int, settings; absent: the value of block
+  static constexpr int64_t kwta_max_gated_rows = 0;  // settings
+  static constexpr int64_t K = 0;  // from_graph
+  static constexpr int64_t N = 0;  // from_graph
+  static constexpr int64_t fanout = -1;  // built
+};
+
+struct TTMatMul {
+  static constexpr int64_t nan_guard = 1;  // settings
+  static constexpr int64_t order = -1;  // settings
+  // in_modes: ints, built; absent: the node is refused
+  // out_modes: ints, built; absent: the node is refused
+  // ranks: ints, built; absent: the node is refused
+  static constexpr float gap = -0x1.0000000000000p+0f /* -1.0 */;  // built
 };
 
 struct EventDrivenMatMul {

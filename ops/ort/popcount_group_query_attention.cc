@@ -28,31 +28,28 @@ constexpr const auto& kInputNames = Schema::kInputNames;
 // SmolLM2 (docs/ops.md; the rewriter's recommended setting, graph_rewrite/techniques/popcount.py).
 attention::PopcountAttentionConfig gqa_selection_defaults() { return schema_selection_defaults<Schema>(); }
 
-bool read_flag(const Attributes& attrs, const char* name, bool fallback) {
-  const int64_t v = attrs.get_int(name, fallback ? 1 : 0);
-  if (v != 0 && v != 1) fail("attribute ", name, "=", v, " must be 0 or 1");
-  return v == 1;
-}
-
 attention::GqaConfig read_config(const Attributes& attrs) {
   attention::GqaConfig c;
-  c.num_heads = attrs.get_int("num_heads", 0);
-  c.kv_num_heads = attrs.get_int("kv_num_heads", 0);
-  c.scale = attrs.get_float("scale", 0.0f);
+  c.num_heads = attrs.get_int("num_heads", Schema::num_heads);
+  c.kv_num_heads = attrs.get_int("kv_num_heads", Schema::kv_num_heads);
+  c.scale = attrs.get_float("scale", Schema::scale);
   if (c.scale < 0.0f) fail("attribute scale=", c.scale, " must be >= 0 (0: 1/sqrt(head_size))");
-  c.softcap = attrs.get_float("softcap", 0.0f);
-  c.local_window_size = attrs.get_int("local_window_size", -1);
-  c.do_rotary = read_flag(attrs, "do_rotary", false);
-  c.rotary_interleaved = read_flag(attrs, "rotary_interleaved", false);
-  c.causal = read_flag(attrs, "causal", true);
-  c.smooth_softmax = read_flag(attrs, "smooth_softmax", false);
-  if (const int64_t qk = attrs.get_int("qk_output", 0); qk != 0)
+  c.softcap = attrs.get_float("softcap", Schema::softcap);
+  c.local_window_size = attrs.get_int("local_window_size", Schema::local_window_size);
+  c.do_rotary = read_flag(attrs, "do_rotary", Schema::do_rotary != 0);
+  c.rotary_interleaved = read_flag(attrs, "rotary_interleaved", Schema::rotary_interleaved != 0);
+  c.causal = read_flag(attrs, "causal", Schema::causal != 0);
+  c.smooth_softmax = read_flag(attrs, "smooth_softmax", Schema::smooth_softmax != 0);
+  // The refused options (qk_output, *_quant_type, kv_cache_bit_width): any value but the schema's default,
+  // which is what the engine implements, is refused.
+  if (const int64_t qk = attrs.get_int("qk_output", Schema::qk_output); qk != Schema::qk_output)
     fail("attribute qk_output=", qk, " is not supported (no output_qk)");
-  c.sliding_window_cache = read_flag(attrs, "sliding_window_cache", false);
-  for (const char* name : {"k_quant_type", "v_quant_type"})
-    if (const std::string q = attrs.get_string(name, "NONE"); q != "NONE")
-      fail("attribute ", name, "='", q, "' is not supported (float32 KV cache only)");
-  if (const int64_t bits = attrs.get_int("kv_cache_bit_width", 0); bits != 0)
+  c.sliding_window_cache = read_flag(attrs, "sliding_window_cache", Schema::sliding_window_cache != 0);
+  if (const std::string q = attrs.get_string("k_quant_type", Schema::k_quant_type); q != Schema::k_quant_type)
+    fail("attribute k_quant_type='", q, "' is not supported (float32 KV cache only)");
+  if (const std::string q = attrs.get_string("v_quant_type", Schema::v_quant_type); q != Schema::v_quant_type)
+    fail("attribute v_quant_type='", q, "' is not supported (float32 KV cache only)");
+  if (const int64_t bits = attrs.get_int("kv_cache_bit_width", Schema::kv_cache_bit_width); bits != Schema::kv_cache_bit_width)
     fail("attribute kv_cache_bit_width=", bits, " is not supported (float32 KV cache only)");
   c.selection = read_selection_attributes(attrs, gqa_selection_defaults());
   c.selection.verify_keys = read_flag(attrs, "verify_keys", Schema::verify_keys != 0);

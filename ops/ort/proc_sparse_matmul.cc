@@ -10,10 +10,13 @@
 #include "engine/proc_backend.h"
 #include "ort/kwta_attributes.h"
 #include "ort/matmul_io.h"
+#include "ort/op_schema.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
 namespace {
+
+using Schema = schema::ProcSparseMatMul;  // names and defaults: graph_rewrite/op_schema.json
 
 enum Counter { kCalls, kRows, kBlocks, kUnitPasses, kGateTotal, kGateKept };
 enum Constant { kTrims, kMemRatio, kFanout };
@@ -31,7 +34,7 @@ std::vector<std::pair<std::string, double>> describe_proc(const uint64_t* c, con
   };
 }
 
-// The gate attributes of KwtaBlockMatMul, prefixed `kwta_`. Without any of k_frac < 1, k_abs or
+// The gate attributes of KwtaBlockMatMul, prefixed `kwta_` (kwta_block defaults to the op's block). Without any of k_frac < 1, k_abs or
 // threshold the gate keeps every row: no gate is built (the dense gate).
 struct GateSpec {
   bool enabled = false;
@@ -39,11 +42,11 @@ struct GateSpec {
   int64_t block = 0;
 };
 
-GateSpec read_gate(const Attributes& attrs, int64_t proc_block) {
+GateSpec read_gate(const Attributes& attrs, int64_t block) {
   GateSpec g;
-  g.config = read_kwta_attributes(attrs, "kwta_", 1.0f);
+  g.config = read_kwta_attributes(attrs, "kwta_", Schema::kwta_k_frac);
   const engine::KwtaConfig& c = g.config;
-  g.block = attrs.get_int("kwta_block", proc_block);
+  g.block = attrs.get_int("kwta_block", block);
   g.enabled = c.k_frac < 1.0 || c.k_abs > 0 || c.threshold > 0.0f;
   return g;
 }
@@ -62,16 +65,16 @@ class ProcSparseMatMulKernel : public KernelBase<ProcSparseMatMulKernel> {
   ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : KernelBase(kOpName, info) {
     const Attributes attrs(info);
     kernel_set_or_fail();
-    const int64_t k = attrs.get_int("K", 0), n = attrs.get_int("N", 0);
-    const int64_t block = attrs.get_int("block", 32);
-    const int64_t seed = attrs.get_int("seed", 0);
-    const float base_scale = attrs.get_float("base_scale", 0.0f);
+    const int64_t k = attrs.get_int("K", Schema::K), n = attrs.get_int("N", Schema::N);
+    const int64_t block = attrs.get_int("block", Schema::block);
+    const int64_t seed = attrs.get_int("seed", Schema::seed);
+    const float base_scale = attrs.get_float("base_scale", Schema::base_scale);
     if (k < 1) fail("attribute K=", k, " must be >= 1 (the rows of the dense W this layer replaces)");
     if (n < 1) fail("attribute N=", n, " must be >= 1");
     if (block < 1 || block > k) fail("attribute block=", block, " must be in [1, K=", k, "]");
     if (!std::isfinite(base_scale)) fail("attribute base_scale=", base_scale, " must be finite");
     const int64_t nb = (k + block - 1) / block;
-    const int64_t fanout = attrs.get_int("fanout", -1);
+    const int64_t fanout = attrs.get_int("fanout", Schema::fanout);
     const ConstantTensorAny index = constant_input(info, 1, "indices",
                                                    "the builder's packed weights, read once at session creation");
     const ConstantTensorAny deltas = constant_input(info, 2, "deltas",

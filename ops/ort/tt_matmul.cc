@@ -1,5 +1,5 @@
 // TTMatMul(X, cores, B?, W_dense?) = the composer with the dense gate (every row) over the `tt`
-// weight backend, with the NaN guard. The cores come as one packed constant tensor (see
+// weight backend, with the NaN guard. The cores come as one concatenated constant tensor (see
 // docs/ops.md); a dense copy of W is only kept when the rewriter asks for the guard's fallback.
 #include <cstdint>
 #include <cstring>
@@ -10,10 +10,13 @@
 #include "engine/gated_matmul.h"
 #include "engine/tt_backend.h"
 #include "ort/matmul_io.h"
+#include "ort/op_schema.h"
 #include "ort/ops.h"
 
 namespace ortsparse::ort {
 namespace {
+
+using Schema = schema::TTMatMul;  // names and defaults: graph_rewrite/op_schema.json
 
 enum Counter { kCalls, kRows, kFallbackCalls, kMacsDense, kMacsTT, kBytesDense, kBytesKept, kRankSum, kGapMicro };
 enum Constant { kRank, kGap, kSpeedup, kMemSaved };
@@ -56,10 +59,10 @@ class TTMatMulKernel : public KernelBase<TTMatMulKernel> {
     const std::vector<int64_t> in_modes = attrs.get_ints("in_modes");
     const std::vector<int64_t> out_modes = attrs.get_ints("out_modes");
     const std::vector<int64_t> ranks = attrs.get_ints("ranks");
-    const float gap = attrs.get_float("gap", -1.0f);
-    const int64_t nan_guard = attrs.get_int("nan_guard", 1);
+    const float gap = attrs.get_float("gap", Schema::gap);
+    const int64_t nan_guard = attrs.get_int("nan_guard", Schema::nan_guard);
     if (nan_guard != 0 && nan_guard != 1) fail("attribute nan_guard=", nan_guard, " must be 0 or 1");
-    const int64_t order = attrs.get_int("order", -1);
+    const int64_t order = attrs.get_int("order", Schema::order);
     if (order < -1 || order > 1) fail("attribute order=", order, " must be -1 (auto), 0 (first core first) or 1 (last core first)");
     const ConstantTensor cores = constant_float_input(info, 1, "cores", 1);
     engine::TTShape shape = engine::make_tt_shape(in_modes, out_modes, ranks, static_cast<size_t>(cores.shape[0]));

@@ -295,8 +295,8 @@ for _name, _module, _help in [
                      "held-out quality budget, verified, with its decode speed"),
     ("models", "models", "fetch and export the real models into the cache (idempotent)"),
     ("quality", "quality", "perplexity / embedding cosine / output error, dense vs rewritten"),
-    ("bench", "speed", "decode tokens/s in a real loop (text, growing KV cache): models side by side"),
-    ("validate", "zoo", "rewrite, check, load and compare every model of a zoo"),
+    ("bench", "bench", "decode tokens/s in a real loop (text, growing KV cache): models side by side"),
+    ("validate", "validate", "rewrite, check, load and compare every model of a zoo"),
     ("sweep", "sweep", "grid of op settings on a model: JSON + speedup-vs-quality PNG"),
     ("calibrate", "calibrate", "per-layer KWTA settings that meet a quality budget"),
 ]:

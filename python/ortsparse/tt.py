@@ -118,20 +118,21 @@ def tt_modes(cores: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
     return [int(g.shape[1]) for g in cores], [int(g.shape[2]) for g in cores]
 
 
-def pack_cores(cores: Sequence[np.ndarray]) -> np.ndarray:
+def concat_cores(cores: Sequence[np.ndarray]) -> np.ndarray:
     """The ``cores`` input of TTMatMul: every core row-major [r_{t-1}, k_t, n_t, r_t], concatenated."""
     return np.concatenate([np.ascontiguousarray(g, dtype=np.float32).reshape(-1) for g in cores])
 
 
-def unpack_cores(packed: np.ndarray, in_modes: Sequence[int], out_modes: Sequence[int],
-                 ranks: Sequence[int]) -> list[np.ndarray]:
+def split_cores(concatenated: np.ndarray, in_modes: Sequence[int], out_modes: Sequence[int],
+                ranks: Sequence[int]) -> list[np.ndarray]:
+    """The cores back out of :func:`concat_cores`' one array, by the modes and ranks."""
     cores, pos = [], 0
     for t, (k, n) in enumerate(zip(in_modes, out_modes)):
         size = ranks[t] * k * n * ranks[t + 1]
-        cores.append(np.asarray(packed[pos:pos + size]).reshape(ranks[t], k, n, ranks[t + 1]))
+        cores.append(np.asarray(concatenated[pos:pos + size]).reshape(ranks[t], k, n, ranks[t + 1]))
         pos += size
-    if pos != len(packed):
-        raise ValueError(f"packed cores hold {len(packed)} floats, the modes and ranks need {pos}")
+    if pos != len(concatenated):
+        raise ValueError(f"the concatenated cores hold {len(concatenated)} floats, the modes and ranks need {pos}")
     return cores
 
 

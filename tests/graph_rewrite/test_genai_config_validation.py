@@ -94,6 +94,7 @@ HOSTILE_CONFIGS = {
     "deep nesting": _deep(100_000),
     "NUL in filename": None,
     "head_size a string": None,
+    "head_size 0": None,  # runtime/genai_config.py's _positive_int: 0 is not positive
     "custom_ops_library a number": None,
 }
 
@@ -116,6 +117,8 @@ def hostile_config(folder: Path, how: str) -> str:
         decoder["filename"] = "model.onnx\u0000.txt"
     elif how == "head_size a string":
         decoder["head_size"] = "16"
+    elif how == "head_size 0":
+        decoder["head_size"] = 0
     elif how == "custom_ops_library a number":
         decoder["session_options"]["custom_ops_library"] = 7
     return json.dumps(config)

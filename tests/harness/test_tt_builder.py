@@ -81,11 +81,11 @@ def test_maxvol_dominance(rng):
 
 def test_pack_roundtrip_and_macs(rng):
     cores = [rng.standard_normal(s).astype(np.float32) for s in [(1, 4, 3, 2), (2, 5, 6, 1)]]
-    packed = tt.pack_cores(cores)
-    back = tt.unpack_cores(packed, [4, 5], [3, 6], [1, 2, 1])
+    packed = tt.concat_cores(cores)
+    back = tt.split_cores(packed, [4, 5], [3, 6], [1, 2, 1])
     assert all(np.array_equal(a, b) for a, b in zip(cores, back))
     with pytest.raises(ValueError):
-        tt.unpack_cores(packed[:-1], [4, 5], [3, 6], [1, 2, 1])
+        tt.split_cores(packed[:-1], [4, 5], [3, 6], [1, 2, 1])
     assert tt.order_macs([576, 1], [1, 1536], [1, 64, 1], False) == 576 * 64 + 64 * 1536
 
 

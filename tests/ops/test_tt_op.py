@@ -36,7 +36,7 @@ def tt_model(cores, bias=None, *, in_modes=None, out_modes=None, ranks=None, w_d
         inputs.pop()
     node = helper.make_node("TTMatMul", inputs, ["Y"], domain="ai.ortsparse", name=node_name,
                             in_modes=list(in_modes), out_modes=list(out_modes), ranks=list(ranks), **attrs)
-    initializers = [numpy_helper.from_array(tt.pack_cores(cores) if packed is None else packed, "cores")]
+    initializers = [numpy_helper.from_array(tt.concat_cores(cores) if packed is None else packed, "cores")]
     if bias is not None:
         initializers.append(numpy_helper.from_array(bias, "B"))
     if w_dense is not None:
@@ -104,7 +104,7 @@ def test_gemm_never_reads_the_output(rng):
 def test_backend_matches_numpy_contraction(isa, shape, order, rng):
     in_modes, out_modes, ranks = shape
     cores = random_cores(rng, in_modes, out_modes, ranks)
-    op = K.TTMatMul(tt.pack_cores(cores), in_modes, out_modes, ranks, order=order, isa=isa)
+    op = K.TTMatMul(tt.concat_cores(cores), in_modes, out_modes, ranks, order=order, isa=isa)
     assert op.right_to_left == bool(order)
     assert op.macs_per_token == tt.order_macs(in_modes, out_modes, ranks, bool(order))
     bias = rng.standard_normal(op.n).astype(np.float32)
@@ -115,11 +115,11 @@ def test_backend_matches_numpy_contraction(isa, shape, order, rng):
 
 def test_backend_picks_the_cheaper_order(rng):
     in_modes, out_modes, ranks = [24, 1], [1, 40], [1, 6, 1]
-    op = K.TTMatMul(tt.pack_cores(random_cores(rng, in_modes, out_modes, ranks)), in_modes, out_modes, ranks)
+    op = K.TTMatMul(tt.concat_cores(random_cores(rng, in_modes, out_modes, ranks)), in_modes, out_modes, ranks)
     assert op.right_to_left is False  # X [K] -> r first: K r + r N, never K N r
     assert op.macs_per_token == tt.tt_macs(in_modes, out_modes, ranks) == 24 * 6 + 6 * 40
     # mirrored layout: last core first is cheaper
-    op2 = K.TTMatMul(tt.pack_cores(random_cores(rng, [1, 24], [40, 1], [1, 6, 1])), [1, 24], [40, 1], [1, 6, 1])
+    op2 = K.TTMatMul(tt.concat_cores(random_cores(rng, [1, 24], [40, 1], [1, 6, 1])), [1, 24], [40, 1], [1, 6, 1])
     assert op2.right_to_left is True
 
 
@@ -127,7 +127,7 @@ def test_backend_picks_the_cheaper_order(rng):
 def test_gated_tokens_zero_the_skipped_inputs(isa, rng):
     in_modes, out_modes, ranks = [4, 6], [8, 5], [1, 3, 1]
     cores = random_cores(rng, in_modes, out_modes, ranks)
-    op = K.TTMatMul(tt.pack_cores(cores), in_modes, out_modes, ranks, isa=isa)
+    op = K.TTMatMul(tt.concat_cores(cores), in_modes, out_modes, ranks, isa=isa)
     x = rng.standard_normal((5, 24)).astype(np.float32)
     rows = [None, np.array([0, 3, 23], np.int32), np.array([], np.int32), None, np.arange(0, 24, 2, dtype=np.int32)]
     masked = x.copy()
@@ -229,7 +229,7 @@ def test_missing_attribute_and_bad_inputs(rng):
     with pytest.raises(Exception, match="in_modes"):
         ortsparse.inference_session(model)
     with pytest.raises(Exception, match="cores must have rank 1"):
-        ortsparse.inference_session(tt_model(cores, packed=tt.pack_cores(cores).reshape(1, -1)))
+        ortsparse.inference_session(tt_model(cores, packed=tt.concat_cores(cores).reshape(1, -1)))
     with pytest.raises(Exception, match="W_dense has shape"):
         ortsparse.inference_session(tt_model(cores, w_dense=np.zeros((24, 41), np.float32)))
     with pytest.raises(Exception, match="nan_guard"):
@@ -242,7 +242,7 @@ def test_missing_attribute_and_bad_inputs(rng):
 def test_cores_must_be_constant(rng):
     cores = random_cores(rng, [4, 6], [8, 5], [1, 3, 1])
     model = tt_model(cores)
-    model.graph.input.append(helper.make_tensor_value_info("cores", TensorProto.FLOAT, [len(tt.pack_cores(cores))]))
+    model.graph.input.append(helper.make_tensor_value_info("cores", TensorProto.FLOAT, [len(tt.concat_cores(cores))]))
     del model.graph.initializer[0]
     with pytest.raises(Exception, match="constant initializer"):
         ortsparse.inference_session(model)

@@ -1,4 +1,4 @@
-"""ortsparse validate (ortsparse.harness.zoo): the fast zoo passes, failures are reported with a
+"""ortsparse validate (ortsparse.harness.validate): the fast zoo passes, failures are reported with a
 stage and a reason and make the exit code 1. No timing is asserted."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from onnx import TensorProto, helper
 
 from ortsparse.cli import main
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
-from ortsparse.harness import zoo
+from ortsparse.harness import validate
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
 
 
 def test_fast_zoo_passes_and_lists_every_model(tmp_path, capsys):
-    entries = zoo.zoo_entries(zoo.ZOOS["fast"])
+    entries = validate.zoo_entries(validate.ZOOS["fast"])
     assert len([e for e in entries if e.group == "tiny"]) == len(list(TINY.glob("*.onnx"))) > 0
     assert {e.name for e in entries if e.group == "generated"} >= {"generated/gpt2_like", "generated/bert_like"}
     out_json, out_md = tmp_path / "zoo.json", tmp_path / "zoo.md"
@@ -42,8 +42,8 @@ def test_fast_zoo_passes_and_lists_every_model(tmp_path, capsys):
 
 
 def test_exact_rewrite_uses_the_exact_budget():
-    entry = zoo.ZooEntry("gpt2", "path", path=TINY / "gpt2_tiny.torchscript.onnx")
-    result = zoo.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}),
+    entry = validate.ZooEntry("gpt2", "path", path=TINY / "gpt2_tiny.torchscript.onnx")
+    result = validate.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}),
                                 runs=1, timing_runs=1)
     assert result.ok, result.reason
     assert result.exact and result.budget == 1e-4
@@ -76,7 +76,7 @@ def test_missing_file_and_unloadable_model_fail(tmp_path):
     path = tmp_path / "mystery.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                       helper.make_opsetid("test.domain", 1)]), path)
-    results = zoo.validate(zoo.path_entries([path, tmp_path / "absent.onnx"]), timing_runs=0)
+    results = validate.validate(validate.path_entries([path, tmp_path / "absent.onnx"]), timing_runs=0)
     assert [(r.ok, r.stage) for r in results] == [(False, "ort-load"), (False, "load")]
     assert "not a registered function/op" in results[0].reason
     assert "does not exist" in results[1].reason
@@ -84,13 +84,13 @@ def test_missing_file_and_unloadable_model_fail(tmp_path):
 
 def test_rewritten_model_that_onnxruntime_cannot_load(monkeypatch, tmp_path):
     monkeypatch.setenv("ORTSPARSE_LIBRARY", str(tmp_path / "missing.so"))
-    result = zoo.validate_model(zoo.ZooEntry("llama", "path", path=LLAMA), timing_runs=0)
+    result = validate.validate_model(validate.ZooEntry("llama", "path", path=LLAMA), timing_runs=0)
     assert not result.ok and result.stage == "ort-load"
     assert "rewritten" in result.reason and "not found" in result.reason
 
 
 def test_over_budget_is_a_failure():
-    result = zoo.validate_model(zoo.ZooEntry("llama", "path", path=LLAMA),
+    result = validate.validate_model(validate.ZooEntry("llama", "path", path=LLAMA),
                                 RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.1), enabled=True, target="all")}), budget=1e-3,
                                 runs=1, timing_runs=0)
     assert not result.ok and result.stage == "budget"
@@ -99,10 +99,10 @@ def test_over_budget_is_a_failure():
 
 def test_builtin_graphs_are_valid_and_classified():
     for decoder, tail in ((True, "head"), (False, "other")):
-        model = zoo.builtin_transformer(decoder=decoder)
+        model = validate.builtin_transformer(decoder=decoder)
         onnx.checker.check_model(model, full_check=True)
-        entry = zoo.ZooEntry("builtin", "generated", build=zoo._writer("builtin", lambda m=model: m))
-        result = zoo.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.9), enabled=True, target="all")}),
+        entry = validate.ZooEntry("builtin", "generated", build=validate._writer("builtin", lambda m=model: m))
+        result = validate.validate_model(entry, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.9), enabled=True, target="all")}),
                                     runs=1, timing_runs=0)
         assert result.ok, result.reason
         assert result.counts == {"mlp": {"layers": 2, "rewritten": 2, "skipped": 0},
@@ -111,9 +111,9 @@ def test_builtin_graphs_are_valid_and_classified():
 
 
 def test_onnx_wheel_cnn_with_materialized_weights():
-    entries = {e.name: e for e in zoo.onnx_light_entries()}  # the onnx wheel ships these test models
+    entries = {e.name: e for e in validate.onnx_light_entries()}  # the onnx wheel ships these test models
     assert "onnx-light/densenet121" not in entries  # no Gemm/MatMul
-    result = zoo.validate_model(entries["onnx-light/shufflenet"], RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")}), runs=1,
+    result = validate.validate_model(entries["onnx-light/shufflenet"], RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=True, target="all")}), runs=1,
                                 timing_runs=0)
     assert result.ok, result.reason
     assert result.counts == {"other": {"layers": 1, "rewritten": 1, "skipped": 0}}
@@ -127,8 +127,8 @@ def test_list_prints_the_zoo(capsys):
 
 @pytest.mark.slow
 def test_real_models_validate():
-    entries = zoo.real_entries()
-    assert len(entries) == len(zoo.REAL_MODELS), "real models missing from the cache (run `ortsparse models`)"
-    results = zoo.validate(entries, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}), runs=1,
+    entries = validate.real_entries()
+    assert len(entries) == len(validate.REAL_MODELS), "real models missing from the cache (run `ortsparse models`)"
+    results = validate.validate(entries, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="all")}), runs=1,
                            timing_runs=1)
     assert all(r.ok for r in results), [(r.name, r.stage, r.reason) for r in results if not r.ok]
