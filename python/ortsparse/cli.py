@@ -49,13 +49,7 @@ def add_rewrite_arguments(parser: argparse.ArgumentParser) -> None:
     check = parser.add_argument_group("checking")
     check.add_argument("--verify", type=flag_types.non_negative_int, default=0, metavar="N",
                        help="run original and rewritten in onnxruntime on N generated input sets")
-    check.add_argument("--verify-shape", action="append", metavar="SPEC",
-                       help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated")
-    check.add_argument("--verify-budget", type=flag_types.non_negative_float, default=None, metavar="REL",
-                       help="relative L2 error allowed when some layer is approximate (default 0.5); "
-                            "exact rewrites always use 1e-4")
-    check.add_argument("--verify-seed", type=flag_types.seed, default=0, metavar="SEED",
-                       help="seed of the generated inputs")
+    flag_types.add_input_arguments(check, prefix="verify-")
     check.add_argument("--no-self-check", action="store_true",
                        help="skip the one-input comparison an approximate rewrite without --config runs to print "
                             "what its (uncalibrated) settings cost")

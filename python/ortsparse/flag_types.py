@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +79,15 @@ unit_interval = finite_float(0.0, 1.0)  # [0, 1]
 seed = int_in(0, 2**32 - 1)  # numpy's legacy generators take seeds below 2^32
 threads = int_in(1, 1024)
 window_len = int_in(2, 1 << 20)  # a window scores window_len - 1 next-token predictions
+
+
+def add_input_arguments(group: Any, prefix: str = "") -> None:
+    """The generated inputs' flags (``--{prefix}shape``, ``--{prefix}budget``, ``--{prefix}seed``), one
+    spelling for ``rewrite-onnx --verify-*`` and ``ortsparse validate``."""
+    group.add_argument(f"--{prefix}shape", action="append", metavar="SPEC",
+                       help="sizes for dynamic dims: dim=INT or input=AxBxC, comma separated, repeatable")
+    group.add_argument(f"--{prefix}budget", type=non_negative_float, default=None, metavar="REL",
+                       help="relative L2 error allowed when some layer is approximate (default 0.5); "
+                            "exact rewrites always use 1e-4")
+    group.add_argument(f"--{prefix}seed", type=seed, default=0, metavar="SEED",
+                       help="seed of the generated inputs")

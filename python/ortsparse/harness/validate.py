@@ -505,12 +505,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = parser.add_argument_group("checking")
     check.add_argument("--runs", type=flag_types.positive_int, default=2,
                        help="generated input sets per model (default 2)")
-    check.add_argument("--shape", action="append", metavar="SPEC",
-                       help="dynamic dim sizes: dim=INT or input=AxBxC (as rewrite-onnx --verify-shape)")
-    check.add_argument("--budget", type=flag_types.non_negative_float, default=None, metavar="REL",
-                       help="relative L2 error allowed when some layer is approximate (default 0.5); "
-                            "exact rewrites always use 1e-4")
-    check.add_argument("--seed", type=flag_types.seed, default=0, help="seed of the generated inputs")
+    flag_types.add_input_arguments(check)
     check.add_argument("--timing-runs", type=flag_types.non_negative_int, default=5,
                        help="alternated timed runs per model and side, medians (default 5; 0: no timing)")
     check.add_argument("--threads", type=flag_types.threads, default=1,
