@@ -58,8 +58,9 @@ bool tiled_attention(const AttentionCall& c, const kernels::KernelSet& ks, const
 
   // K^T of every (batch, kv head), tile by tile: tile t of head (b, hk) is [d][kKeys] floats from
   // kt_offset[b * hkv + hk] + t * d * kKeys; columns past the head's keys stay 0. Selective
-  // prefill also keeps each tile's box: [max K (D), min K (D)] and max |k| (tile_base: the
-  // head's first tile).
+  // prefill also keeps each tile's box, [max K (D), min K (D)], transposed per head (row c of head
+  // (b, hk): its tiles' entry c, from box + 2 * d * tile_base[b * hkv + hk]; a bound pass is then
+  // one gemv of the split query), and its max |k| (tile_base: the head's first tile).
   std::vector<size_t> kt_offset(dd.b * dd.hkv + 1, 0), tile_base(dd.b * dd.hkv + 1, 0);
   for (size_t b = 0; b < dd.b; ++b)
     for (size_t hk = 0; hk < dd.hkv; ++hk) {
@@ -81,25 +82,32 @@ bool tiled_attention(const AttentionCall& c, const kernels::KernelSet& ks, const
     const float* k = c.k + c.k_rows.at(b, hk, 0);
     const float* v = c.v + c.v_rows.at(b, hk, 0);
     bool ok = true;
+    const size_t tiles = base_p[task + 1] - base_p[task];
+    std::vector<float> hi(box_p ? d : 0), lo(box_p ? d : 0);
     for (size_t j = 0; j < keys; ++j) {
       const float* row = k + j * c.k_rows.pos;
       ok = ok && all_finite(row, d) && all_finite(v + j * c.v_rows.pos, dv);
       float* dst = kt_p + off_p[task] + (j / kKeys) * d * kKeys + j % kKeys;
       for (size_t x = 0; x < d; ++x) dst[x * kKeys] = row[x];
-      if (box_p != nullptr) {
-        float* hi = box_p + (base_p[task] + j / kKeys) * 2 * d;
-        float* lo = hi + d;
-        float& absmax = absmax_p[base_p[task] + j / kKeys];
-        if (j % kKeys == 0) {
-          std::copy_n(row, d, hi);
-          std::copy_n(row, d, lo);
-          absmax = 0.0f;
-        }
+      if (box_p == nullptr) continue;
+      if (j % kKeys == 0) {
+        std::copy_n(row, d, hi.data());
+        std::copy_n(row, d, lo.data());
+      }
+      for (size_t x = 0; x < d; ++x) {
+        hi[x] = std::max(hi[x], row[x]);
+        lo[x] = std::min(lo[x], row[x]);
+      }
+      if (j % kKeys == kKeys - 1 || j + 1 == keys) {  // the tile's box is complete
+        const size_t t = j / kKeys;
+        float* col = box_p + base_p[task] * 2 * d + t;
+        float absmax = 0.0f;
         for (size_t x = 0; x < d; ++x) {
-          hi[x] = std::max(hi[x], row[x]);
-          lo[x] = std::min(lo[x], row[x]);
-          absmax = std::max(absmax, std::fabs(row[x]));
+          col[x * tiles] = hi[x];
+          col[(d + x) * tiles] = lo[x];
+          absmax = std::max(absmax, std::max(std::fabs(hi[x]), std::fabs(lo[x])));
         }
+        absmax_p[base_p[task] + t] = absmax;
       }
     }
     if (!ok) finite.store(false, std::memory_order_relaxed);
@@ -233,17 +241,18 @@ bool tiled_attention(const AttentionCall& c, const kernels::KernelSet& ks, const
     } else {
       // The block's bound per selectable tile: the max over its live rows of the row's bound.
       const size_t S = selectable.size();
-      const size_t base = base_p[blk.b * dd.hkv + blk.hk];
-      std::vector<float> qsplit(2 * d), row_bound(m * S, kNegInf), top(S, kNegInf);
+      const size_t head = blk.b * dd.hkv + blk.hk, base = base_p[head], tiles = base_p[head + 1] - base;
+      std::vector<float> qsplit(2 * d), raw(t_end), row_bound(m * S, kNegInf), top(S, kNegInf);
       bool usable = true;
       for (size_t r = 0; r < m && usable; ++r) {
         if (lo[r] >= hi[r]) continue;
         const float slack = bound_slack(d, split_query(q.data() + r * d, d, qsplit.data()));
         float* ub = row_bound.data() + r * S;
-        ks.attention->dot_rows(qsplit.data(), box_p + base * 2 * d, 2 * d, 2 * d, selectable.data(), S, ub);
+        // raw[t] = sum_c qsplit[c] · box row c, tile t: the bounds of tiles [0, t_end) at once
+        ks.matmul->gemv_rows(box_p + base * 2 * d, tiles, nullptr, qsplit.data(), 2 * d, raw.data(), t_end, false);
         for (size_t s = 0; s < S; ++s) {
           const size_t t = static_cast<size_t>(selectable[s]);
-          float b = score_space_bound(ub[s], absmax_p[base + t], slack, score);
+          float b = score_space_bound(raw[t], absmax_p[base + t], slack, score);
           if (masked) {
             float biggest = kNegInf;
             for (size_t j = t * kKeys; j < std::min(keys, (t + 1) * kKeys); ++j) {
@@ -293,14 +302,21 @@ bool tiled_attention(const AttentionCall& c, const kernels::KernelSet& ks, const
         }
         // Certified stop: every row's keys left could add at most keys_left · exp(bound − max) to its
         // sum of exp(s − max); at most eps of that sum, the mass dropped is <= eps of the total.
+        // The row that failed last is checked first: it usually fails again, so a step costs one log.
+        size_t failing = 0;
+        auto row_within_eps = [&](size_t r, size_t k, double log_left) {
+          const float b = bound_left[r * (S + 1) + k];
+          if (b == kNegInf) return true;
+          if (row_max[r] == kNegInf) return false;
+          return static_cast<double>(b) - row_max[r] + log_left <= log_eps + std::log(static_cast<double>(row_sum[r]));
+        };
         auto dropped_within_eps = [&](size_t k) {
           const double log_left = std::log(static_cast<double>(keys_left[k]));
+          if (!row_within_eps(failing, k, log_left)) return false;
           for (size_t r = 0; r < m; ++r) {
-            const float b = bound_left[r * (S + 1) + k];
-            if (b == kNegInf) continue;
-            if (row_max[r] == kNegInf) return false;
-            if (!(static_cast<double>(b) - row_max[r] + log_left <= log_eps + std::log(static_cast<double>(row_sum[r]))))
-              return false;
+            if (r == failing || row_within_eps(r, k, log_left)) continue;
+            failing = r;
+            return false;
           }
           return true;
         };
