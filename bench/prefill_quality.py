@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             prompt, answer = tokens[start:start + length], tokens[start + length:start + span + 1]
             ref_time = prefill(ref, prompt, args.chunk)
             ref_logits = continuation_logits(ref, answer[:-1])
-            ref_nll = score_logits(ref_logits, answer[1:])
+            ref_nll = score_logits(ref_logits, answer[1:])[0]
             for name, cand in cands.items():
                 ortsparse.reset_metrics()
                 cand_time = prefill(cand, prompt, args.chunk)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                 ref.decoder.past, ref.decoder.position = cand.decoder.past, cand.decoder.position
                 logits = continuation_logits(ref, answer[:-1])
                 r = result[name]
-                r["nll"].append(score_logits(logits, answer[1:]))
+                r["nll"].append(score_logits(logits, answer[1:])[0])
                 r["ref_nll"].append(ref_nll)
                 r["agree"].append(float((logits.argmax(-1) == ref_logits.argmax(-1)).mean()))
                 r["ratio"].append(ref_time / cand_time)
