@@ -30,23 +30,7 @@ from ortsparse.harness.perplexity import score_logits
 
 def continuation_logits(stepper, ids: np.ndarray) -> np.ndarray:
     """Feeds ids after the stepper's cache in one call; the logits of every fed position [n, vocab]."""
-    dec = stepper.decoder
-    binding = dec.session.io_binding()
-    native = binding._iobinding  # noqa: SLF001  (as KVDecoder.advance)
-    ids = np.asarray(ids).reshape(1, -1).astype(dec._ids_type)  # noqa: SLF001
-    mask = np.ones((1, dec.position + ids.shape[1]), dec._mask_type)  # noqa: SLF001
-    positions = np.arange(dec.position, dec.position + ids.shape[1], dtype=dec._position_type)[None, :]  # noqa: SLF001
-    native.bind_input("input_ids", ids)
-    native.bind_input("attention_mask", mask)
-    if dec.layout.has_position_ids:
-        native.bind_input("position_ids", positions)
-    for name, value in zip(dec.layout.past, dec.past):
-        native.bind_ortvalue_input(name, value)
-    for name in (dec.layout.logits, *dec.layout.present):
-        native.bind_output(name, dec._cpu)  # noqa: SLF001
-    dec.session.run_with_iobinding(binding)
-    logits = native.get_outputs()[0].numpy()
-    return np.array(logits.reshape(-1, logits.shape[-1]), dtype=np.float32)
+    return stepper.decoder.advance(ids, every=True)
 
 
 def prefill(stepper, prompt: np.ndarray, chunk: int) -> float:
