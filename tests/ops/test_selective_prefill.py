@@ -70,8 +70,9 @@ def selected_tiles(q, k, budget_tiles, sink_keys=1, recent_keys=TILE, min_keys=0
     return skipped
 
 
-def attention_without(q, k, v, skipped):
-    """float64 causal attention, each block's rows without the keys of its skipped tiles."""
+def attention_without(q, k, v, skipped, mask=None):
+    """float64 causal attention, each block's rows without the keys of its skipped tiles (mask:
+    [Sq, Skv] bool, False = not attended)."""
     _, h, s, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -81,7 +82,7 @@ def attention_without(q, k, v, skipped):
         hk = hh // g
         for i in range(s):
             drop = skipped[hk, i // bq * bq]
-            j = np.array([j for j in range(i + 1) if j // TILE not in drop])
+            j = np.array([j for j in range(i + 1) if j // TILE not in drop and (mask is None or mask[i, j])])
             sc = (k[0, hk, j].astype(np.float64) @ q[0, hh, i].astype(np.float64)) / math.sqrt(d)
             p = np.exp(sc - sc.max())
             y[0, hh, i] = (p / p.sum()) @ v[0, hk, j].astype(np.float64)
@@ -160,6 +161,23 @@ def test_budget_keeps_sink_recent_and_best_bound_tiles(h, hkv, budget, rng):
     assert m["prefill.tiles"] == tiles
     assert m["prefill.skipped_ratio"] == pytest.approx(n_skipped / tiles, rel=1e-12)
     assert np.abs(y - ref.attention(q, k, v, causal=True)).max() > 1e-3  # the skipped tiles mattered
+
+
+def test_budget_with_a_mask_ranks_as_without_and_applies_it(rng):
+    """A bool mask with scattered False entries (no whole tile masked) leaves every tile's bound
+    as it is: the same tiles are kept, and the mask applies within them."""
+    s, d = 900, 16
+    offsets = rng.permutation(np.linspace(-3.0, 3.0, (s + TILE - 1) // TILE))
+    q, k, v = tiled_keys(rng, 6, 2, s, d, offsets)
+    mask = rng.random((s, s)) > 0.1
+    mask[:, 0] = True
+    skipped = selected_tiles(q, k, 2)
+    model = ref.attention_model(node_name="masked", is_causal=1, select="none", mask_type=ref.TensorProto.BOOL,
+                                prefill_select="budget", prefill_budget=128, min_keys=0)
+    session = ortsparse.inference_session(model)  # a node's metrics live as long as its session
+    y = session.run(None, {"Q": q, "K": k, "V": v, "attn_mask": mask})[0]
+    np.testing.assert_allclose(y, attention_without(q, k, v, skipped, mask), rtol=1e-5, atol=2e-6)
+    assert ortsparse.metrics()["PopcountAttention/masked"]["prefill.skipped_ratio"] > 0
 
 
 def test_budget_keeps_the_tiles_of_keep_first_and_keep_recent(rng):
