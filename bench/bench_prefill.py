@@ -8,10 +8,15 @@ calls of each, alternated call by call (A B A B ...); a round's ratio is the med
 over the median PopcountGroupQueryAttention time (> 1: ours is faster). Reported: the minimum and
 median ratio over --rounds rounds, and the median times. Two threads run with allow_spinning off
 (ortsparse.runtime.thread_options). Each --variants entry is one more PopcountGroupQueryAttention
-configuration (attributes a=b,c=d), timed in the same alternation.
+configuration (attributes a=b,c=d), timed in the same alternation; --selective adds the selective
+prefill variants (SELECTIVE: prefill_select=certified / budget on the page selector), and the report
+gives each variant's fraction of (query block, key tile) pairs skipped (metric prefill.skipped_ratio)
+and its error against GroupQueryAttention. The prompt is random (rotary applied): its attention is
+flat, so certified skips little here and budget's error is larger than on a real model's Q/K.
 
 usage: python bench/bench_prefill.py -o reports/bench_prefill      (~5 min on a quiet 2-core machine)
        python bench/bench_prefill.py --quick -o /tmp/bench_prefill  (smoke: 512 and 1024, 1 thread)
+       python bench/bench_prefill.py --lengths 4096 8192 --threads 1 --selective -o /tmp/bench_selective
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+import ortsparse
 from ortsparse.benchmarking import (check_report, command_line, machine_info, op_attributes, report_header,
                                     write_report)
 from ortsparse.runtime import open_session, thread_options
@@ -32,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.ops import gqa_graphs as G  # noqa: E402  (the one-node graphs the op tests use)
 
 HEADS, KV_HEADS, HEAD_SIZE = 9, 3, 64
+# Selective prefill beside the exact page-selector setting (docs/ops.md, "Selective prefill").
+SELECTIVE = ["select=pages,prefill_select=certified,prefill_eps=0.001",
+             "select=pages,prefill_select=budget,prefill_budget=1024"]
 
 
 def attributes(text: str) -> dict:
@@ -46,9 +55,10 @@ class Prompt:
     """One session and its bound first-prompt call of `length` tokens (the KV buffer holds exactly
     the prompt, as a genai buffer sized to it)."""
 
-    def __init__(self, cfg: G.Gqa, length: int, threads: int, ours: bool, attrs: dict, seed: int = 0):
+    def __init__(self, cfg: G.Gqa, length: int, threads: int, ours: bool, attrs: dict, seed: int = 0,
+                 node_name: str = "gqa"):
         rng = np.random.default_rng(seed)
-        self.session = open_session(G.model(cfg, ours=ours, **attrs), thread_options(threads))
+        self.session = open_session(G.model(cfg, ours=ours, node_name=node_name, **attrs), thread_options(threads))
         cos, sin = G.rotary_tables(rng, length, cfg.half)
         width = cfg.hidden + 2 * cfg.kv_hidden
         self.feeds = {"query": rng.standard_normal((1, length, width), dtype=np.float32),
@@ -78,8 +88,9 @@ class Prompt:
 def bench_case(length: int, threads: int, variants: list[str], rounds: int, repeats: int, log=print) -> dict:
     cfg = G.Gqa(num_heads=HEADS, kv_num_heads=KV_HEADS, head_size=HEAD_SIZE, packed=True, rotary=True)
     runs = {"GroupQueryAttention": Prompt(cfg, length, threads, ours=False, attrs={})}
+    nodes = {v: f"bench_prefill_{length}_{threads}_{i}" for i, v in enumerate(variants)}
     for v in variants:
-        runs[v] = Prompt(cfg, length, threads, ours=True, attrs=attributes(v))
+        runs[v] = Prompt(cfg, length, threads, ours=True, attrs=attributes(v), node_name=nodes[v])
     for run in runs.values():  # warm-up (first-call allocations), and the outputs agree
         run()
     reference = runs["GroupQueryAttention"].output()
@@ -95,6 +106,8 @@ def bench_case(length: int, threads: int, variants: list[str], rounds: int, repe
                 cpu[name].append(used)
         per_round.append({name: statistics.median(t) for name, t in times.items()})
         cpu_round.append({name: statistics.median(t) for name, t in cpu.items()})
+    skipped = {v: ortsparse.metrics().get(f"PopcountGroupQueryAttention/{nodes[v]}", {}).get("prefill.skipped_ratio", 0.0)
+               for v in variants}
     ort_name = "GroupQueryAttention"
     row = {"length": length, "threads": threads, "rounds": rounds, "repeats": repeats,
            "ort_ms": 1e3 * statistics.median(r[ort_name] for r in per_round),
@@ -106,11 +119,12 @@ def bench_case(length: int, threads: int, variants: list[str], rounds: int, repe
                               "ratio_median": statistics.median(ratios), "ratios": ratios,
                               "cpu_ms": 1e3 * statistics.median(r[v] for r in cpu_round),
                               "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_median": statistics.median(cpu_ratios),
-                              "max_error_of_scale": errors[v]}
+                              "max_error_of_scale": errors[v], "tiles_skipped": skipped[v]}
         log(f"prompt {length:5d}, {threads} thread(s): GroupQueryAttention {row['ort_ms']:8.1f} ms, {v} "
             f"{row['variants'][v]['ms']:8.1f} ms, speed ratio min {min(ratios):.2f} median "
             f"{row['variants'][v]['ratio_median']:.2f}; CPU time ratio min {min(cpu_ratios):.2f} median "
-            f"{row['variants'][v]['cpu_ratio_median']:.2f} (error {errors[v]:.1e} of scale)", flush=True)
+            f"{row['variants'][v]['cpu_ratio_median']:.2f} (error {errors[v]:.1e} of scale, tiles skipped "
+            f"{skipped[v]:.1%})", flush=True)
     return row
 
 
@@ -125,12 +139,14 @@ def markdown(payload: dict) -> str:
     if payload.get("note"):
         lines += [payload["note"], ""]
     lines += ["| variant | threads | prompt | GroupQueryAttention ms | ours ms | ratio min | ratio median | "
-              "CPU ratio min | CPU ratio median | max error |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "CPU ratio min | CPU ratio median | max error | tiles skipped |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         for v, r in row["variants"].items():
             lines.append(f"| {v} | {row['threads']} | {row['length']} | {row['ort_ms']:.1f} | {r['ms']:.1f} | "
                          f"{r['ratio_min']:.2f} | {r['ratio_median']:.2f} | {r['cpu_ratio_min']:.2f} | "
-                         f"{r['cpu_ratio_median']:.2f} | {r['max_error_of_scale']:.1e} |")
+                         f"{r['cpu_ratio_median']:.2f} | {r['max_error_of_scale']:.1e} | "
+                         f"{r.get('tiles_skipped', 0.0):.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--variants", nargs="+", default=["select=none"],
                         help="PopcountGroupQueryAttention attribute sets (default: select=none, the exact op)")
+    parser.add_argument("--selective", action="store_true",
+                        help="also time the selective prefill variants: " + " ".join(SELECTIVE))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="calls per session per round")
     parser.add_argument("--note", default="", help="a line for the report (e.g. 'machine shared with builds')")
@@ -154,6 +172,8 @@ def main(argv=None) -> int:
         print(f"bench_prefill: --lengths, --threads, --rounds and --repeats must be >= 1, got {bad[0]}",
               file=sys.stderr)
         return 2
+    if args.selective:
+        args.variants = list(args.variants) + [v for v in SELECTIVE if v not in args.variants]
     for v in args.variants:
         attributes(v)
     check_report(args.output)

@@ -41,6 +41,7 @@ GQA_FORM = "com.microsoft.GroupQueryAttention"
 ATTN_CHOICES = ("popcount", "energy", "pages", "none", "off")
 MODES = ("sign", "binary", "ternary")
 SELECTS = ("popcount", "energy", "pages", "none")
+PREFILL_SELECTS = ("exact", "certified", "budget")
 # The ops' defaults (graph_rewrite/op_schema.json, which the C++ readers read too).
 _OP, _GQA = op_schema.defaults(OP_TYPE), op_schema.defaults(GQA_OP_TYPE)
 
@@ -51,7 +52,8 @@ class AttentionSettings(TechniqueSettings):
     a rewritten file written with every attribute means what the op's defaults mean today."""
 
     label: ClassVar[str] = "attention"
-    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates", "event_topk", "event_gap_tol")
+    float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates", "event_topk", "event_gap_tol",
+                                               "prefill_eps")
 
     mode: str = _OP["mode"]
     select: str = _OP["select"]
@@ -74,6 +76,10 @@ class AttentionSettings(TechniqueSettings):
     event_age_max: int = _OP["event_age_max"]  # a head re-ranks after at most this many reuses in a row
     event_gap_every: int = _OP["event_gap_every"]  # every N steps the uncertified reuses are checked (0: never)
     event_gap_tol: float = _OP["event_gap_tol"]  # a checked gap above this disables reuse for the session
+    # Selective prefill (docs/ops.md, "Selective prefill"): prompts skip key tiles by per-tile bounds.
+    prefill_select: str = _OP["prefill_select"]  # exact | certified | budget
+    prefill_eps: float = _OP["prefill_eps"]  # certified: softmax mass a prompt row may drop
+    prefill_budget: int = _OP["prefill_budget"]  # budget: keys (in 64-key tiles) kept besides sink and recent
 
     def __post_init__(self) -> None:
         problems = []
@@ -109,6 +115,13 @@ class AttentionSettings(TechniqueSettings):
         if not (isinstance(self.event_gap_tol, (int, float)) and math.isfinite(self.event_gap_tol)
                 and self.event_gap_tol >= 0.0):
             problems.append(f"event_gap_tol={self.event_gap_tol!r} must be a finite number >= 0")
+        if self.prefill_select not in PREFILL_SELECTS:
+            problems.append(f"prefill_select={self.prefill_select!r} must be one of {', '.join(PREFILL_SELECTS)}")
+        if not (isinstance(self.prefill_eps, (int, float)) and 0.0 <= self.prefill_eps < 1.0):
+            problems.append(f"prefill_eps={self.prefill_eps!r} must be in [0, 1)")
+        if not (isinstance(self.prefill_budget, int) and not isinstance(self.prefill_budget, bool)
+                and self.prefill_budget >= 0):
+            problems.append(f"prefill_budget={self.prefill_budget!r} must be an integer >= 0")
         for name in ("pack_cache", "center", "verify_keys", "event"):
             value = getattr(self, name)
             if value not in (0, 1) or isinstance(value, (bool, float)):
@@ -127,7 +140,7 @@ class AttentionSettings(TechniqueSettings):
 
     def attributes(self) -> dict[str, Any]:
         # Every attribute is written, defaults included, so a file keeps its meaning if op defaults move
-        # (event-driven reuse's only when it is on: off is the op's meaning without them).
+        # (event-driven reuse's and selective prefill's only when on: off is the op's meaning without them).
         attrs = {"mode": self.mode, "select": self.select, "topk": int(self.topk), "min_keys": int(self.min_keys),
                  "eps": float(self.eps), "density_max": float(self.density_max),
                  "candidates": float(self.candidates), "keep_first": int(self.keep_first),
@@ -136,6 +149,9 @@ class AttentionSettings(TechniqueSettings):
         if self.event:
             attrs.update(event=1, event_topk=float(self.event_topk), event_age_max=int(self.event_age_max),
                          event_gap_every=int(self.event_gap_every), event_gap_tol=float(self.event_gap_tol))
+        if self.prefill_select != "exact":
+            attrs.update(prefill_select=self.prefill_select, prefill_eps=float(self.prefill_eps),
+                         prefill_budget=int(self.prefill_budget))
         return attrs
 
     def gqa_attributes(self) -> dict[str, Any]:
@@ -145,7 +161,8 @@ class AttentionSettings(TechniqueSettings):
     def for_form(self, form: str) -> AttentionSettings:
         """The settings a core of ``form`` gets (:data:`FORMS`: ``--attn=popcount`` with every other
         flag at its default is, on GroupQueryAttention cores, :data:`GQA_RECOMMENDED`); else as given.
-        The ``--attn-event*`` settings are kept either way (they choose reuse, not the selection)."""
+        The ``--attn-event*`` and ``--attn-prefill*`` settings are kept either way (they choose reuse
+        and the prompt path, not the decode selection)."""
         return ATTENTION.build(form, self)[1]
 
     def short(self) -> str:
@@ -164,6 +181,8 @@ def check_composition(settings: AttentionSettings | None, event_on_attention: bo
 
 _D = AttentionSettings()
 EVENT_FIELDS = ("event", "event_topk", "event_age_max", "event_gap_every", "event_gap_tol")
+PREFILL_FIELDS = ("prefill_select", "prefill_eps", "prefill_budget")
+KEPT_FIELDS = EVENT_FIELDS + PREFILL_FIELDS  # as given on every form: not part of what --attn=popcount means
 _PLAIN_POPCOUNT = AttentionSettings(select="popcount")
 # The recommended selective setting of the GroupQueryAttention form (measured on SmolLM2: docs/ops.md): the
 # op's own defaults.
@@ -231,6 +250,17 @@ ATTENTION_FLAGS = FlagGroup(
         Flag("--attn-event-gap-tol", field="event_gap_tol", type=flag_types.non_negative_float,
              default=_D.event_gap_tol, metavar="REL",
              help=f"a checked relative L2 gap above REL disables reuse for the session (default {_D.event_gap_tol:g})"),
+        Flag("--attn-prefill", field="prefill_select", choices=PREFILL_SELECTS, default=_D.prefill_select,
+             help="prompts (calls of >= 16 query rows, tiled): exact (default), certified (skip 64-key tiles while "
+                  "each row drops <= --attn-prefill-eps of its softmax mass, provably) or budget (the best "
+                  "--attn-prefill-budget keys' tiles by bound); first and recent keys always kept; decode unchanged"),
+        Flag("--attn-prefill-eps", field="prefill_eps", type=flag_types.non_negative_float, default=_D.prefill_eps,
+             metavar="EPS", help=f"--attn-prefill=certified: softmax mass a prompt row may drop (default "
+                                 f"{_D.prefill_eps:g})"),
+        Flag("--attn-prefill-budget", field="prefill_budget", type=flag_types.non_negative_int,
+             default=_D.prefill_budget, metavar="N",
+             help=f"--attn-prefill=budget: keys per query block besides the first and recent ones, in 64-key tiles "
+                  f"(default {_D.prefill_budget})"),
     ),
 )
 
@@ -307,8 +337,8 @@ class AttentionTechnique:
     def build(self, form: str, settings: AttentionSettings) -> tuple[str, AttentionSettings, str]:
         """(op type, settings, what they mean: "" when as given) for a core of ``form``."""
         spec = self.form(form)
-        event = {f: getattr(settings, f) for f in EVENT_FIELDS}  # reuse, not selection: kept as given
-        if spec.plain_popcount is not None and dataclasses.replace(settings, **{f: getattr(_D, f) for f in EVENT_FIELDS}) == _PLAIN_POPCOUNT:
+        event = {f: getattr(settings, f) for f in KEPT_FIELDS}  # reuse and the prompt path: kept as given
+        if spec.plain_popcount is not None and dataclasses.replace(settings, **{f: getattr(_D, f) for f in KEPT_FIELDS}) == _PLAIN_POPCOUNT:
             chosen = dataclasses.replace(spec.plain_popcount, **event)
             return (spec.op_type, chosen,
                     f"{self.switch.name}=popcount on {form} cores means {spec.plain_popcount.short()}: {spec.why}")

@@ -10,6 +10,7 @@
 
 #include "attention/exact_attention.h"
 #include "attention/head_reuse.h"
+#include "attention/key_bounds.h"
 #include "attention/tiled_prefill.h"
 #include "common/error.h"
 #include "kernels/top_k.h"
@@ -181,25 +182,6 @@ void selector_scores(const CallPlan& p, const float* q, size_t hk, const KeyRang
   for (size_t j = 0; j < n; ++j) sel[j] = static_cast<float>(cnt[j]) * gq * gk[j] * p.score.scale;
 }
 
-// Rounding slack of a page bound: both the bound (a dot of length 2D) and an exact q·k (length D)
-// are float sums whose error is at most (length)·2^-24·sum|terms|, and every term is at most
-// |q_d|·max|k| of the page; (4D + 16)·2^-24·|q|_1·max|k| covers both with room.
-float bound_slack(size_t d, float q_abs_sum) {
-  return static_cast<float>((4.0 * static_cast<double>(d) + 16.0) * 0x1.0p-24) * q_abs_sum;
-}
-
-// q split by sign into [max(q, 0) (D), min(q, 0) (D)], the query side of a page bound (a dot with a
-// page's [max K (D), min K (D)]); returns |q|_1 (non-finite: q holds a non-finite value).
-float split_query(const float* q, size_t d, float* qsplit) {
-  float q_abs = 0.0f;
-  for (size_t i = 0; i < d; ++i) {
-    qsplit[i] = std::max(q[i], 0.0f);
-    qsplit[d + i] = std::min(q[i], 0.0f);
-    q_abs += std::fabs(q[i]);
-  }
-  return q_abs;
-}
-
 // Scores the gathered key rows exactly (one list: the kernel prefetches along it, across scattered
 // pages) and keeps the topk best (ties: lower position in rows) in heap_scores / heap_rows
 // [0, kept); kth: the worst kept score. False when a score is NaN.
@@ -256,14 +238,6 @@ void finish_kept_row(const CallPlan& p, const float* q, const float* khead, size
   protect(mid_hi, r.hi);
   s.keys_exact += scored + (count - kept);
   softmax_pv(ks, hs, vhead, ldv, dd.dv, 0, hr, count, y, sink);
-}
-
-// A page's raw bound (its dot with the split query) in score space: rounding slack, scale, soft-cap
-// (all monotone, so the order of bounds is the order of the keys' best possible scores).
-float score_space_bound(float raw, float absmax, float slack, const ScoreParams& sp) {
-  float b = (raw + slack * absmax) * sp.scale;
-  if (sp.softcap > 0.0f) b = sp.softcap * std::tanh(b / sp.softcap);
-  return b;
 }
 
 // Bounds of every page holding keys [mid_lo, mid_hi) of query q into s.bounds (page pg0 first), the
@@ -842,6 +816,10 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
     fail("attribute topk=0 (approximate scores, no refine) needs select='popcount'; select='",
          selector_name(config.select), "' has no approximate score");
   if (config.prefill_rows < 0) fail("attribute prefill_rows=", config.prefill_rows, " must be >= 0 (0: never tiled)");
+  if (!(config.prefill_eps >= 0.0f && config.prefill_eps < 1.0f))
+    fail("attribute prefill_eps=", config.prefill_eps, " must be in [0, 1) (the softmax mass a row may drop)");
+  if (config.prefill_budget < 0)
+    fail("attribute prefill_budget=", config.prefill_budget, " must be >= 0 (keys besides the first and recent ones)");
   if (config.page_size < 1 || config.page_size > 4096)
     fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
   if (!popcnt_path_supported(kernels.popcnt_path))
@@ -915,13 +893,22 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   const size_t exact_below = std::numeric_limits<size_t>::max();
   bool tiled = false;
   if (prompt) {
-    const TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
-                             config_.smooth_softmax};
-    uint64_t keys_attended = 0;
+    TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
+                       config_.smooth_softmax};
+    params.select = config_.prefill_select;
+    params.eps = config_.prefill_eps;
+    params.budget_tiles = static_cast<size_t>((config_.prefill_budget + kernels::kFlashKeys - 1) / kernels::kFlashKeys);
+    params.sink_keys = static_cast<size_t>(std::max<int64_t>(config_.keep_first, 1));
+    params.recent_keys = std::max(static_cast<size_t>(config_.keep_recent), kernels::kFlashKeys);
+    params.min_keys = static_cast<size_t>(config_.min_keys);
+    TiledStats tiled_stats;
     // Non-finite inputs or outputs: the row path below, which defines what they give.
-    tiled = tiled_exact_attention(call, *kernels_, params, exact_below, runner, &keys_attended);
+    tiled = tiled_attention(call, *kernels_, params, exact_below, runner, &tiled_stats);
     if (tiled) {
-      stats.keys_total = stats.keys_exact = keys_attended;
+      stats.keys_total = tiled_stats.keys_total;
+      stats.keys_exact = tiled_stats.keys_total - tiled_stats.keys_skipped;
+      stats.prefill_tiles = tiled_stats.tiles;
+      stats.prefill_tiles_skipped = tiled_stats.tiles_skipped;
       if (plan.keys == nullptr) return stats;
     }
   }

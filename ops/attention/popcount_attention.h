@@ -17,6 +17,7 @@
 #include "attention/attention_call.h"
 #include "attention/head_reuse.h"
 #include "attention/key_cache.h"
+#include "attention/tiled_prefill.h"
 #include "common/task_runner.h"
 #include "kernels/kernel_set.h"
 
@@ -55,6 +56,14 @@ struct PopcountAttentionConfig {
   // keys); below, a call has at most one query block per KV head: too few tasks for the pool,
   // and decode steps keep the row path's split of the keys over threads.
   int64_t prefill_rows = 16;
+  // Selective prefill in those tiled calls (tiled_prefill.h, docs/ops.md "Selective prefill"): exact
+  // (every tile), certified (skip tiles while the dropped softmax mass stays <= prefill_eps per
+  // row) or budget (the ceil(prefill_budget / 64) best-bound tiles per query block); the first
+  // max(keep_first, 1) and each row's last max(keep_recent, 64) keys are always computed, and
+  // blocks whose rows have fewer than min_keys keys are exact. Decode steps are unchanged.
+  PrefillSelect prefill_select = PrefillSelect::kExact;
+  float prefill_eps = 1e-3f;
+  int64_t prefill_budget = 1024;
   // Event-driven attention by heads (head_reuse.h): decode steps of select=pages with a budget
   // (candidates > 0), no mask, and a KeyProvenance reuse a head's page choice while its query
   // moves little.
@@ -73,6 +82,8 @@ struct AttentionStats {
   uint64_t rows_paged = 0;      // pages: query rows that ran the page selector
   uint64_t rows_certified = 0;  // ... and stopped because no unvisited key could enter the top-k
   HeadReuseStats event;         // event-driven attention's decisions (query heads of decode steps)
+  uint64_t prefill_tiles = 0;          // tiled prompt path: (query block, key tile) pairs in range
+  uint64_t prefill_tiles_skipped = 0;  // ... of them skipped by selective prefill
 };
 
 class PopcountAttention {

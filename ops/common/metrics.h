@@ -24,7 +24,7 @@ using MetricsDescriber = std::vector<std::pair<std::string, double>> (*)(const u
 
 class MetricsSlot {
  public:
-  static constexpr size_t kMaxCounts = 16;
+  static constexpr size_t kMaxCounts = 20;
   static constexpr size_t kMaxConstants = 8;
   using Counts = std::array<uint64_t, kMaxCounts>;
   using Constants = std::array<double, kMaxConstants>;

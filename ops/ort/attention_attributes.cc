@@ -27,6 +27,10 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
   c.proj_bits = attrs.get_int("proj_bits", defaults.proj_bits);
   c.page_size = attrs.get_int("page_size", defaults.page_size);
   c.prefill_rows = attrs.get_int("prefill_rows", defaults.prefill_rows);
+  c.prefill_select = attention::parse_prefill_select(
+      attrs.get_string("prefill_select", attention::prefill_select_name(defaults.prefill_select)));
+  c.prefill_eps = attrs.get_float("prefill_eps", defaults.prefill_eps);
+  c.prefill_budget = attrs.get_int("prefill_budget", defaults.prefill_budget);
   c.event.enabled = read_flag(attrs, "event", defaults.event.enabled);
   c.event.topk = attrs.get_float("event_topk", defaults.event.topk);
   c.event.age_max = attrs.get_int("event_age_max", defaults.event.age_max);
@@ -47,6 +51,8 @@ std::vector<std::pair<std::string, double>> describe_attention(const uint64_t* c
       {"select", constants[kSelect]},
       {"pages.visited_ratio", c[kPagesTotal] ? static_cast<double>(c[kPagesVisited]) / c[kPagesTotal] : 0.0},
       {"pages.certified_ratio", c[kRowsPaged] ? static_cast<double>(c[kRowsCertified]) / c[kRowsPaged] : 0.0},
+      {"prefill.tiles", static_cast<double>(c[kPrefillTiles])},
+      {"prefill.skipped_ratio", c[kPrefillTiles] ? static_cast<double>(c[kPrefillTilesSkipped]) / c[kPrefillTiles] : 0.0},
       {"event.heads_ranked", static_cast<double>(c[kEventRanked])},
       {"event.reused_certified", static_cast<double>(c[kEventCertified])},
       {"event.reused_budget", static_cast<double>(c[kEventBudget])},
@@ -76,6 +82,8 @@ void count_attention(MetricsSlot& slot, const attention::AttentionStats& stats) 
   slot.add(kEventBudget, stats.event.reused_budget);
   slot.add(kEventGapChecks, stats.event.gap_checks);
   slot.add(kEventDisables, stats.event.disables);
+  slot.add(kPrefillTiles, stats.prefill_tiles);
+  slot.add(kPrefillTilesSkipped, stats.prefill_tiles_skipped);
 }
 
 }  // namespace ortsparse::ort

@@ -32,6 +32,9 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
   c.proj_bits = Schema::proj_bits;
   c.page_size = Schema::page_size;
   c.prefill_rows = Schema::prefill_rows;
+  c.prefill_select = attention::parse_prefill_select(Schema::prefill_select);
+  c.prefill_eps = Schema::prefill_eps;
+  c.prefill_budget = Schema::prefill_budget;
   c.event.enabled = Schema::event != 0;
   c.event.topk = Schema::event_topk;
   c.event.age_max = Schema::event_age_max;
@@ -44,7 +47,7 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
 bool read_flag(const Attributes& attrs, const char* name, bool fallback);
 
 // Reads select, topk, min_keys, mode, eps, density_max, candidates, pack_cache, keep_first,
-// keep_recent, center, proj_bits, page_size, prefill_rows and event-driven attention's event,
+// keep_recent, center, proj_bits, page_size, prefill_rows, prefill_select, prefill_eps, prefill_budget and event-driven attention's event,
 // event_topk, event_age_max, event_gap_every, event_gap_tol, with `defaults` for absent ones; throws naming the
 // attribute when a value is out of range (the engine checks the rest).
 attention::PopcountAttentionConfig read_selection_attributes(const Attributes& attrs,
@@ -53,7 +56,7 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
 // Metric counters and constants of the family (one slot layout for both forms).
 enum AttentionCounter { kCalls, kPackedCalls, kBitsSet, kBitsTotal, kKeysTotal, kKeysExact, kKeysPacked, kPagesTotal,
                         kPagesVisited, kRowsPaged, kRowsCertified, kEventRanked, kEventCertified, kEventBudget,
-                        kEventGapChecks, kEventDisables };
+                        kEventGapChecks, kEventDisables, kPrefillTiles, kPrefillTilesSkipped };
 enum AttentionConstant { kEnabled, kMode, kPopcnt, kSelect };
 
 std::vector<std::pair<std::string, double>> describe_attention(const uint64_t* counts, const double* constants);

@@ -87,6 +87,9 @@ struct PopcountAttention {
   static constexpr int64_t proj_bits = 0;  // settings
   static constexpr int64_t page_size = 16;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
+  static constexpr const char* prefill_select = "exact";  // settings
+  static constexpr float prefill_eps = 0x1.0624de0000000p-10f /* 0.001 */;  // settings
+  static constexpr int64_t prefill_budget = 1024;  // settings
   static constexpr int64_t event = 0;  // settings
   static constexpr float event_topk = 0x1.0000000000000p+0f /* 1.0 */;  // settings
   static constexpr int64_t event_age_max = 8;  // settings
@@ -113,6 +116,9 @@ struct PopcountGroupQueryAttention {
   static constexpr int64_t proj_bits = 0;  // settings
   static constexpr int64_t page_size = 16;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
+  static constexpr const char* prefill_select = "exact";  // settings
+  static constexpr float prefill_eps = 0x1.0624de0000000p-10f /* 0.001 */;  // settings
+  static constexpr int64_t prefill_budget = 1024;  // settings
   static constexpr int64_t verify_keys = 0;  // settings
   static constexpr int64_t event = 0;  // settings
   static constexpr float event_topk = 0x1.0000000000000p+0f /* 1.0 */;  // settings

@@ -263,6 +263,8 @@ def test_tiny_export_attention(name, manifest):
     ({"mode": "quaternary"}, "mode="), ({"topk": -1}, "topk="), ({"density_max": 1.5}, "density_max="),
     ({"select": "energy", "topk": 0}, "needs topk > 0"), ({"candidates": 0.5}, "candidates="),
     ({"keep_first": -1}, "keep_first="), ({"pack_cache": 2}, "pack_cache="),
+    ({"prefill_select": "fast"}, "prefill_select='fast' must be one of exact, certified, budget"),
+    ({"prefill_eps": 1.0}, "prefill_eps=1.0 must be in"), ({"prefill_budget": -1}, "prefill_budget=-1"),
 ])
 def test_invalid_settings(changes, message):
     with pytest.raises(ConfigError, match=message):

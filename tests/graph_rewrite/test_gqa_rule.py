@@ -185,6 +185,11 @@ def _config(argv):
     (["--attn=popcount", "--event-driven=on", "--event-target=mlp"], GQA_RECOMMENDED),
     (["--attn=popcount", "--attn-topk=64", "--event-driven=on", "--event-target=attn"],
      AttentionSettings(select="popcount", topk=64)),  # no page selector: nothing to reuse
+    # selective prefill, like the event flags, keeps the recommended selection for decode
+    (["--attn=popcount", "--attn-prefill=budget", "--attn-prefill-budget=512"],
+     dataclasses.replace(GQA_RECOMMENDED, prefill_select="budget", prefill_budget=512)),
+    (["--attn=none", "--attn-prefill=certified", "--attn-prefill-eps=0.01"],
+     AttentionSettings(select="none", prefill_select="certified", prefill_eps=0.01)),
 ])
 def test_flags_give_the_node_its_settings(argv, expected):
     out, report = rewrite_model(genai_layer(), _config(argv))
@@ -195,6 +200,7 @@ def test_flags_give_the_node_its_settings(argv, expected):
         got = a[name].decode() if isinstance(a[name], bytes) else a[name]
         assert got == pytest.approx(value), name
     assert ("event" in a) == bool(expected.event)  # written only when on
+    assert ("prefill_select" in a) == (expected.prefill_select != "exact")  # written only when not exact
 
 
 @pytest.mark.parametrize("argv, meaning", [

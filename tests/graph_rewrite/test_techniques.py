@@ -209,6 +209,7 @@ HISTORICAL_FLAGS = """
 --attn --attn-candidates --attn-center --attn-density-max --attn-eps --attn-keep-first --attn-keep-recent
 --attn-min-keys --attn-mode --attn-pack-cache --attn-page-size --attn-proj-bits --attn-topk --attn-verify-keys
 --attn-event --attn-event-topk --attn-event-age-max --attn-event-gap-every --attn-event-gap-tol
+--attn-prefill --attn-prefill-eps --attn-prefill-budget
 --event-age-max --event-axis
 --event-block --event-budget-ms --event-delta-theta --event-driven --event-gap-every --event-gap-tol
 --event-max-gated-rows --event-quorum --event-stale-beta --event-stale-lambda --event-target --event-topk --kwta

@@ -41,6 +41,9 @@ def test_kv_decoder_grows_the_cache_and_matches_the_full_export(graph):
         np.testing.assert_allclose(got, reference[position], atol=1e-4)
     decoder.reset()
     assert decoder.position == 0 and all(value.shape()[2] == 0 for value in decoder.past)
+    every = decoder.advance(TOKENS[:12], every=True)  # a teacher-forced chunk: the logits of each position
+    assert every.shape == (12, reference.shape[-1])
+    np.testing.assert_allclose(every, reference[:12], atol=1e-4)
 
 
 def test_the_genai_head_size_is_read_from_the_graph_when_no_config_is_beside_it():

@@ -186,8 +186,9 @@ class KVDecoder:
         self._empty = self.layout.empty()
         self.past = [ort.OrtValue.ortvalue_from_numpy(a)._ortvalue for a in self._empty]
 
-    def advance(self, ids: Any) -> np.ndarray:
-        """Feed ``ids`` (1-D) at the next positions; returns the logits after the last one ([vocab])."""
+    def advance(self, ids: Any, every: bool = False) -> np.ndarray:
+        """Feed ``ids`` (1-D) at the next positions; returns the logits after the last one ([vocab]),
+        or with ``every`` those after each of them ([len(ids), vocab]: a teacher-forced chunk)."""
         ids = np.asarray(ids).reshape(1, -1).astype(self._ids_type)
         count = ids.shape[1]
         # A fresh binding per step: outputs bound to the CPU device get ORT-allocated values of this
@@ -212,4 +213,5 @@ class KVDecoder:
         self.past = [outputs[i] for i in range(1, len(outputs))]
         self.position += count
         logits = outputs[0].numpy()
-        return np.array(logits.reshape(-1, logits.shape[-1])[-1], dtype=np.float32)
+        rows = logits.reshape(-1, logits.shape[-1])
+        return np.array(rows if every else rows[-1], dtype=np.float32)
