@@ -227,7 +227,8 @@ def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, tex
     assert timed and all(timed)  # every allocation valued the measured time
     report = json.loads((tmp_path / "tuned.tune.json").read_text())
     assert len(report["layer_speed"]) == 4 and all(c["break_even"] == 0.0 for c in report["layer_speed"])
-    assert "## What gating saves here" in (tmp_path / "tuned.tune.md").read_text()
+    markdown = (tmp_path / "tuned.tune.md").read_text()
+    assert "## What gating saves here" in markdown and "| 100.0 | 95.0 / 80.0 / 60.0 / 40.0 | 0% |" in markdown
 
 
 def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer_speed, steady_tune_speed):

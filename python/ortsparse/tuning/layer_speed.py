@@ -45,7 +45,6 @@ from ..runtime import open_session, thread_options
 
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
 SIGNIFICANCE = 0.05  # one-sided sign test: ours faster than the input in this many pairs by chance
-OURS_OP = "KwtaBlockMatMul"
 UNITS_PER_CLASS = 8
 SECONDS_PER_CLASS = 3.0  # rotation time per class (~40-60 rounds for SmolLM2's classes here)
 

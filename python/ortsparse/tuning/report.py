@@ -112,12 +112,13 @@ def _layer_speed_lines(report: dict[str, Any]) -> list[str]:
         return [f"Layer speed {speeds or 'not measured'}."]
     lines = ["Per speed class (the units sharing ops and shapes), microseconds per unit and decode row, caches "
              "flushed, this machine at the run's threads; a unit is gated only where gating saves time:", "",
-             "| class | units | input | ours keep 1 / 0.75 / 0.5 / 0.25 | gating pays from |", "|---|---|---|---|---|"]
+             "| class | units | input | ours, keep 1 / 0.75 / 0.5 / 0.25 | gating pays from |", "|---|---|---|---|---|"]
     for speed in speeds:
         if speed["input_us"] is None:
             lines.append(f"| {speed['signature']} | {speed['units']} | — | {speed['note']} | byte model |")
             continue
-        ours = " / ".join(f"{v:.1f}" for v in speed["ours_us"].values())
+        ours = " / ".join(f"{speed['ours_us'][keep]:.1f}" if keep in speed["ours_us"] else "—"
+                          for keep in ("1", "0.75", "0.5", "0.25"))
         even = speed["break_even"]
         lines.append(f"| {speed['signature']} | {speed['units']} | {speed['input_us']:.1f} | {ours} | "
                      + ("never" if even is None else f"{100 * even:.0f}%") + " |")
