@@ -305,4 +305,3 @@ def verify_models(
             worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel, top1)
     return VerifyResult(outputs=[worst[n] for n in output_names], budget=budget, budget_reason=budget_reason,
                         runs=runs, input_shapes=input_shapes)
-
