@@ -273,7 +273,7 @@ def measure_model(model: onnx.ModelProto, target: str = "both", *, threads: int 
     return Measured(records, {unit.input_name: unit.saving for unit in units})
 
 
-def nothing_pays(records: Sequence[ClassSpeed], threads: int) -> str:
+def nothing_pays_note(records: Sequence[ClassSpeed], threads: int) -> str:
     """Why nothing is gated when every class was measured and none paid (the advice tune prints)."""
     return (f"gating pays for no layer on this machine at {threads} thread(s): in each of the {len(records)} speed "
             "classes our op was not shown faster than the input's own at any measured keep (see the layer speed "

@@ -216,7 +216,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     graph = onnx.load(str(decoder))
     measured = layer_speed.measure_model(graph, threads=threads, log=log) if speed_aware else None
     if measured is not None and measured.nothing_pays:  # before minutes of calibration are spent
-        note = layer_speed.nothing_pays(measured.records, threads)
+        note = layer_speed.nothing_pays_note(measured.records, threads)
         line = f"tune: {note}: nothing written"
         log(line)
         return {"command": command, "model": str(source), "output": str(out), "written": False, "advice": note,
