@@ -1,7 +1,8 @@
 """Where a decode step's time goes: ORT's profiler per op type, dense vs KWTA-rewritten KV export.
 
-usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5] [--warmup 2]
+usage: python bench/profile_decode.py [--k 0.75] [--target both] [--context 128] [--runs 5] [--warmup 2] [--threads 1]
        python bench/profile_decode.py --model GENAI_FOLDER_OR_ONNX --config layers.json [...]
+       python bench/profile_decode.py --model GENAI_FOLDER --against REWRITTEN_FOLDER [...]  (e.g. a tune's output)
 Each model prefills `--context` corpus tokens, then runs `--warmup` + `--runs` real decode steps
 (the corpus continuation, the cache growing); the last `--runs` are profiled: per op type, the sum
 over its nodes of each node's median time. The first steps of a fresh session are slower (its arena
@@ -24,14 +25,16 @@ from ortsparse.graph_rewrite.config import load_overrides
 from ortsparse.graph_rewrite.genai import model_input
 from ortsparse.harness.corpus import load_corpus_tokens
 from ortsparse.harness.models import model_path
-from ortsparse.runtime import KVDecoder, kv_layout, open_session
+from ortsparse.runtime import KVDecoder, kv_layout, open_session, thread_options
 
 
-def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2) -> collections.Counter:
-    plain = open_session(model, {"intra_op_num_threads": 1})  # the prefill is not what this profiles
+def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2, threads: int = 1,
+            spinning: bool = False) -> collections.Counter:
+    options = {**thread_options(threads), **({"allow_spinning": True} if spinning and threads > 1 else {})}
+    plain = open_session(model, options)  # the prefill is not what this profiles
     prefill = KVDecoder(plain, kv_layout(plain, model))
     prefill.advance(tokens[:context])
-    session = open_session(model, {"intra_op_num_threads": 1, "enable_profiling": True, "profile_file_prefix": prefix})
+    session = open_session(model, {**options, "enable_profiling": True, "profile_file_prefix": prefix})
     decoder = KVDecoder(session, prefill.layout)
     decoder.past, decoder.position = prefill.past, prefill.position  # the cache is a plain CPU value
     for step in range(warmup + runs):
@@ -48,6 +51,9 @@ def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2
     # A node's median over the profiled steps: one slow step (a page fault, the machine's other load)
     # moves a mean of 16 by more than the differences this compares.
     per_op: collections.Counter = collections.Counter()
+    # The step as a whole (model_run): what the nodes' sum leaves out is the executor's own time.
+    per_op["(whole step)"] = statistics.median(e["dur"] for e in events if e.get("cat") == "Session"
+                                               and e["name"] == "model_run" and e["ts"] >= profiled_from)
     for (op, _), durations in per_node.items():
         per_op[op] += statistics.median(durations)
     return per_op
@@ -62,26 +68,37 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="decode steps run before the profiled ones")
     parser.add_argument("--model", help="a KV-cache decoder or onnxruntime-genai folder (default: our SmolLM2 export)")
     parser.add_argument("--config", help="an override file (calibrate / tune) instead of --k / --target")
+    parser.add_argument("--against", help="a rewritten model (e.g. tune's output folder) to profile against --model "
+                                          "as it is, instead of rewriting --model here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of both sessions; above one with spinning off, as the benchmarks run")
+    parser.add_argument("--spinning", action="store_true", help="above one thread, ORT's default spinning pool")
     args = parser.parse_args(argv)
     dense = onnx.load(str(model_input(args.model) if args.model else model_path("smollm2", "kv.torchscript")))
-    if args.config:
+    if args.against:
+        gated = onnx.load(str(model_input(args.against)))
+    elif args.config:
         config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
                                overrides=load_overrides(args.config))
     else:
         config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=args.k), enabled=True,
                                                                    target=args.target)})
-    gated, _ = rewrite_model(dense, config)
+    if not args.against:
+        gated, _ = rewrite_model(dense, config)
     tokens = load_corpus_tokens()
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense", args.warmup),
-                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup)}
+        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense", args.warmup, args.threads,
+                                     args.spinning),
+                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup, args.threads,
+                                     args.spinning)}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
-    what = args.config or f"k {args.k} on {args.target}"
-    print(f"per decode step, context {args.context}, 1 thread, {what} (us of node time)")
+    what = args.against or args.config or f"k {args.k} on {args.target}"
+    print(f"per decode step, context {args.context}, {args.threads} thread(s){' spinning' if args.spinning else ''}, {what} (us of node time)")
     print(f"{'op':24s} {'dense':>10s} {'kwta':>10s}")
     for op in ops[:12]:
         print(f"{op:24s} {columns['dense'][op]:10.0f} {columns['kwta'][op]:10.0f}")
-    print(f"{'total':24s} {sum(columns['dense'].values()):10.0f} {sum(columns['kwta'].values()):10.0f}")
+    nodes = {name: sum(t for op, t in column.items() if op != "(whole step)") for name, column in columns.items()}
+    print(f"{'nodes total':24s} {nodes['dense']:10.0f} {nodes['kwta']:10.0f}")
     return 0
 
 

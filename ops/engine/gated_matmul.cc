@@ -23,6 +23,8 @@ class BoundProduct final : public WeightProduct {
     const BackendStats s = backend_.run(x, m, rows, bias, y, kernels_, runner_);
     stats.blocks += s.blocks;
     stats.unit_passes += s.unit_passes;
+    stats.decode_calls += s.decode_calls;
+    stats.decode_pool_calls += s.decode_pool_calls;
   }
   mutable BackendStats stats;
 

@@ -1,6 +1,7 @@
 #include "engine/quant_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -146,13 +147,13 @@ QuantBackend::QuantBackend(std::shared_ptr<const QuantWeights> weights, QuantTun
 
 BackendStats QuantBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                                const kernels::KernelSet& kernels, const TaskRunner& runner) const {
-  run_quant(x, m, gated, bias, y, *kernels.quant, runner);
-  return {};
+  return run_quant(x, m, gated, bias, y, *kernels.quant, runner);
 }
 
-void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                             const QuantKernels& kernels, const TaskRunner& runner) const {
-  if (m == 0) return;
+BackendStats QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                                     const QuantKernels& kernels, const TaskRunner& runner) const {
+  BackendStats stats;
+  if (m == 0) return stats;
   // Reused per calling thread (the tasks only see what is taken from them here).
   thread_local std::vector<size_t> dense_tokens, decode_tokens;
   dense_tokens.clear();
@@ -162,8 +163,9 @@ void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, c
     decode_tokens.insert(decode_tokens.end(), dense_tokens.begin(), dense_tokens.end());
     dense_tokens.clear();
   }
-  if (!decode_tokens.empty()) run_decode(x, decode_tokens, gated, bias, y, kernels, runner);
+  if (!decode_tokens.empty()) run_decode(x, decode_tokens, gated, bias, y, kernels, runner, stats);
   if (!dense_tokens.empty()) run_prefill(x, dense_tokens, gated, bias, y, kernels, runner);
+  return stats;
 }
 
 // Decode: per token, its K-blocks split into a few chunks; each task streams the kept rows of its
@@ -171,7 +173,7 @@ void QuantBackend::run_quant(const float* x, size_t m, const GatedRows& gated, c
 // A layer of decode_panel_tasks panels or more is split by panel instead (no partials to add).
 void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
                               const float* bias, float* y, const QuantKernels& kernels,
-                              const TaskRunner& runner) const {
+                              const TaskRunner& runner, BackendStats& stats) const {
   const QuantPacked& p = weights_->packed();
   const size_t k = p.k, n = p.n, nb = p.num_blocks, width = p.num_panels * p.panel;
   struct Task {
@@ -252,8 +254,15 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) *
                     (task.panel1 - task.panel0) * p.panel * p.bits / 8;
   const SerialTaskRunner serial;
-  const TaskRunner& dispatch = stream_bytes < tuning_.decode_parallel_min_bytes ? static_cast<const TaskRunner&>(serial)
-                                                                                : runner;
+  MeasuredDispatch::Choice choice{true, false};
+  if (tasks.size() < 2 || stream_bytes < tuning_.decode_parallel_min_bytes)
+    choice.pool = false;
+  else if (tuning_.decode_measure_dispatch)
+    choice = decode_dispatch_->next();
+  const TaskRunner& dispatch = choice.pool ? runner : static_cast<const TaskRunner&>(serial);
+  if (tasks.size() > 1) ++stats.decode_calls;
+  if (choice.pool) ++stats.decode_pool_calls;
+  const auto started = std::chrono::steady_clock::now();
   if (tuning_.int8_decode) {
     int32_t* const iacc = iacc_buffer.data();
     const int8_t* const xq = xq_buffer.data();
@@ -279,6 +288,10 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
         kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
                        partial + task.slot * width + panel * p.panel, acc + i * p.panel);
     });
+  }
+  if (choice.timed) {
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+    decode_dispatch_->record(choice, took.count() / static_cast<double>(stream_bytes));
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/aligned_buffer.h"
+#include "common/measured_dispatch.h"
 #include "engine/gated_rows.h"
 #include "engine/weight_backend.h"
 #include "kernels/quant_kernels.h"
@@ -88,10 +89,14 @@ struct QuantTuning {
   // and add (4 x N floats per token at 4 chunks). Tasks never depend on the thread count, so neither
   // do the results.
   size_t decode_panel_tasks = 4;
-  // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread: waking
-  // a pool thread (ORT's pool, spinning off) cost more than a small layer's second task saved. Only
-  // the dispatch changes — the same tasks, partial sums and reduction order — so results do not.
-  size_t decode_parallel_min_bytes = size_t{1} << 20;
+  // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread (too
+  // small for a second thread ever to pay). Above it, each node times both ways and keeps the faster
+  // (common/measured_dispatch.h: spinning on, ORT's default, every SmolLM2 layer gains from the pool;
+  // spinning off, waking a thread costs more than a 576x576 layer's second task saves), unless
+  // decode_measure_dispatch is false (tests: always the pool). Only the dispatch changes — the same
+  // tasks, partial sums and reduction order — so results do not.
+  size_t decode_parallel_min_bytes = size_t{32} << 10;
+  bool decode_measure_dispatch = true;
   // Dense tokens go through the int8 GEMM when a call has at least this many of them.
   size_t prefill_min_tokens = 4;
   // The GEMM's column chunks are split into at most this many tasks.
@@ -117,20 +122,23 @@ class QuantBackend final : public WeightBackend {
   BackendStats run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                    const kernels::KernelSet& kernels, const TaskRunner& runner) const override;
   // The same with the quant kernel table given explicitly.
-  void run_quant(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                 const QuantKernels& kernels, const TaskRunner& runner) const;
+  BackendStats run_quant(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                         const QuantKernels& kernels, const TaskRunner& runner) const;
 
   const QuantWeights& weights() const { return *weights_; }
   const QuantTuning& tuning() const { return tuning_; }
+  const MeasuredDispatch& decode_dispatch() const { return *decode_dispatch_; }
 
  private:
   void run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated, const float* bias,
-                  float* y, const QuantKernels& kernels, const TaskRunner& runner) const;
+                  float* y, const QuantKernels& kernels, const TaskRunner& runner, BackendStats& stats) const;
   void run_prefill(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated, const float* bias,
                    float* y, const QuantKernels& kernels, const TaskRunner& runner) const;
 
   std::shared_ptr<const QuantWeights> weights_;
   QuantTuning tuning_;
+  // This node's decode dispatch, timed (logically const: it changes how, never what, run computes).
+  std::unique_ptr<MeasuredDispatch> decode_dispatch_ = std::make_unique<MeasuredDispatch>();
 };
 
 

@@ -22,7 +22,10 @@ namespace {
 
 using Schema = schema::KwtaBlockMatMul;  // names and defaults: graph_rewrite/op_schema.json
 
-enum Counter { kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits, kPackCalls, kPackApplied, kPackActive, kPackBlocks };
+enum Counter {
+  kCalls, kRows, kBlocksTotal, kBlocksKept, kDutyHits, kPackCalls, kPackApplied, kPackActive, kPackBlocks,
+  kDecodeCalls, kDecodePoolCalls
+};
 enum Constant { kTemp, kKeepCount, kNumBlocks, kPackEnabled, kPackMode, kPackPopcnt };
 
 std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, const double* constants) {
@@ -35,6 +38,10 @@ std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, con
       {"blocks_total", static_cast<double>(c[kBlocksTotal])},
       {"blocks_kept", static_cast<double>(c[kBlocksKept])},
   };
+  if (c[kDecodeCalls]) {  // the quantized form: how often decode's tasks went to the pool (measured dispatch)
+    out.push_back({"decode.calls", static_cast<double>(c[kDecodeCalls])});
+    out.push_back({"decode.pool_ratio", static_cast<double>(c[kDecodePoolCalls]) / c[kDecodeCalls]});
+  }
   if (constants[kPackEnabled] != 0.0) {  // the bitmap gate (pack_mode)
     out.push_back({"pack.enabled", 1.0});
     out.push_back({"pack.mode", constants[kPackMode]});
@@ -127,6 +134,10 @@ class KwtaBlockMatMulKernel : public KernelBase<KwtaBlockMatMulKernel> {
     metrics_->add(kBlocksTotal, s.blocks_total);
     metrics_->add(kBlocksKept, s.blocks_kept);
     if (s.gated) metrics_->add(kDutyHits, 1);
+    if (run.backend.decode_calls) {
+      metrics_->add(kDecodeCalls, run.backend.decode_calls);
+      metrics_->add(kDecodePoolCalls, run.backend.decode_pool_calls);
+    }
   }
 
  private:

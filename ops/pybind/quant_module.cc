@@ -145,7 +145,7 @@ class QuantMatMul {
   QuantMatMul(py::array b, py::array scales, py::object zero_points, int64_t k, int64_t n, int64_t bits,
               int64_t block_size, size_t max_panel, const std::string& isa, size_t prefill_min_tokens,
               size_t decode_row_chunks, size_t decode_min_chunk_rows, size_t decode_parallel_min_bytes,
-              int64_t accuracy_level, size_t decode_panel_tasks)
+              int64_t accuracy_level, size_t decode_panel_tasks, const std::string& decode_dispatch)
       : kernels_(bindings::kernel_set(isa).quant) {
     if (b.dtype().kind() != 'u' || b.dtype().itemsize() != 1) throw Error("input B must be uint8");
     if (scales.dtype().kind() != 'f' || scales.dtype().itemsize() != 4) throw Error("input scales must be float32");
@@ -179,6 +179,9 @@ class QuantMatMul {
     tuning.decode_min_chunk_rows = decode_min_chunk_rows;
     tuning.decode_parallel_min_bytes = decode_parallel_min_bytes;
     tuning.decode_panel_tasks = decode_panel_tasks;
+    if (decode_dispatch != "measured" && decode_dispatch != "pool")
+      throw Error("decode_dispatch must be 'measured' or 'pool', got '" + decode_dispatch + "'");
+    tuning.decode_measure_dispatch = decode_dispatch == "measured";
     tuning.int8_decode = engine::int8_decode_for_accuracy_level(accuracy_level);
     backend_ = std::make_unique<engine::QuantBackend>(weights_, tuning);
     b_ = U8Array();  // repacked: the sources are no longer needed
@@ -283,12 +286,27 @@ py::tuple quantize(const std::string& isa, FloatArray x, size_t block, float gat
 }  // namespace
 
 void register_quant(py::module_& m) {
+  py::class_<MeasuredDispatch>(m, "MeasuredDispatch")
+      .def(py::init([](size_t trial_calls, size_t recheck_every) {
+             return std::make_unique<MeasuredDispatch>(MeasuredDispatch::Settings{trial_calls, recheck_every});
+           }),
+           py::arg("trial_calls") = MeasuredDispatch::Settings{}.trial_calls,
+           py::arg("recheck_every") = MeasuredDispatch::Settings{}.recheck_every)
+      .def("next", [](MeasuredDispatch& d) {
+        const MeasuredDispatch::Choice c = d.next();
+        return py::make_tuple(c.pool, c.timed);
+      }, "(pool, timed) for the next call")
+      .def("record", [](MeasuredDispatch& d, bool pool, bool timed, double seconds_per_unit) {
+        d.record({pool, timed}, seconds_per_unit);
+      }, py::arg("pool"), py::arg("timed"), py::arg("seconds_per_unit"))
+      .def_property_readonly("uses_pool", &MeasuredDispatch::uses_pool)
+      .def_property_readonly("trials", &MeasuredDispatch::trials);
   m.def("quant_quantize", &quantize, py::arg("isa"), py::arg("x"), py::arg("block"), py::arg("gate_scale") = 1.0f);
   m.attr("QUANT_GROUP") = engine::kQuantGroup;
   m.attr("QUANT_MAX_PANEL") = engine::kQuantMaxPanel;
   py::class_<QuantMatMul>(m, "QuantMatMul")
       .def(py::init<py::array, py::array, py::object, int64_t, int64_t, int64_t, int64_t, size_t, const std::string&,
-                    size_t, size_t, size_t, size_t, int64_t, size_t>(),
+                    size_t, size_t, size_t, size_t, int64_t, size_t, const std::string&>(),
            py::arg("b"), py::arg("scales"), py::arg("zero_points"), py::arg("k"), py::arg("n"), py::arg("bits"),
            py::arg("block_size"), py::arg("max_panel") = engine::kQuantMaxPanel, py::arg("isa") = "active",
            py::arg("prefill_min_tokens") = engine::QuantTuning{}.prefill_min_tokens,
@@ -296,10 +314,15 @@ void register_quant(py::module_& m) {
            py::arg("decode_min_chunk_rows") = engine::QuantTuning{}.decode_min_chunk_rows,
            py::arg("decode_parallel_min_bytes") = engine::QuantTuning{}.decode_parallel_min_bytes,
            py::arg("accuracy_level") = 0,
-           py::arg("decode_panel_tasks") = engine::QuantTuning{}.decode_panel_tasks)
+           py::arg("decode_panel_tasks") = engine::QuantTuning{}.decode_panel_tasks,
+           py::arg("decode_dispatch") = "measured")
       .def("__call__", &QuantMatMul::call, py::arg("x"), py::arg("rows") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none(), py::arg("out") = py::none(), py::arg("threads") = 1)
       .def("dequantized", &QuantMatMul::dequantized)
+      .def_property_readonly("decode_uses_pool",
+                             [](const QuantMatMul& q) { return q.backend().decode_dispatch().uses_pool(); })
+      .def_property_readonly("decode_dispatch_trials",
+                             [](const QuantMatMul& q) { return q.backend().decode_dispatch().trials(); })
       .def_property_readonly("bytes", &QuantMatMul::bytes)
       .def_property_readonly("panel", &QuantMatMul::panel)
       .def_property_readonly("num_panels", &QuantMatMul::num_panels);

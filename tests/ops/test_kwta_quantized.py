@@ -79,17 +79,27 @@ def test_quantized_form_metrics_and_threads(rng):
 
 
 @pytest.mark.parametrize("k_frac", [1.0, 0.6])
-def test_a_layer_large_enough_for_the_pool_gives_the_one_thread_result(k_frac, rng):
-    """A decode call streaming >= 1 MiB of weights runs its row chunks on ORT's pool (smaller ones
-    on the calling thread): 1 and 2 threads give the same bits."""
-    k, n, block = 1536, 1024, 32  # int8: 1.5 MiB
+def test_measured_dispatch_gives_the_one_thread_result_and_reports_its_choice(k_frac, rng):
+    """A decode call of more than one task times the calling thread against ORT's pool for a while
+    and keeps the faster (common/measured_dispatch.h): whichever runs, the bits are the one-thread
+    session's, through the trial and after it, and the node reports how often it used the pool."""
+    k, n, block = 1536, 1024, 32  # int8: 1.5 MiB, several row chunks
     b, scales, zp = make_weights(rng, k, n, 8, block, True)
-    model = quantized_kwta_model(b, scales, zp, k, n, 8, block, k_frac=k_frac)
+    model = quantized_kwta_model(b, scales, zp, k, n, 8, block, node_name="kd", k_frac=k_frac)
     one = ortsparse.inference_session(model, intra_op_num_threads=1)
-    two = ortsparse.inference_session(model, intra_op_num_threads=2)
-    for m in (1, 3):
-        x = rng.standard_normal((m, k)).astype(np.float32)
+    two = ortsparse.inference_session(model, intra_op_num_threads=2, allow_spinning=False)
+    ortsparse.reset_metrics()
+    calls = 40  # the trial is 2 x 8 calls
+    for _ in range(calls):
+        x = rng.standard_normal((1, k)).astype(np.float32)
         np.testing.assert_array_equal(one.run(None, {"X": x})[0], two.run(None, {"X": x})[0])
+    x = rng.standard_normal((3, k)).astype(np.float32)  # decode rows of a small batch
+    np.testing.assert_array_equal(one.run(None, {"X": x})[0], two.run(None, {"X": x})[0])
+    metrics = ortsparse.metrics()["KwtaBlockMatMul/kd"]
+    assert metrics["decode.calls"] == 2 * calls + 2
+    # The trial alone sends 8 of the two-thread session's calls to the pool; a one-thread session's
+    # pool runs on the caller and counts the same way.
+    assert 8 / metrics["decode.calls"] <= metrics["decode.pool_ratio"] <= 1.0
 
 
 @pytest.mark.parametrize("change,message", [

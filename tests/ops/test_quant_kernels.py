@@ -292,13 +292,14 @@ def test_int8_decode_skips_dropped_rows_and_marks_nonfinite_blocks(isa, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("parallel_min_bytes", [0, 1 << 20])
+@pytest.mark.parametrize("parallel_min_bytes", [0, 1 << 20])  # decode tasks on two threads / on the caller
 @pytest.mark.parametrize("max_panel", [K.QUANT_MAX_PANEL, 128])  # row chunks / one task per panel (6 panels)
 def test_int8_decode_two_threads_give_the_serial_result(isa, parallel_min_bytes, max_panel, rng):
     k, n, bits, block, m = 1100, 700, 8, 32, 3
     b, scales, zp = make_weights(rng, k, n, bits, block, True)
     q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64, accuracy_level=4,
-                      prefill_min_tokens=NO_PREFILL, decode_parallel_min_bytes=parallel_min_bytes, max_panel=max_panel)
+                      prefill_min_tokens=NO_PREFILL, decode_parallel_min_bytes=parallel_min_bytes, max_panel=max_panel,
+                      decode_dispatch="pool")
     x = rng.standard_normal((m, k)).astype(np.float32)
     rows = [None, np.flatnonzero(rng.random(k) < 0.6).astype(np.int32), np.arange(0, k, 7, dtype=np.int32)]
     np.testing.assert_array_equal(q(x, rows, threads=2), q(x, rows, threads=1))
@@ -405,7 +406,7 @@ def test_two_threads_give_the_serial_result(isa, m, parallel_min_bytes, rng):
     k, n, bits, block = 1100, 700, 4, 32
     b, scales, zp = make_weights(rng, k, n, bits, block, True)
     q = K.QuantMatMul(b, scales, zp, k, n, bits, block, isa=isa, decode_min_chunk_rows=64,
-                      decode_parallel_min_bytes=parallel_min_bytes)
+                      decode_parallel_min_bytes=parallel_min_bytes, decode_dispatch="pool")
     x = rng.standard_normal((m, k)).astype(np.float32)
     rows = [None if t % 3 == 0 else np.flatnonzero(rng.random(k) < 0.6).astype(np.int32) for t in range(m)]
     for r in (None, rows):
