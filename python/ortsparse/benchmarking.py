@@ -303,6 +303,15 @@ def ratio_summary(values: Sequence[float]) -> dict[str, float]:
     return {"min": ordered[0], "median": float(statistics.median(ordered)), "max": ordered[-1], "rounds": len(ordered)}
 
 
+def threads_policy(spinning: bool) -> str:
+    """A report's sentence on how its runs above one thread were set up."""
+    if spinning:
+        return ("Above 1 thread: ORT's default spinning pool (what an app gets when it sets nothing); the models ran "
+                "one after another, 0.2 s apart, never alternated step by step (an idle spinning pool keeps a core "
+                "busy for milliseconds).")
+    return "Above 1 thread: session.intra_op.allow_spinning=0."
+
+
 def neighbour_line(info: Mapping[str, Any] | None) -> str:
     """What ran beside the benchmark, in one sentence."""
     if not info or info.get("kind", "none") == "none":

@@ -107,6 +107,31 @@ def test_loop_is_round_robin_teacher_forced_and_scores_agreement():
     assert a["dppl_vs_reference"] == 0.0 and b["dppl_vs_reference"] == pytest.approx(np.expm1(nll_b - nll_a))
 
 
+def test_a_loop_in_turn_runs_each_model_whole_and_scores_alike():
+    """interleave=False (for spinning pools): every model's prefill and steps in one go, the same
+    corpus, the same results as the alternated loop."""
+    calls: list = []
+    steppers = {"a": Recorder("a", calls), "b": Recorder("b", calls, answer=7)}
+    loop = decode.plan(10, steps=5, warmup=2, offset=3)
+    alternated = decode.decode_loop(steppers, TOKENS, loop, prefill_chunk=4, reference="a", measure_metrics=False)
+    calls.clear()
+    in_turn = decode.decode_loop(steppers, TOKENS, loop, prefill_chunk=4, reference="a", measure_metrics=False,
+                                 interleave=False, settle_s=0.0)
+    advances = [(n, size) for n, what, size in calls if what == "advance"]
+    assert advances == [("a", 4), ("a", 4), ("a", 2)] + [("a", 1)] * 7 + [("b", 4), ("b", 4), ("b", 2)] + [("b", 1)] * 7
+    assert steppers["a"].fed == steppers["b"].fed == TOKENS[3:3 + 10 + 7].tolist()
+    for name in "ab":
+        for key in ("predictions", "top1_agreement", "next_token_accuracy", "mean_nll", "dppl_vs_reference"):
+            assert in_turn[name][key] == alternated[name][key]
+
+
+def test_the_spinning_thread_policy_is_orts_default_pool():
+    from ortsparse.runtime import thread_options
+    assert thread_options(2) == {"intra_op_num_threads": 2, "allow_spinning": False}
+    assert thread_options(2, spinning=True) == {"intra_op_num_threads": 2, "allow_spinning": None}
+    assert decode.genai_session_options(2, spinning=True) == {"intra_op_num_threads": 2}
+
+
 def test_plan_fits_the_models_longest_sequence():
     assert decode.plan(128, 16, 4).prompt == 128
     fitted = decode.plan(8192, 64, 4, max_positions=8192)

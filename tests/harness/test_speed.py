@@ -89,6 +89,20 @@ def test_bench_rows_cover_every_model_runner_and_context():
     assert "Neighbour: none" in text and "speedup min / median" in text
 
 
+def test_bench_with_orts_spinning_pool_runs_the_models_in_turn_and_says_so():
+    model = onnx.load(str(KV))
+    rewritten, _ = rewrite_model(model, RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="mlp")}))
+    candidates = [speed.Candidate("dense", model), speed.Candidate("ortsparse", rewritten)]
+    payload = speed.bench(candidates, TOKENS, contexts=(6,), threads=(2,), steps=3, warmup=1, prefill_chunk=4,
+                          rounds=2, spinning=True, log=lambda *_: None)
+    assert payload["loop"]["spinning"] is True
+    ours = [r for r in payload["rows"] if r["model"] == "ortsparse"]
+    assert len(ours) == 2 and all(r["keep_ratio"] == pytest.approx(0.5) for r in ours)  # its own counters
+    text = speed.markdown(payload, "cmd", "title")
+    assert "ORT's default spinning pool" in text and "allow_spinning=0" not in text
+    assert "allow_spinning=0" in speed.markdown({**payload, "loop": {**payload["loop"], "spinning": False}}, "c", "t")
+
+
 def test_bench_shortens_the_prompt_to_the_models_length():
     payload = speed.bench([speed.Candidate("genai", GENAI, ("og",))], TOKENS, contexts=(128,), threads=(1,), steps=3,
                           warmup=1, rounds=1, log=lambda *_: None)

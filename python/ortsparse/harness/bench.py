@@ -118,11 +118,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             if args.request:
                 payload = request_bench(candidates, tokens, args.request, threads=args.threads, rounds=args.rounds,
-                                        offset=args.offset, reference=args.reference, neighbour=args.neighbour)
+                                        offset=args.offset, reference=args.reference, neighbour=args.neighbour,
+                                        spinning=args.spinning)
             else:
                 payload = bench(candidates, tokens, contexts=args.contexts, threads=args.threads, steps=args.steps,
                                 warmup=args.warmup, prefill_chunk=args.prefill_chunk, offset=args.offset,
-                                rounds=args.rounds, reference=args.reference, neighbour=args.neighbour)
+                                rounds=args.rounds, reference=args.reference, neighbour=args.neighbour,
+                                spinning=args.spinning)
         except ValueError as error:  # a request or loop that does not fit the models or the corpus
             parser.error(str(error))
     command = getattr(args, "command_line", None) or "ortsparse bench"

@@ -58,8 +58,8 @@ class OrtStepper:
     runner = "ort"
     copies_cache = True  # the graph writes a new present (past + the new token) every step
 
-    def __init__(self, source: Any, threads: int = 1, layout_source: Any = None):
-        self.session = open_session(source, thread_options(threads))
+    def __init__(self, source: Any, threads: int = 1, layout_source: Any = None, spinning: bool = False):
+        self.session = open_session(source, thread_options(threads, spinning))
         layout = kv_layout(self.session, layout_source if layout_source is not None else source)
         if layout is None:
             raise ValueError("the decode loop needs a KV-cache decoder (past_key_values.* inputs); "
@@ -80,12 +80,12 @@ class OrtStepper:
         return self.decoder.advance(ids)
 
 
-def genai_session_options(threads: int) -> dict[str, Any]:
+def genai_session_options(threads: int, spinning: bool = False) -> dict[str, Any]:
     """The decoder session options that give an onnxruntime-genai model the benchmark thread policy:
     ``threads`` intra-op threads, and above one ``session.intra_op.allow_spinning`` 0 (genai passes
-    unknown string keys on as session config entries)."""
+    unknown string keys on as session config entries) unless ``spinning`` (ORT's default)."""
     options: dict[str, Any] = {"intra_op_num_threads": int(threads)}
-    if threads > 1:
+    if threads > 1 and not spinning:
         options["session.intra_op.allow_spinning"] = "0"
     return options
 
@@ -99,13 +99,13 @@ class GenaiStepper:
     runner = "og"
     copies_cache = False  # past and present share one buffer
 
-    def __init__(self, folder: str | os.PathLike, threads: int = 1):
+    def __init__(self, folder: str | os.PathLike, threads: int = 1, spinning: bool = False):
         import onnxruntime_genai as og  # optional: the models extra
 
         self.og = og
         self.info = genai_decoder(folder)
         config = og.Config(str(self.info.folder))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": genai_session_options(threads)}}}))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": genai_session_options(threads, spinning)}}}))
         self.model = og.Model(config)
         self.generator = None
         self.uses_library = bool(self.info.session_options.get("custom_ops_library"))
@@ -174,7 +174,8 @@ def plan(context: int, steps: int, warmup: int, *, offset: int = 0, max_position
 
 def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndarray, loop: LoopPlan, *,
                 prefill_chunk: int = 512, reference: str | None = None,
-                measure_metrics: bool = True, log: Callable[[str], None] | None = None) -> dict[str, dict]:
+                measure_metrics: bool = True, log: Callable[[str], None] | None = None,
+                interleave: bool = True, settle_s: float = 0.2) -> dict[str, dict]:
     """Run the loop over every stepper (reset first) and return per name: ``step_seconds`` (timed
     steps), ``median_s``, ``tokens_per_s``, ``p10_s`` / ``p90_s``, ``prefill_s`` and
     ``prefill_tokens_per_s``, ``predictions`` (argmax after each decode step, warm-up included),
@@ -183,7 +184,12 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     ``reference`` name, ``top1_agreement`` (predictions equal to the reference's) and
     ``dppl_vs_reference`` (exp of the mean NLL difference, minus 1: a perplexity change measured
     on decode steps, each seeing its own model's KV cache). Under
-    ``_metrics``: the op library's counters of the decode steps (reset after the prefill)."""
+    ``_metrics``: the op library's counters of the decode steps (reset after the prefill).
+
+    ``interleave`` (default): the models take turns chunk by chunk and step by step, so that each
+    step of every model sees the same moment of the machine. Off: each model runs its whole loop in
+    turn, ``settle_s`` after the previous one — for ORT's spinning pools, whose idle threads keep
+    spinning on a core for milliseconds after a Run and would slow the next model's step."""
     tokens = np.asarray(tokens).reshape(-1)
     if tokens.size < loop.tokens_needed:
         raise ValueError(f"the loop needs {loop.tokens_needed} tokens (offset {loop.offset}, prompt {loop.prompt}, "
@@ -202,29 +208,50 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     say = log or (lambda text: None)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection in the middle of a timed step would land on one model only
+    counters: dict = {}
+
+    def prefill_chunks(name, chunks):
+        for begin in chunks:
+            t0 = time.perf_counter()
+            steppers[name].advance(prompt[begin:begin + chunk])
+            prefill[name] += time.perf_counter() - t0
+
+    def decode_step(name, step, ids):
+        t0 = time.perf_counter()
+        logits = steppers[name].advance(ids)
+        elapsed = time.perf_counter() - t0
+        if step >= loop.warmup:
+            times[name].append(elapsed)
+        predictions[name].append(int(np.argmax(logits)))
+        nll[name].append(_next_token_nll(logits, int(following[step])))
+
+    chunk = max(1, int(prefill_chunk))
+    starts = range(0, loop.prompt, chunk)
     try:
         for name in names:
             steppers[name].reset(loop.last_position + 1)
-        chunk = max(1, int(prefill_chunk))
-        for begin in range(0, loop.prompt, chunk):
+        if interleave:
+            for begin in starts:
+                for name in names:
+                    prefill_chunks(name, [begin])
+            if measure_metrics:
+                reset_metrics()
+            for step, token in enumerate(forced):
+                for name in names:
+                    decode_step(name, step, token.reshape(1))
+            counters = metrics() if measure_metrics else {}
+        else:
             for name in names:
-                t0 = time.perf_counter()
-                steppers[name].advance(prompt[begin:begin + chunk])
-                prefill[name] += time.perf_counter() - t0
+                time.sleep(settle_s)  # the previous model's spinning pool threads go to sleep
+                prefill_chunks(name, starts)
+                if measure_metrics:
+                    reset_metrics()
+                for step, token in enumerate(forced):
+                    decode_step(name, step, token.reshape(1))
+                if measure_metrics:  # this model's counters; the others' slots read 0 after the reset
+                    counters.update({key: values for key, values in metrics().items()
+                                     if values.get("calls") or key not in counters})
         say(f"  prefilled {loop.prompt} tokens: " + ", ".join(f"{n} {loop.prompt / prefill[n]:.0f} tok/s" for n in names))
-        if measure_metrics:
-            reset_metrics()
-        for step, token in enumerate(forced):
-            ids = token.reshape(1)
-            for name in names:
-                t0 = time.perf_counter()
-                logits = steppers[name].advance(ids)
-                elapsed = time.perf_counter() - t0
-                if step >= loop.warmup:
-                    times[name].append(elapsed)
-                predictions[name].append(int(np.argmax(logits)))
-                nll[name].append(_next_token_nll(logits, int(following[step])))
-        counters = metrics() if measure_metrics else {}
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -255,14 +282,15 @@ def _next_token_nll(logits: np.ndarray, token: int) -> float:
     return float(top + np.log(np.exp(x - top).sum()) - x[token])
 
 
-def open_stepper(source: Any, runner: str, threads: int, *, layout_source: Any = None) -> Stepper:
+def open_stepper(source: Any, runner: str, threads: int, *, layout_source: Any = None,
+                 spinning: bool = False) -> Stepper:
     """An :class:`OrtStepper` (``runner="ort"``: a KV graph, or a genai folder's decoder graph) or
-    a :class:`GenaiStepper` (``"og"``: a genai folder)."""
+    a :class:`GenaiStepper` (``"og"``: a genai folder); ``spinning``: see :func:`thread_options`."""
     if runner == "og":
-        return GenaiStepper(source, threads)
+        return GenaiStepper(source, threads, spinning)
     if runner != "ort":
         raise ValueError(f"unknown runner {runner!r} (ort or og)")
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         info = genai_decoder(source)
-        return OrtStepper(info.model_file, threads)
-    return OrtStepper(source, threads, layout_source)
+        return OrtStepper(info.model_file, threads, spinning=spinning)
+    return OrtStepper(source, threads, layout_source, spinning)

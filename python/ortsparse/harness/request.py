@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..benchmarking import machine_info, neighbour_line, ratio_summary, report_header
+from ..benchmarking import machine_info, neighbour_line, ratio_summary, report_header, threads_policy
 from ..benchmarking import neighbour as neighbour_process
 from .decode import Stepper, open_stepper
 
@@ -79,7 +79,7 @@ def run_request(stepper: Stepper, tokens: np.ndarray, shape: RequestShape, offse
 
 def request_bench(candidates: Sequence[Any], tokens: np.ndarray, requests: Sequence[RequestShape], *,
                   threads: Sequence[int] = (1,), rounds: int = 3, offset: int = 0, reference: str | None = None,
-                  neighbour: str | None = None, log: Callable[[str], None] = print) -> dict:
+                  neighbour: str | None = None, spinning: bool = False, log: Callable[[str], None] = print) -> dict:
     """Every request shape on every candidate (``speed.Candidate``: name, source, runners) and thread
     count, in ``rounds`` rounds. Returns the report payload: ``rows`` (one per round, model, runner,
     request, threads) and ``ratios`` (minimum / median over the rounds of total time, time to first
@@ -99,7 +99,7 @@ def request_bench(candidates: Sequence[Any], tokens: np.ndarray, requests: Seque
     with neighbour_process(neighbour) as beside:
         for n_threads in threads:
             log(f"threads {n_threads}: opening {len(keys)} sessions ...")
-            steppers = {key: open_stepper(sources[key[0]], key[1], n_threads) for key in keys}
+            steppers = {key: open_stepper(sources[key[0]], key[1], n_threads, spinning=spinning) for key in keys}
             limits = [s.max_positions for s in steppers.values() if s.max_positions]
             for shape in requests:
                 if limits and shape.prompt + shape.answer > min(limits):
@@ -110,6 +110,8 @@ def request_bench(candidates: Sequence[Any], tokens: np.ndarray, requests: Seque
                     gc.collect()
                     results = {}
                     for key in order:
+                        if spinning and n_threads > 1:
+                            time.sleep(0.2)  # the previous model's spinning pool threads go to sleep
                         results[key] = run_request(steppers[key], tokens, shape, offset)
                     base = results[reference_key]
                     for key in keys:
@@ -132,7 +134,7 @@ def request_bench(candidates: Sequence[Any], tokens: np.ndarray, requests: Seque
             gc.collect()
     return dict(machine=machine_info(), reference=reference_key[0], rows=rows, ratios=request_ratios(rows),
                 neighbour=(beside.result if beside is not None else None) or {"kind": "none"},
-                requests=[s.label for s in requests], rounds=rounds, offset=offset)
+                requests=[s.label for s in requests], rounds=rounds, offset=offset, spinning=spinning)
 
 
 def request_ratios(rows: Sequence[Mapping]) -> list[dict]:
@@ -159,7 +161,8 @@ def request_markdown(payload: dict, command: str, title: str = "Whole requests: 
               f"teacher-forced decode steps; total = both. Models one whole request after another, the order "
               f"reversed every other round; {payload['rounds']} round(s). Ratios are the reference "
               f"(`{payload['reference']}`) time over the model's: **minimum** (the claim) / median over the rounds. "
-              "Answer agreement: greedy tokens equal to the reference's (worst round).", "",
+              "Answer agreement: greedy tokens equal to the reference's (worst round). "
+              f"{threads_policy(payload.get('spinning', False))}", "",
               neighbour_line(payload.get("neighbour")), "",
               "| threads | prompt+answer | model | runner | first token (s) | prompt tok/s | decode tok/s | "
               "total (s) | total speedup min / median | first-token speedup min / median | "

@@ -28,7 +28,8 @@ import numpy as np
 from onnx import helper
 
 from .. import flag_types
-from ..benchmarking import NEIGHBOURS, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs, report_header
+from ..benchmarking import (NEIGHBOURS, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs, report_header,
+                            threads_policy)
 from ..benchmarking import neighbour as neighbour_process
 from ..runtime import genai_decoder, load_proto
 from .corpus import load_corpus_tokens
@@ -151,13 +152,16 @@ def weight_bytes_per_token(source, keep_ratio_by_node: dict[str, float] | None =
 def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
           threads: Sequence[int] = (1, 2), steps: int = 64, warmup: int = 4, prefill_chunk: int = 512,
           offset: int = 0, rounds: int = 3, reference: str | None = None, neighbour: str | None = None,
-          log: Callable[[str], None] = print) -> dict:
+          spinning: bool = False, log: Callable[[str], None] = print) -> dict:
     """The real decode loop over every candidate (and runner) at every thread count and context,
     repeated in ``rounds`` rounds spread over the run (round 1 visits every setting, then round 2 ...;
     inside a loop the models alternate step by step), so that each ratio is measured at several
     moments of the machine's mood: the report gives its minimum (the claim) and median.
     ``reference``: the model the others are compared with (default the first). ``neighbour``:
     ``"stream"`` runs :class:`ortsparse.benchmarking.StreamNeighbour` beside the whole benchmark.
+    ``spinning``: above one thread, ORT's default spinning pool instead of allow_spinning=0; the
+    models then run their loops in turn (a spinning pool's idle threads would slow the step of the
+    model alternated with it), in the opposite order every other round.
     Returns the report payload (rows, ratios, stability, bandwidth, machine, neighbour)."""
     if not candidates:
         raise ValueError("no model to benchmark")
@@ -176,19 +180,23 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
     sessions: dict[int, dict] = {}
     for n_threads in threads:
         log(f"threads {n_threads}: opening {sum(len(c.runners) for c in candidates)} sessions ...")
-        sessions[n_threads] = {key: open_stepper(c.source, key[1], n_threads) for c in candidates for key in c.keys()}
+        sessions[n_threads] = {key: open_stepper(c.source, key[1], n_threads, spinning=spinning)
+                               for c in candidates for key in c.keys()}
     with neighbour_process(neighbour) as beside:
         for round_index in range(rounds):
             for n_threads in threads:
                 steppers = sessions[n_threads]
                 limits = [s.max_positions for s in steppers.values() if s.max_positions]
                 labelled = {key_label(k): s for k, s in steppers.items()}
+                if spinning and round_index % 2:
+                    labelled = dict(reversed(labelled.items()))
                 for context in contexts:
                     loop = plan(context, steps, warmup, offset=offset, max_positions=min(limits) if limits else None)
                     log(f"round {round_index + 1}/{rounds}, threads {n_threads}, context {context} "
                         f"(positions {loop.first_position}-{loop.last_position})")
                     result = decode_loop(labelled, tokens, loop, prefill_chunk=prefill_chunk,
-                                         reference=key_label(reference_key), log=log)
+                                         reference=key_label(reference_key), log=log,
+                                         interleave=not (spinning and n_threads > 1))
                     rows += _loop_rows(result, candidates, tables, steppers, loop, bandwidth, reference_key,
                                        context=context, threads=n_threads, round_index=round_index, log=log)
     neighbour_info = beside.result if beside is not None else None
@@ -196,7 +204,8 @@ def bench(candidates: Sequence[Candidate], tokens: np.ndarray, *, contexts: Sequ
     gc.collect()
     return dict(machine=machine_info(), bandwidth=bandwidth, reference=reference, rows=rows,
                 ratios=ratio_rows(rows), stability=stability(rows), neighbour=neighbour_info or {"kind": "none"},
-                loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk, offset=offset, rounds=rounds))
+                loop=dict(steps=steps, warmup=warmup, prefill_chunk=prefill_chunk, offset=offset, rounds=rounds,
+                          spinning=spinning))
 
 
 def _loop_rows(result: dict, candidates: Sequence[Candidate], tables: Mapping[str, WeightTable],
@@ -285,7 +294,7 @@ def markdown_body(payload: dict) -> list[str]:
              f"then {loop['warmup']} warm-up + {loop['steps']} timed teacher-forced steps, the KV cache growing; "
              "models advanced round-robin in one process; median step time. Runner `ort`: the graph in an ONNX "
              "Runtime session (present K/V bound as the next past); `og`: onnxruntime_genai.Generator "
-             "(shared KV buffer). 2 threads with allow_spinning=0. Speedup and top-1 agreement vs "
+             f"(shared KV buffer). {threads_policy(loop.get('spinning', False))} Speedup and top-1 agreement vs "
              f"`{payload['reference']}`; next-token accuracy vs the corpus. {rounds} round(s) spread over the run "
              "(every setting once per round); the speedup is given as its **minimum** over the rounds (the claim) "
              "and median, the other columns are from the round with the median tok/s. MB/step = linear weights "
@@ -325,7 +334,10 @@ def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] 
                       help=f"prompt lengths before the decode steps (default {' '.join(map(str, contexts))}; "
                            "shortened to fit the models' longest sequence)")
     loop.add_argument("--threads", type=flag_types.threads, nargs="+", default=[1, 2],
-                      help="intra-op threads (default 1 2; above 1 with allow_spinning=0)")
+                      help="intra-op threads (default 1 2; above 1 with allow_spinning=0 unless --spinning)")
+    loop.add_argument("--spinning", action="store_true",
+                      help="above 1 thread, ORT's default spinning pool (what an app gets when it sets nothing); "
+                           "the models then run their loops in turn instead of alternating step by step")
     loop.add_argument("--steps", type=flag_types.positive_int, default=64,
                       help="timed decode steps per context (default 64)")
     loop.add_argument("--warmup", type=flag_types.non_negative_int, default=4,
