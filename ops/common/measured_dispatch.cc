@@ -1,6 +1,7 @@
 #include "common/measured_dispatch.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace ortsparse {
 
@@ -11,6 +12,19 @@ double median(std::vector<double> values) {
   return values[mid];
 }
 }  // namespace
+
+bool MeasuredDispatch::run(const TaskRunner& pool, size_t n_tasks, size_t work_units,
+                           const std::function<void(size_t)>& fn) {
+  const Choice choice = next();
+  const SerialTaskRunner serial;
+  const auto started = std::chrono::steady_clock::now();
+  (choice.pool ? pool : static_cast<const TaskRunner&>(serial)).run(n_tasks, fn);
+  if (choice.timed) {
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+    record(choice, took.count() / static_cast<double>(std::max<size_t>(1, work_units)));
+  }
+  return choice.pool;
+}
 
 MeasuredDispatch::Choice MeasuredDispatch::next() {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -11,8 +11,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <vector>
+
+#include "common/task_runner.h"
 
 namespace ortsparse {
 
@@ -32,9 +35,13 @@ class MeasuredDispatch {
   MeasuredDispatch() = default;
   explicit MeasuredDispatch(Settings settings) : settings_(settings) {}
 
+  // Runs fn(0..n_tasks) on `pool` or on the calling thread, as chosen, and times it when it is a
+  // trial's sample; `work_units` (e.g. the weight bytes the call streams: a gated layer's kept rows
+  // change from call to call) normalises the samples. Returns whether the pool ran it.
+  bool run(const TaskRunner& pool, size_t n_tasks, size_t work_units, const std::function<void(size_t)>& fn);
+
+  // The steps of run(), for tests: the way of the next call, and a timed call's seconds per unit.
   Choice next();
-  // A timed call's seconds per unit of work (e.g. per streamed weight byte: a gated layer's kept
-  // rows change from call to call).
   void record(const Choice& choice, double seconds_per_unit);
 
   // The current choice (before the first trial ends: the calling thread).

@@ -98,11 +98,8 @@ DenseBackend::DenseBackend(std::shared_ptr<const DenseWeights> weights, MatMulTu
 BackendStats DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                                const kernels::KernelSet& kernels, const TaskRunner& runner) const {
   if (m == 0 || weights_->n() == 0) return {};
-  if (m <= kSmallM) {
-    run_per_token(x, m, gated, bias, y, *kernels.matmul, runner);
-  } else {
-    run_tiled(x, m, gated, bias, y, *kernels.matmul, runner);
-  }
+  if (m <= kSmallM) return run_per_token(x, m, gated, bias, y, *kernels.matmul, runner);
+  run_tiled(x, m, gated, bias, y, *kernels.matmul, runner);
   return {};
 }
 
@@ -110,8 +107,9 @@ BackendStats DenseBackend::run(const float* x, size_t m, const GatedRows& gated,
 // task streams whole W rows (full N, so hardware prefetch sees long runs) into a partial sum, and
 // the partials are added at the end. Splitting rows rather than columns keeps the streams long
 // at one thread and still feeds every thread of the pool.
-void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
-                                     float* y, const kernels::MatMulKernels& kernels, const TaskRunner& runner) const {
+BackendStats DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias,
+                                         float* y, const kernels::MatMulKernels& kernels,
+                                         const TaskRunner& runner) const {
   const DenseWeights& w = *weights_;
   const size_t k = w.k(), n = w.n();
   // Reused per calling thread. The tasks below run on pool threads, where these names would mean
@@ -138,7 +136,9 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
   const size_t chunks = std::max<size_t>(1, std::min(tuning_.gemv_row_chunks, max_rows / tuning_.gemv_min_chunk_rows));
   if (chunks > 1) partial_buffer.resize(m * chunks * n);
   float* const partial = partial_buffer.data();
-  runner.run(m * chunks, [&](size_t task) {
+  size_t stream_bytes = 0;
+  for (size_t t = 0; t < m; ++t) stream_bytes += gated.row_count(t, k) * n * sizeof(float);
+  const std::function<void(size_t)> task_fn = [&](size_t task) {
     const size_t t = task / chunks, chunk = task % chunks;
     const size_t count = gated.row_count(t, k);
     const size_t begin = count * chunk / chunks, end = count * (chunk + 1) / chunks;
@@ -149,7 +149,15 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
     if (rows == nullptr) wbase += begin * w.ldw();
     kernels.gemv_rows(wbase, w.ldw(), rows ? rows + begin : nullptr, inputs[t] + begin, end - begin, out, n,
                       chunks == 1 && bias != nullptr);
-  });
+  };
+  BackendStats stats;
+  const size_t tasks = m * chunks;
+  if (tasks > 1) ++stats.decode_calls;
+  if (tasks < 2 || stream_bytes < tuning_.gemv_parallel_min_bytes) {
+    SerialTaskRunner().run(tasks, task_fn);
+  } else if (gemv_dispatch_->run(runner, tasks, stream_bytes, task_fn)) {
+    ++stats.decode_pool_calls;
+  }
   if (chunks > 1) {
     for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
       float* yt = y + t * n;
@@ -160,6 +168,7 @@ void DenseBackend::run_per_token(const float* x, size_t m, const GatedRows& gate
     }
   }
   release_if_large(xv_buffer, partial_buffer, input_buffer);
+  return stats;
 }
 
 // Prefill: tokens go in tiles of kernels::kTokenTile sharing one row list (the union of their rows, with

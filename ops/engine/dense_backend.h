@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/aligned_buffer.h"
+#include "common/measured_dispatch.h"
 #include "common/task_runner.h"
 #include "engine/gated_rows.h"
 #include "engine/weight_backend.h"
@@ -46,6 +47,10 @@ struct MatMulTuning {
   size_t gemv_min_chunk_rows = 128;
   // W bytes of one column panel at M > kSmallM, sized to stay in L2 across token tiles.
   size_t panel_bytes = 384 * 1024;
+  // Decode calls of more than one task that stream at least this many weight bytes time the calling
+  // thread against the pool and keep the faster (common/measured_dispatch.h); smaller ones run on
+  // the calling thread. Results do not depend on it.
+  size_t gemv_parallel_min_bytes = size_t{32} << 10;
 };
 
 class DenseBackend final : public WeightBackend {
@@ -64,13 +69,15 @@ class DenseBackend final : public WeightBackend {
   const DenseWeights& weights() const { return *weights_; }
 
  private:
-  void run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
-                     const kernels::MatMulKernels& kernels, const TaskRunner& runner) const;
+  BackendStats run_per_token(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
+                             const kernels::MatMulKernels& kernels, const TaskRunner& runner) const;
   void run_tiled(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                  const kernels::MatMulKernels& kernels, const TaskRunner& runner) const;
 
   std::shared_ptr<const DenseWeights> weights_;
   MatMulTuning tuning_;
+  // This node's decode dispatch, timed (logically const: it changes how, never what, run computes).
+  std::unique_ptr<MeasuredDispatch> gemv_dispatch_ = std::make_unique<MeasuredDispatch>();
 };
 
 }  // namespace ortsparse::engine

@@ -1,7 +1,6 @@
 #include "engine/quant_backend.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -253,23 +252,14 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
   for (const Task& task : tasks)
     stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) *
                     (task.panel1 - task.panel0) * p.panel * p.bits / 8;
-  const SerialTaskRunner serial;
-  MeasuredDispatch::Choice choice{true, false};
-  if (tasks.size() < 2 || stream_bytes < tuning_.decode_parallel_min_bytes)
-    choice.pool = false;
-  else if (tuning_.decode_measure_dispatch)
-    choice = decode_dispatch_->next();
-  const TaskRunner& dispatch = choice.pool ? runner : static_cast<const TaskRunner&>(serial);
-  if (tasks.size() > 1) ++stats.decode_calls;
-  if (choice.pool) ++stats.decode_pool_calls;
-  const auto started = std::chrono::steady_clock::now();
+  std::function<void(size_t)> task_fn;
   if (tuning_.int8_decode) {
     int32_t* const iacc = iacc_buffer.data();
     const int8_t* const xq = xq_buffer.data();
     const float* const xscale = xscale_buffer.data();
     const int32_t* const xsum = xsum_buffer.data();
     const size_t* const first_task = token_tasks.data();
-    dispatch.run(tasks.size(), [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
+    task_fn = [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
       const Task& task = task_list[i];
       // The token's position in `tokens`: the last token whose first task is <= i.
       const size_t slot = static_cast<size_t>(std::upper_bound(first_task, first_task + tokens.size(), i) - first_task) - 1;
@@ -280,18 +270,23 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
       for (size_t panel = task.panel0; panel < task.panel1; ++panel)
         kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
                             partial + task.slot * width + panel * p.panel, iacc + i * p.panel);
-    });
+    };
   } else {
-    dispatch.run(tasks.size(), [&, partial, acc, task_list](size_t i) {
+    task_fn = [&, partial, acc, task_list](size_t i) {
       const Task& task = task_list[i];
       for (size_t panel = task.panel0; panel < task.panel1; ++panel)
         kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
                        partial + task.slot * width + panel * p.panel, acc + i * p.panel);
-    });
+    };
   }
-  if (choice.timed) {
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    decode_dispatch_->record(choice, took.count() / static_cast<double>(stream_bytes));
+  if (tasks.size() > 1) ++stats.decode_calls;
+  if (tasks.size() < 2 || stream_bytes < tuning_.decode_parallel_min_bytes) {
+    SerialTaskRunner().run(tasks.size(), task_fn);
+  } else if (!tuning_.decode_measure_dispatch) {
+    runner.run(tasks.size(), task_fn);
+    ++stats.decode_pool_calls;
+  } else if (decode_dispatch_->run(runner, tasks.size(), stream_bytes, task_fn)) {
+    ++stats.decode_pool_calls;
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];

@@ -16,7 +16,7 @@ namespace ortsparse::engine {
 struct BackendStats {
   uint64_t blocks = 0;       // weight blocks reconstructed
   uint64_t unit_passes = 0;  // (output unit, token tile) passes
-  uint64_t decode_calls = 0;       // decode calls of more than one task (quant backend)
+  uint64_t decode_calls = 0;       // decode calls of more than one task (quant and dense backends)
   uint64_t decode_pool_calls = 0;  // ... of which ran on the intra-op pool (common/measured_dispatch.h)
 };
 

@@ -38,7 +38,7 @@ std::vector<std::pair<std::string, double>> describe_kwta(const uint64_t* c, con
       {"blocks_total", static_cast<double>(c[kBlocksTotal])},
       {"blocks_kept", static_cast<double>(c[kBlocksKept])},
   };
-  if (c[kDecodeCalls]) {  // the quantized form: how often decode's tasks went to the pool (measured dispatch)
+  if (c[kDecodeCalls]) {  // how often decode's tasks went to the pool (measured dispatch)
     out.push_back({"decode.calls", static_cast<double>(c[kDecodeCalls])});
     out.push_back({"decode.pool_ratio", static_cast<double>(c[kDecodePoolCalls]) / c[kDecodeCalls]});
   }

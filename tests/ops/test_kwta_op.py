@@ -184,6 +184,24 @@ def test_max_gated_rows_gates_decode_calls_and_runs_prefill_dense(rng):
         ortsparse.inference_session(kwta_model(w, b, max_gated_rows=-1))
 
 
+@pytest.mark.parametrize("k_frac", [1.0, 0.6])
+def test_measured_dispatch_of_the_float_form_gives_the_one_thread_result(k_frac, rng):
+    """Decode calls of more than one row chunk time the calling thread against ORT's pool and keep the
+    faster (common/measured_dispatch.h): the bits stay the one-thread session's, through the trial
+    and after it, and the node reports its pool share."""
+    k, n = 1024, 512  # 2 MiB of fp32 weights, 4 row chunks
+    w, b = weights(rng, k, n)
+    model = kwta_model(w, b, k_frac=k_frac, node_name="kfd")
+    one = ortsparse.inference_session(model, intra_op_num_threads=1)
+    two = ortsparse.inference_session(model, intra_op_num_threads=2, allow_spinning=False)
+    ortsparse.reset_metrics()
+    for _ in range(40):  # the trial is 2 x 8 calls
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        np.testing.assert_array_equal(one.run(None, {"X": x})[0], two.run(None, {"X": x})[0])
+    stats = ortsparse.metrics()["KwtaBlockMatMul/kfd"]
+    assert stats["decode.calls"] == 80 and 8 / 80 <= stats["decode.pool_ratio"] <= 1.0
+
+
 def test_leading_dims_and_empty_input(rng):
     k, n = 24, 9
     w, b = weights(rng, k, n)
