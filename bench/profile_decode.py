@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import statistics
 import tempfile
 
 import onnx
 
+from ortsparse import metrics, reset_metrics
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ortsparse.graph_rewrite.config import load_overrides
 from ortsparse.graph_rewrite.genai import model_input
@@ -29,17 +31,25 @@ from ortsparse.runtime import KVDecoder, kv_layout, open_session, thread_options
 
 
 def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2, threads: int = 1,
-            spinning: bool = False) -> collections.Counter:
-    options = {**thread_options(threads), **({"allow_spinning": True} if spinning and threads > 1 else {})}
+            spinning: bool = False) -> tuple[collections.Counter, dict[str, float]]:
+    """Per op type, the sum over its nodes of each node's median time (us), and per gated layer
+    (layer numbers as N) the share of decode calls its measured dispatch sent to the pool."""
+    options = thread_options(threads, spinning)
     plain = open_session(model, options)  # the prefill is not what this profiles
     prefill = KVDecoder(plain, kv_layout(plain, model))
     prefill.advance(tokens[:context])
     session = open_session(model, {**options, "enable_profiling": True, "profile_file_prefix": prefix})
     decoder = KVDecoder(session, prefill.layout)
     decoder.past, decoder.position = prefill.past, prefill.position  # the cache is a plain CPU value
+    reset_metrics()
     for step in range(warmup + runs):
         decoder.advance(tokens[context + step:context + step + 1])
     events = json.load(open(session.end_profiling()))
+    pool_shares = collections.defaultdict(list)  # the measured dispatch's choices (ops.md, Threads)
+    for name, values in metrics().items():
+        if "decode.pool_ratio" in values and not name.startswith("total/"):
+            pool_shares[re.sub(r"layers\.\d+", "layers.N", name.split("/", 1)[1])].append(values["decode.pool_ratio"])
+    shares = {layer: statistics.mean(values) for layer, values in pool_shares.items()}
     run_starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
     if len(run_starts) != warmup + runs:
         raise SystemExit(f"profile_decode: expected {warmup + runs} model_run events, found {len(run_starts)}")
@@ -56,7 +66,7 @@ def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2
                                                and e["name"] == "model_run" and e["ts"] >= profiled_from)
     for (op, _), durations in per_node.items():
         per_op[op] += statistics.median(durations)
-    return per_op
+    return per_op, shares
 
 
 def main(argv=None) -> int:
@@ -87,10 +97,11 @@ def main(argv=None) -> int:
         gated, _ = rewrite_model(dense, config)
     tokens = load_corpus_tokens()
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense", args.warmup, args.threads,
-                                     args.spinning),
-                   "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup, args.threads,
-                                     args.spinning)}
+        profiles = {"dense": profile(dense, tokens, args.context, args.runs, f"{tmp}/dense", args.warmup, args.threads,
+                                    args.spinning),
+                    "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup, args.threads,
+                                    args.spinning)}
+    columns = {name: per_op for name, (per_op, _) in profiles.items()}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
     what = args.against or args.config or f"k {args.k} on {args.target}"
     print(f"per decode step, context {args.context}, {args.threads} thread(s){' spinning' if args.spinning else ''}, {what} (us of node time)")
@@ -99,6 +110,8 @@ def main(argv=None) -> int:
         print(f"{op:24s} {columns['dense'][op]:10.0f} {columns['kwta'][op]:10.0f}")
     nodes = {name: sum(t for op, t in column.items() if op != "(whole step)") for name, column in columns.items()}
     print(f"{'nodes total':24s} {nodes['dense']:10.0f} {nodes['kwta']:10.0f}")
+    for layer, share in sorted(profiles["kwta"][1].items()):
+        print(f"decode calls on the pool, {layer}: {share:.0%}")
     return 0
 
 
