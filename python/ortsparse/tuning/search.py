@@ -75,8 +75,9 @@ def walk(prepared: allocation.Prepared, window_loss: Callable[[Mapping[int, floa
             losses = window_loss(allocation.thresholds_for(units, layers, choice))
             point = PathPoint(choice, allocation.skipped_fraction(units, choice), losses, label, fraction)
             points.append(point)
+            spread = f" (window sd {float(np.std(losses, ddof=1)):.4f})" if losses.size > 1 else ""  # 1 window: none
             log(f"tune: {label}: {point.skipped:.1%} of gated bytes skipped, calibration dppl "
-                f"{math.expm1(float(losses.mean())):+.2%} (window sd {float(np.std(losses, ddof=1)):.4f})")
+                f"{math.expm1(float(losses.mean())):+.2%}{spread}")
             if clearly_over(np.stack([p.losses for p in points]), budget):
                 return True
         return False
