@@ -13,43 +13,24 @@
 #include "attention/key_bounds.h"
 #include "attention/tiled_prefill.h"
 #include "common/error.h"
+#include "common/named_values.h"
 #include "kernels/top_k.h"
 
 namespace ortsparse::attention {
 
 using kernels::kLanes;
 
-PackMode parse_pack_mode(const std::string& name) {
-  if (name == "sign") return PackMode::kSign;
-  if (name == "binary") return PackMode::kBinary;
-  if (name == "ternary") return PackMode::kTernary;
-  fail("attribute mode='", name, "' is not one of sign, binary, ternary");
-}
+namespace {
+constexpr Named<PackMode> kPackModeNames[] = {
+    {"sign", PackMode::kSign}, {"binary", PackMode::kBinary}, {"ternary", PackMode::kTernary}};
+constexpr Named<Selector> kSelectorNames[] = {{"popcount", Selector::kPopcount}, {"energy", Selector::kEnergy},
+                                              {"pages", Selector::kPages}, {"none", Selector::kNone}};
+}  // namespace
 
-Selector parse_selector(const std::string& name) {
-  if (name == "none") return Selector::kNone;
-  if (name == "popcount") return Selector::kPopcount;
-  if (name == "energy") return Selector::kEnergy;
-  if (name == "pages") return Selector::kPages;
-  fail("attribute select='", name, "' is not one of popcount, energy, pages, none");
-}
-
-const char* pack_mode_name(PackMode mode) {
-  switch (mode) {
-    case PackMode::kSign: return "sign";
-    case PackMode::kBinary: return "binary";
-    default: return "ternary";
-  }
-}
-
-const char* selector_name(Selector select) {
-  switch (select) {
-    case Selector::kPopcount: return "popcount";
-    case Selector::kEnergy: return "energy";
-    case Selector::kPages: return "pages";
-    default: return "none";
-  }
-}
+PackMode parse_pack_mode(const std::string& name) { return parse_named("mode", name, kPackModeNames); }
+Selector parse_selector(const std::string& name) { return parse_named("select", name, kSelectorNames); }
+const char* pack_mode_name(PackMode mode) { return name_of(mode, kPackModeNames); }
+const char* selector_name(Selector select) { return name_of(select, kSelectorNames); }
 
 namespace {
 

@@ -12,23 +12,19 @@
 #include "attention/key_bounds.h"
 #include "common/error.h"
 #include "common/finite.h"
+#include "common/named_values.h"
 
 namespace ortsparse::attention {
 
-PrefillSelect parse_prefill_select(const std::string& name) {
-  if (name == "exact") return PrefillSelect::kExact;
-  if (name == "certified") return PrefillSelect::kCertified;
-  if (name == "budget") return PrefillSelect::kBudget;
-  fail("attribute prefill_select='", name, "' is not one of exact, certified, budget");
-}
+namespace {
+constexpr Named<PrefillSelect> kPrefillSelectNames[] = {
+    {"exact", PrefillSelect::kExact}, {"certified", PrefillSelect::kCertified}, {"budget", PrefillSelect::kBudget}};
+}  // namespace
 
-const char* prefill_select_name(PrefillSelect select) {
-  switch (select) {
-    case PrefillSelect::kCertified: return "certified";
-    case PrefillSelect::kBudget: return "budget";
-    default: return "exact";
-  }
+PrefillSelect parse_prefill_select(const std::string& name) {
+  return parse_named("prefill_select", name, kPrefillSelectNames);
 }
+const char* prefill_select_name(PrefillSelect select) { return name_of(select, kPrefillSelectNames); }
 
 namespace {
 

@@ -3,15 +3,15 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/named_values.h"
 #include "kernels/top_k.h"
 
 namespace ortsparse::engine {
 
 PackGateMode parse_pack_gate_mode(const std::string& name) {
-  if (name == "none") return PackGateMode::kNone;
-  if (name == "binary") return PackGateMode::kBinary;
-  if (name == "ternary") return PackGateMode::kTernary;
-  fail("attribute pack_mode='", name, "' is not one of none, binary, ternary");
+  static constexpr Named<PackGateMode> kNames[] = {
+      {"none", PackGateMode::kNone}, {"binary", PackGateMode::kBinary}, {"ternary", PackGateMode::kTernary}};
+  return parse_named("pack_mode", name, kNames);
 }
 
 BitmapGate::BitmapGate(BitmapConfig config, std::unique_ptr<KwtaGate> kwta)

@@ -10,14 +10,14 @@
 
 #include "common/error.h"
 #include "common/finite.h"
+#include "common/named_values.h"
 #include "kernels/top_k.h"
 
 namespace ortsparse::engine {
 
 EventAxis parse_event_axis(const std::string& name) {
-  if (name == "sequence") return EventAxis::kSequence;
-  if (name == "call") return EventAxis::kCall;
-  fail("attribute axis='", name, "' is not one of sequence, call");
+  static constexpr Named<EventAxis> kNames[] = {{"sequence", EventAxis::kSequence}, {"call", EventAxis::kCall}};
+  return parse_named("axis", name, kNames);
 }
 
 namespace {

@@ -5,22 +5,21 @@
 #include <limits>
 
 #include "common/error.h"
+#include "common/named_values.h"
 #include "kernels/order_key.h"
 #include "kernels/top_k.h"
 
 namespace ortsparse::engine {
 
 KwtaScore parse_kwta_score(const std::string& name) {
-  if (name == "l2") return KwtaScore::kL2;
-  if (name == "mean_abs") return KwtaScore::kMeanAbs;
-  if (name == "l2_weighted") return KwtaScore::kL2Weighted;
-  fail("attribute score='", name, "' is not one of l2, mean_abs, l2_weighted");
+  static constexpr Named<KwtaScore> kNames[] = {
+      {"l2", KwtaScore::kL2}, {"mean_abs", KwtaScore::kMeanAbs}, {"l2_weighted", KwtaScore::kL2Weighted}};
+  return parse_named("score", name, kNames);
 }
 
 DutyMode parse_duty_mode(const std::string& name) {
-  if (name == "dense") return DutyMode::kDense;
-  if (name == "hold") return DutyMode::kHold;
-  fail("attribute duty_mode='", name, "' is not one of dense, hold");
+  static constexpr Named<DutyMode> kNames[] = {{"dense", DutyMode::kDense}, {"hold", DutyMode::kHold}};
+  return parse_named("duty_mode", name, kNames);
 }
 
 namespace {
