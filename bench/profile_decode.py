@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     columns = {name: per_op for name, (per_op, _) in profiles.items()}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
     what = args.against or args.config or f"k {args.k} on {args.target}"
-    print(f"per decode step, context {args.context}, {args.threads} thread(s){' spinning' if args.spinning else ''}, {what} (us of node time)")
+    pool = " (ORT's default, spinning pool)" if args.spinning else ""
+    print(f"per decode step, context {args.context}, {args.threads} thread(s){pool}, {what} (us of node time)")
     print(f"{'op':24s} {'dense':>10s} {'kwta':>10s}")
     for op in ops[:12]:
         print(f"{op:24s} {columns['dense'][op]:10.0f} {columns['kwta'][op]:10.0f}")

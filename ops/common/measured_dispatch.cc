@@ -15,8 +15,16 @@ double median(std::vector<double> values) {
 
 bool MeasuredDispatch::run(const TaskRunner& pool, size_t n_tasks, size_t work_units,
                            const std::function<void(size_t)>& fn) {
-  const Choice choice = next();
   const SerialTaskRunner serial;
+  if (n_tasks < 2 || work_units < settings_.min_units) {
+    serial.run(n_tasks, fn);
+    return false;
+  }
+  if (!settings_.measure) {
+    pool.run(n_tasks, fn);
+    return true;
+  }
+  const Choice choice = next();
   const auto started = std::chrono::steady_clock::now();
   (choice.pool ? pool : static_cast<const TaskRunner&>(serial)).run(n_tasks, fn);
   if (choice.timed) {

@@ -24,6 +24,14 @@ class MeasuredDispatch {
   struct Settings {
     size_t trial_calls = 8;       // timed calls of each way before choosing
     size_t recheck_every = 1024;  // calls between trials (the machine's load changes)
+    size_t min_units = 0;         // calls of less work run on the calling thread, untimed (too small to pay)
+    bool measure = true;          // false: every call of more than one task on the pool (tests)
+
+    static Settings from_units(size_t min_units) {
+      Settings settings;
+      settings.min_units = min_units;
+      return settings;
+    }
   };
 
   // The way one call runs; `timed`: pass its time to record().
@@ -37,7 +45,8 @@ class MeasuredDispatch {
 
   // Runs fn(0..n_tasks) on `pool` or on the calling thread, as chosen, and times it when it is a
   // trial's sample; `work_units` (e.g. the weight bytes the call streams: a gated layer's kept rows
-  // change from call to call) normalises the samples. Returns whether the pool ran it.
+  // change from call to call) normalises the samples. A single task, or less work than min_units,
+  // runs on the calling thread. Returns whether the pool ran it.
   bool run(const TaskRunner& pool, size_t n_tasks, size_t work_units, const std::function<void(size_t)>& fn);
 
   // The steps of run(), for tests: the way of the next call, and a timed call's seconds per unit.

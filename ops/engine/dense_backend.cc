@@ -93,7 +93,8 @@ std::vector<float> DenseWeights::block_norms(const BlockPartition& partition) co
 }
 
 DenseBackend::DenseBackend(std::shared_ptr<const DenseWeights> weights, MatMulTuning tuning)
-    : weights_(std::move(weights)), tuning_(tuning) {}
+    : weights_(std::move(weights)), tuning_(tuning),
+      gemv_dispatch_(std::make_unique<MeasuredDispatch>(tuning.gemv_dispatch)) {}
 
 BackendStats DenseBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                                const kernels::KernelSet& kernels, const TaskRunner& runner) const {
@@ -151,13 +152,7 @@ BackendStats DenseBackend::run_per_token(const float* x, size_t m, const GatedRo
                       chunks == 1 && bias != nullptr);
   };
   BackendStats stats;
-  const size_t tasks = m * chunks;
-  if (tasks > 1) ++stats.decode_calls;
-  if (tasks < 2 || stream_bytes < tuning_.gemv_parallel_min_bytes) {
-    SerialTaskRunner().run(tasks, task_fn);
-  } else if (gemv_dispatch_->run(runner, tasks, stream_bytes, task_fn)) {
-    ++stats.decode_pool_calls;
-  }
+  stats.count_decode(m * chunks, gemv_dispatch_->run(runner, m * chunks, stream_bytes, task_fn));
   if (chunks > 1) {
     for (size_t t = 0; t < m; ++t) {  // chunk by chunk: contiguous adds that vectorise
       float* yt = y + t * n;

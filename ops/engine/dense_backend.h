@@ -47,10 +47,9 @@ struct MatMulTuning {
   size_t gemv_min_chunk_rows = 128;
   // W bytes of one column panel at M > kSmallM, sized to stay in L2 across token tiles.
   size_t panel_bytes = 384 * 1024;
-  // Decode calls of more than one task that stream at least this many weight bytes time the calling
-  // thread against the pool and keep the faster (common/measured_dispatch.h); smaller ones run on
-  // the calling thread. Results do not depend on it.
-  size_t gemv_parallel_min_bytes = size_t{32} << 10;
+  // Decode calls time the calling thread against the pool and keep the faster, from 32 KiB of
+  // weights (common/measured_dispatch.h; QuantTuning::decode_dispatch). Results do not depend on it.
+  MeasuredDispatch::Settings gemv_dispatch = MeasuredDispatch::Settings::from_units(size_t{32} << 10);
 };
 
 class DenseBackend final : public WeightBackend {
@@ -77,7 +76,7 @@ class DenseBackend final : public WeightBackend {
   std::shared_ptr<const DenseWeights> weights_;
   MatMulTuning tuning_;
   // This node's decode dispatch, timed (logically const: it changes how, never what, run computes).
-  std::unique_ptr<MeasuredDispatch> gemv_dispatch_ = std::make_unique<MeasuredDispatch>();
+  std::unique_ptr<MeasuredDispatch> gemv_dispatch_;
 };
 
 }  // namespace ortsparse::engine

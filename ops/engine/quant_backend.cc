@@ -142,7 +142,8 @@ bool int8_decode_for_accuracy_level(int64_t accuracy_level) {
 }
 
 QuantBackend::QuantBackend(std::shared_ptr<const QuantWeights> weights, QuantTuning tuning)
-    : weights_(std::move(weights)), tuning_(tuning) {}
+    : weights_(std::move(weights)), tuning_(tuning),
+      decode_dispatch_(std::make_unique<MeasuredDispatch>(tuning.decode_dispatch)) {}
 
 BackendStats QuantBackend::run(const float* x, size_t m, const GatedRows& gated, const float* bias, float* y,
                                const kernels::KernelSet& kernels, const TaskRunner& runner) const {
@@ -279,15 +280,7 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
                        partial + task.slot * width + panel * p.panel, acc + i * p.panel);
     };
   }
-  if (tasks.size() > 1) ++stats.decode_calls;
-  if (tasks.size() < 2 || stream_bytes < tuning_.decode_parallel_min_bytes) {
-    SerialTaskRunner().run(tasks.size(), task_fn);
-  } else if (!tuning_.decode_measure_dispatch) {
-    runner.run(tasks.size(), task_fn);
-    ++stats.decode_pool_calls;
-  } else if (decode_dispatch_->run(runner, tasks.size(), stream_bytes, task_fn)) {
-    ++stats.decode_pool_calls;
-  }
+  stats.count_decode(tasks.size(), decode_dispatch_->run(runner, tasks.size(), stream_bytes, task_fn));
   for (size_t i = 0; i < tokens.size(); ++i) {
     const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
     const float s = gated.scale[t];

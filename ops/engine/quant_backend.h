@@ -89,14 +89,12 @@ struct QuantTuning {
   // and add (4 x N floats per token at 4 chunks). Tasks never depend on the thread count, so neither
   // do the results.
   size_t decode_panel_tasks = 4;
-  // A decode call streaming fewer weight bytes than this runs its tasks on the calling thread (too
-  // small for a second thread ever to pay). Above it, each node times both ways and keeps the faster
-  // (common/measured_dispatch.h: spinning on, ORT's default, every SmolLM2 layer gains from the pool;
-  // spinning off, waking a thread costs more than a 576x576 layer's second task saves), unless
-  // decode_measure_dispatch is false (tests: always the pool). Only the dispatch changes — the same
-  // tasks, partial sums and reduction order — so results do not.
-  size_t decode_parallel_min_bytes = size_t{32} << 10;
-  bool decode_measure_dispatch = true;
+  // Whether a decode call's tasks run on the pool or the calling thread: each node times both and
+  // keeps the faster (common/measured_dispatch.h: spinning on, ORT's default, every SmolLM2 layer
+  // gains from the pool; spinning off, waking a thread costs more than a 576x576 layer's second task
+  // saves). min_units: the weight bytes below which a call stays on the calling thread (32 KiB);
+  // measure = false: always the pool (tests). Results do not depend on it.
+  MeasuredDispatch::Settings decode_dispatch = MeasuredDispatch::Settings::from_units(size_t{32} << 10);
   // Dense tokens go through the int8 GEMM when a call has at least this many of them.
   size_t prefill_min_tokens = 4;
   // The GEMM's column chunks are split into at most this many tasks.
@@ -138,7 +136,7 @@ class QuantBackend final : public WeightBackend {
   std::shared_ptr<const QuantWeights> weights_;
   QuantTuning tuning_;
   // This node's decode dispatch, timed (logically const: it changes how, never what, run computes).
-  std::unique_ptr<MeasuredDispatch> decode_dispatch_ = std::make_unique<MeasuredDispatch>();
+  std::unique_ptr<MeasuredDispatch> decode_dispatch_;
 };
 
 

@@ -18,6 +18,11 @@ struct BackendStats {
   uint64_t unit_passes = 0;  // (output unit, token tile) passes
   uint64_t decode_calls = 0;       // decode calls of more than one task (quant and dense backends)
   uint64_t decode_pool_calls = 0;  // ... of which ran on the intra-op pool (common/measured_dispatch.h)
+
+  void count_decode(size_t tasks, bool pooled) {
+    decode_calls += tasks > 1;
+    decode_pool_calls += pooled;
+  }
 };
 
 class WeightBackend {

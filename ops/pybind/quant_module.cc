@@ -177,11 +177,11 @@ class QuantMatMul {
     tuning.prefill_min_tokens = prefill_min_tokens;
     tuning.decode_row_chunks = decode_row_chunks;
     tuning.decode_min_chunk_rows = decode_min_chunk_rows;
-    tuning.decode_parallel_min_bytes = decode_parallel_min_bytes;
+    tuning.decode_dispatch.min_units = decode_parallel_min_bytes;
     tuning.decode_panel_tasks = decode_panel_tasks;
     if (decode_dispatch != "measured" && decode_dispatch != "pool")
       throw Error("decode_dispatch must be 'measured' or 'pool', got '" + decode_dispatch + "'");
-    tuning.decode_measure_dispatch = decode_dispatch == "measured";
+    tuning.decode_dispatch.measure = decode_dispatch == "measured";
     tuning.int8_decode = engine::int8_decode_for_accuracy_level(accuracy_level);
     backend_ = std::make_unique<engine::QuantBackend>(weights_, tuning);
     b_ = U8Array();  // repacked: the sources are no longer needed
@@ -312,7 +312,7 @@ void register_quant(py::module_& m) {
            py::arg("prefill_min_tokens") = engine::QuantTuning{}.prefill_min_tokens,
            py::arg("decode_row_chunks") = engine::QuantTuning{}.decode_row_chunks,
            py::arg("decode_min_chunk_rows") = engine::QuantTuning{}.decode_min_chunk_rows,
-           py::arg("decode_parallel_min_bytes") = engine::QuantTuning{}.decode_parallel_min_bytes,
+           py::arg("decode_parallel_min_bytes") = engine::QuantTuning{}.decode_dispatch.min_units,
            py::arg("accuracy_level") = 0,
            py::arg("decode_panel_tasks") = engine::QuantTuning{}.decode_panel_tasks,
            py::arg("decode_dispatch") = "measured")

@@ -105,7 +105,8 @@ class GenaiStepper:
         self.og = og
         self.info = genai_decoder(folder)
         config = og.Config(str(self.info.folder))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": genai_session_options(threads, spinning)}}}))
+        options = genai_session_options(threads, spinning)
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
         self.model = og.Model(config)
         self.generator = None
         self.uses_library = bool(self.info.session_options.get("custom_ops_library"))
