@@ -303,12 +303,17 @@ def ratio_summary(values: Sequence[float]) -> dict[str, float]:
     return {"min": ordered[0], "median": float(statistics.median(ordered)), "max": ordered[-1], "rounds": len(ordered)}
 
 
+# With ORT's spinning pool, the pause between one model's run and the next model's: the idle pool
+# threads spin on a core for milliseconds after a Run and would slow the next model.
+SPINNING_SETTLE_S = 0.2
+
+
 def threads_policy(spinning: bool) -> str:
     """A report's sentence on how its runs above one thread were set up."""
     if spinning:
         return ("Above 1 thread: ORT's default spinning pool (what an app gets when it sets nothing); the models ran "
-                "one after another, 0.2 s apart, never alternated step by step (an idle spinning pool keeps a core "
-                "busy for milliseconds).")
+                f"one after another, {SPINNING_SETTLE_S} s apart, never alternated step by step (an idle spinning "
+                "pool keeps a core busy for milliseconds).")
     return "Above 1 thread: session.intra_op.allow_spinning=0."
 
 

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._library import metrics, reset_metrics
+from ..benchmarking import SPINNING_SETTLE_S
 from ..runtime import KVDecoder, genai_decoder, kv_layout, open_session, thread_options, uses_ortsparse
 
 
@@ -176,7 +177,7 @@ def plan(context: int, steps: int, warmup: int, *, offset: int = 0, max_position
 def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndarray, loop: LoopPlan, *,
                 prefill_chunk: int = 512, reference: str | None = None,
                 measure_metrics: bool = True, log: Callable[[str], None] | None = None,
-                interleave: bool = True, settle_s: float = 0.2) -> dict[str, dict]:
+                interleave: bool = True, settle_s: float = SPINNING_SETTLE_S) -> dict[str, dict]:
     """Run the loop over every stepper (reset first) and return per name: ``step_seconds`` (timed
     steps), ``median_s``, ``tokens_per_s``, ``p10_s`` / ``p90_s``, ``prefill_s`` and
     ``prefill_tokens_per_s``, ``predictions`` (argmax after each decode step, warm-up included),
@@ -243,7 +244,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
             counters = metrics() if measure_metrics else {}
         else:
             for name in names:
-                time.sleep(settle_s)  # the previous model's spinning pool threads go to sleep
+                time.sleep(settle_s)
                 prefill_chunks(name, starts)
                 if measure_metrics:
                     reset_metrics()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..benchmarking import machine_info, neighbour_line, ratio_summary, report_header, threads_policy
+from ..benchmarking import SPINNING_SETTLE_S, machine_info, neighbour_line, ratio_summary, report_header, threads_policy
 from ..benchmarking import neighbour as neighbour_process
 from .decode import Stepper, open_stepper
 
@@ -111,7 +111,7 @@ def request_bench(candidates: Sequence[Any], tokens: np.ndarray, requests: Seque
                     results = {}
                     for key in order:
                         if spinning and n_threads > 1:
-                            time.sleep(0.2)  # the previous model's spinning pool threads go to sleep
+                            time.sleep(SPINNING_SETTLE_S)
                         results[key] = run_request(steppers[key], tokens, shape, offset)
                     base = results[reference_key]
                     for key in keys:
