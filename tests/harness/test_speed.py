@@ -211,6 +211,17 @@ def test_cli_bench_request_writes_the_report(tmp_path):
     assert main(["bench", f"genai={GENAI}", "--corpus", str(corpus), "--request", "120:20", "-o", str(stem)]) == 2
 
 
+def test_cli_bench_spinning_writes_its_policy(tmp_path):
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, TOKENS)
+    stem = tmp_path / "req"
+    assert main(["bench", f"genai={GENAI}", f"copy={GENAI}", "--runners", "og", "--threads", "2", "--spinning",
+                 "--corpus", str(corpus), "--request", "16:4", "--rounds", "1", "-o", str(stem)]) == 0
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert payload["spinning"] is True and {r["answer_agreement"] for r in payload["rows"]} == {1.0}
+    assert "ORT's default spinning pool" in stem.with_suffix(".md").read_text()
+
+
 def test_request_speed_gives_the_worst_round_ratio():
     from ortsparse.harness.request import request_speed
 
