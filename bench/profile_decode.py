@@ -64,9 +64,11 @@ def profile(model, tokens, context: int, runs: int, prefix: str, warmup: int = 2
     # The step as a whole (model_run): what the nodes' sum leaves out is the executor's own time.
     per_op["(whole step)"] = statistics.median(e["dur"] for e in events if e.get("cat") == "Session"
                                                and e["name"] == "model_run" and e["ts"] >= profiled_from)
-    for (op, _), durations in per_node.items():
+    per_layer: collections.Counter = collections.Counter()  # per node name, layer numbers as N
+    for (op, name), durations in per_node.items():
         per_op[op] += statistics.median(durations)
-    return per_op, shares
+        per_layer[re.sub(r"layers\.\d+", "layers.N", name.removesuffix("_kernel_time"))] += statistics.median(durations)
+    return per_op, shares, per_layer
 
 
 def main(argv=None) -> int:
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads of both sessions; above one with spinning off, as the benchmarks run")
     parser.add_argument("--spinning", action="store_true", help="above one thread, ORT's default spinning pool")
+    parser.add_argument("--by-node", action="store_true",
+                        help="also print each node name's time summed over the layers (layers.N), largest first")
     args = parser.parse_args(argv)
     dense = onnx.load(str(model_input(args.model) if args.model else model_path("smollm2", "kv.torchscript")))
     if args.against:
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
                                     args.spinning),
                     "kwta": profile(gated, tokens, args.context, args.runs, f"{tmp}/kwta", args.warmup, args.threads,
                                     args.spinning)}
-    columns = {name: per_op for name, (per_op, _) in profiles.items()}
+    columns = {name: per_op for name, (per_op, _, _) in profiles.items()}
     ops = sorted(set(columns["dense"]) | set(columns["kwta"]), key=lambda op: -max(c[op] for c in columns.values()))
     what = args.against or args.config or f"k {args.k} on {args.target}"
     pool = " (ORT's default, spinning pool)" if args.spinning else ""
@@ -113,6 +117,11 @@ def main(argv=None) -> int:
     print(f"{'nodes total':24s} {nodes['dense']:10.0f} {nodes['kwta']:10.0f}")
     for layer, share in sorted(profiles["kwta"][1].items()):
         print(f"decode calls on the pool, {layer}: {share:.0%}")
+    if args.by_node:
+        for name, (_, _, per_layer) in profiles.items():
+            print(f"{name}: per node name over the layers (us)")
+            for node, us in per_layer.most_common(12):
+                print(f"  {us:8.0f}  {node}")
     return 0
 
 

@@ -52,7 +52,8 @@ def alternate(candidates: dict[str, Callable[[], object]], repeats: int, warmup:
 
 def sign_test(wins: int, pairs: int) -> float:
     """P(at least ``wins`` of ``pairs`` fair coin flips): the one-sided sign test on paired runs."""
-    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2.0 ** pairs
+    # Integer numerator and denominator: a float 2.0 ** pairs overflows past 1023 pairs.
+    return sum(math.comb(pairs, j) for j in range(wins, pairs + 1)) / 2 ** pairs
 
 
 def median(values: list[float]) -> float:
@@ -238,6 +239,22 @@ def last_level_cache_bytes(default: int = 32 << 20) -> int:
         if digits.isdigit():
             best = max(best, int(digits) * scale)
     return best or default
+
+
+def cache_flush_bytes() -> int:
+    """Twice the last-level cache sysfs reports, at least 64 MiB; a report over 64 MiB (virtual
+    machines overstate it: 480 MiB on a 32 MiB-L3 machine here) counts as 64 MiB, so a flush stays
+    ~10 ms."""
+    llc = last_level_cache_bytes()
+    return 2 * min(max(llc, 32 << 20), 64 << 20)
+
+
+def cache_flusher() -> Callable[[], object]:
+    """A call that reads :func:`cache_flush_bytes` of memory: afterwards a layer's weights come from
+    memory, as in a decode step, where every other layer's weights pass between two uses of one
+    layer's (timing a layer over and over without it measures weights the L3 keeps)."""
+    buffer = np.ones(cache_flush_bytes() // 8, dtype=np.float64)
+    return buffer.sum
 
 
 class StreamNeighbour:

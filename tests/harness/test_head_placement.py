@@ -48,10 +48,22 @@ def test_time_head_measures_both_and_keeps_the_faster(quantized):
     assert "sign test" in timing.describe()
 
 
+def test_time_head_flushes_the_caches_before_every_timed_run(quantized, monkeypatch):
+    # In a decode step the head's weights come from memory; timed warm they sat in the L3 and the
+    # answer flipped for SmolLM2's head.
+    flushes = []
+    monkeypatch.setattr(head_placement, "cache_flusher", lambda: lambda: flushes.append(1))
+    timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1)
+    assert len(flushes) == 2 * timing.runs
+
+
 def test_sign_test():
     assert head_placement.sign_test(0, 10) == 1.0
     assert head_placement.sign_test(10, 10) == pytest.approx(1 / 1024)
     assert head_placement.sign_test(15, 21) < 0.05 < head_placement.sign_test(14, 21)
+    # Thousands of pairs (a fast layer timed for seconds without a cache flush) did overflow a float 2 ** n.
+    assert head_placement.sign_test(1500, 3000) == pytest.approx(0.5, abs=0.02)
+    assert head_placement.sign_test(3000, 3000) == 0.0
 
 
 def test_a_head_that_cannot_be_measured_stays(quantized):

@@ -1,22 +1,26 @@
 """Where an ungated quantized LM head runs, decided by a measurement on this machine: as stored
 (``MatMulNBits``) or on our kernel keeping every row (``KwtaBlockMatMul`` with :data:`DENSE_ON_OURS`).
 
-At one decode token the head is the widest layer. On SmolLM2's 576 x 49152 int8 head our kernel was
-faster; on Gemma-3's 640 x 262144 head it was slower (issue 29). So each candidate
-head is timed: a single-node graph holding the head's real weights, as MatMulNBits and as its
-rewrite, fed one decode row ``[1, 1, K]``, both sessions in this process with the same threads,
-alternating for a second or two (session set-up included, 4-12 s for a 640 x 262144 int8 head on
-this 2-core machine under load, ~4 s for SmolLM2's). Each alternation is a pair of runs back to back
-(the same load on both). Ours is kept only when it is faster in more pairs than chance explains
-(one-sided sign test, p < :data:`SIGNIFICANCE`): under load the two medians of the same 640 x 262144
-head came out 1.08x one way and 0.92x the other in two runs, so a plain "faster median" flipped.
-Otherwise — slower, a tie, or within the noise — MatMulNBits stays (the graph as it was). A head our
-rewrite does not take, or whose inputs are not constant, stays as it is.
+At one decode token the head is the widest layer. Which kernel is faster depends on the head and
+the machine: on Gemma-3's 640 x 262144 head ours was slower (issue 29). So each candidate head is
+timed: a single-node graph holding the head's real weights, as MatMulNBits and as its rewrite, fed
+one decode row ``[1, 1, K]``, both sessions in this process with the same threads, alternating for a
+second or two (session set-up included, 4-12 s for a 640 x 262144 int8 head on this 2-core machine
+under load, ~4 s for SmolLM2's). The caches are flushed before each run
+(:func:`ortsparse.benchmarking.cache_flusher`): in a decode step the whole model's weights pass
+between two uses of the head, so its weights come from memory. Timed warm instead, SmolLM2's 28 MiB
+int8 head sat in the 32 MiB L3 and the answer flipped: MatMulNBits 1.02-1.08x faster warm, ours
+1.17x faster flushed (2442-2522 vs 2901-2915 us) — and in the decode step's own profile the head
+took MatMulNBits 2554 us. Each alternation is a pair of runs back to back (the same load on both).
+Ours is kept only when it is faster in more pairs than chance explains (one-sided sign test, p <
+:data:`SIGNIFICANCE`): under load the two medians of the same 640 x 262144 head came out 1.08x one
+way and 0.92x the other in two runs, so a plain "faster median" flipped. Otherwise — slower, a tie,
+or within the noise — MatMulNBits stays (the graph as it was). A head our rewrite does not take, or
+whose inputs are not constant, stays as it is.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..benchmarking import sign_test
+from ..benchmarking import cache_flusher, sign_test, time_sessions
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..runtime import open_session, thread_options
 
@@ -92,10 +96,10 @@ def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProt
     return head, k, n
 
 
-def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5,
-              max_runs: int = 400) -> HeadTiming:
+def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5) -> HeadTiming:
     """MatMulNBits vs our dense form of the head ``name`` of ``model`` (weights loaded), alternating
-    for about ``seconds`` (at least 5 runs each, after one warm-up run each)."""
+    for about ``seconds`` (at least 5 runs each, after one warm-up run each), the caches flushed
+    before each timed run."""
     try:
         nbits, k, n = single_node_model(model, name)
     except (ValueError, KeyError) as error:
@@ -106,15 +110,8 @@ def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: f
     options = thread_options(threads)
     sessions = {"matmulnbits": open_session(nbits, options), "ours": open_session(ours, options)}
     feed = {"A": np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)}
-    times: dict[str, list[float]] = {key: [] for key in sessions}
-    for session in sessions.values():
-        session.run(None, feed)  # warm-up: first-run allocations and packing
-    deadline = time.perf_counter() + seconds
-    while len(times["ours"]) < max_runs and (len(times["ours"]) < 5 or time.perf_counter() < deadline):
-        for key, session in sessions.items():
-            start = time.perf_counter()
-            session.run(None, feed)
-            times[key].append(time.perf_counter() - start)
+    # Warm-up: first-run allocations and packing. Pairs: the i-th runs of both, back to back.
+    times = time_sessions(sessions, feed, repeats=5, warmup=1, min_seconds=seconds, before=cache_flusher())
     nbits_us, ours_us = (1e6 * float(np.median(times[key])) for key in ("matmulnbits", "ours"))
     ratio = float(np.median(np.divide(times["ours"], times["matmulnbits"])))
     pairs = len(times["ours"])

@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..benchmarking import last_level_cache_bytes, sign_test, time_sessions
+from ..benchmarking import cache_flusher, sign_test, time_sessions
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..harness.allocation import Unit, gated_layers, units_of
 from ..runtime import open_session, thread_options
@@ -178,14 +178,6 @@ def keep_threshold(row: np.ndarray, keep: float) -> float:
     return float((magnitudes[kept - 1] + magnitudes[kept]) / 2.0) if kept > 0 else float(magnitudes[0]) * 2.0 + 1.0
 
 
-def flush_bytes() -> int:
-    """Twice the last-level cache sysfs reports, at least 64 MiB; a report over 64 MiB (virtual
-    machines overstate it: 480 MiB on a 32 MiB-L3 machine here) counts as 64 MiB, so a flush stays
-    ~10 ms."""
-    llc = last_level_cache_bytes()
-    return 2 * min(max(llc, 32 << 20), 64 << 20)
-
-
 def non_decreasing(values: Sequence[float]) -> list[float]:
     """The least-squares non-decreasing sequence closest to ``values`` (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [mean, count]
@@ -219,11 +211,10 @@ def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Seque
         if {node.op_type for node in ours.graph.node} & {node.op_type for node in graph.graph.node}:
             return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
         sessions[keep] = open_session(ours, options)
-    flush = np.ones(flush_bytes() // 8, dtype=np.float64)
     # Every weight byte from memory, as in a decode step; one warm-up run each (allocations, packing).
     times = time_sessions(sessions, {f"X{i}": row for i in range(len(units))}, repeats=min_rounds, warmup=1,
                           min_seconds=SECONDS_PER_CLASS if seconds is None else seconds,
-                          before=flush.sum)
+                          before=cache_flusher())
     base = np.asarray(times["input"])
     input_us = 1e6 * float(np.median(base)) / len(units)
     measured = sorted(key for key in sessions if key != "input")
