@@ -80,6 +80,51 @@ def test_measure_class_gives_a_monotone_curve_and_a_test_per_keep(model_units):
     assert record["input_us"] > 0 and set(record["sign_test_p"]) == {f"{k:g}" for k in layer_speed.KEEPS}
 
 
+def test_every_class_is_timed_in_one_rotation(model_units, monkeypatch):
+    # A decode step's weights come from memory because the other layers' pass between two uses of a
+    # layer's: the classes' sessions rotate together, each class's input paired with its own keeps.
+    model, units = model_units
+    classes = list(layer_speed.speed_classes(model, units).items())
+    calls = []
+    real_alternate = layer_speed.alternate
+
+    def spy(runners, **kwargs):
+        calls.append((set(runners), kwargs.get("before")))
+        return real_alternate(runners, **kwargs)
+
+    monkeypatch.setattr(layer_speed, "alternate", spy)
+    flushes = []
+    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: lambda: flushes.append(1))
+    records = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
+    assert len(calls) == 1  # one rotation, not one per class
+    runners, before = calls[0]
+    assert runners == {(i, key) for i in range(len(classes)) for key in ("input", *layer_speed.KEEPS)}
+    assert [r.signature for r in records] == [" + ".join(signature) for signature, _ in classes]
+    assert all(r.measured and r.rounds >= 3 for r in records)
+    # The tiny model's rotation fits in the cache: every run is preceded by a flush after all.
+    assert before is not None and len(flushes) == len(runners) * records[0].rounds
+
+
+def test_a_large_rotation_runs_without_a_flush(model_units, monkeypatch):
+    model, units = model_units
+    classes = list(layer_speed.speed_classes(model, units).items())[:1]
+    monkeypatch.setattr(layer_speed, "cache_flush_bytes", lambda: 0)  # as if the weights dwarfed the cache
+    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: pytest.fail("flushed a rotation larger than the cache"))
+    (record,) = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
+    assert record.measured
+
+
+def test_an_unmeasurable_class_keeps_its_place_among_the_records(model_units):
+    model, units = model_units
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    classes = list(layer_speed.speed_classes(model, units).items())
+    node = next(n for n in broken.graph.node if n.name == classes[1][1][0].layers[0].name)
+    node.input[1] = "computed_weight"
+    records = layer_speed.measure_classes(broken, classes, seconds=0.0, min_rounds=3)
+    assert [r.measured for r in records] == [True, False] + [True] * (len(classes) - 2)
+
+
 def _speed(input_us, ours, p):
     keeps = sorted(ours)
     monotone = dict(zip(keeps, layer_speed.non_decreasing([ours[k] for k in keeps])))

@@ -191,10 +191,11 @@ def test_output_onto_the_input_is_refused(tmp_path, text, capsys):
 def _class_speed(pays):
     from ortsparse.tuning import layer_speed
 
-    def measure(model, signature, units, **kwargs):
+    def measure(model, classes, **kwargs):
         ours = {0.25: 40.0, 0.5: 60.0, 0.75: 80.0, 1.0: 95.0}
-        return layer_speed.ClassSpeed(" + ".join(signature), len(units), 100.0, ours, 30, "fixed for the test",
-                                      dict(ours), {k: (0.001 if pays else 0.5) for k in ours})
+        return [layer_speed.ClassSpeed(" + ".join(signature), len(units), 100.0, ours, 30, "fixed for the test",
+                                       dict(ours), {k: (0.001 if pays else 0.5) for k in ours})
+                for signature, units in classes]
     return measure
 
 
@@ -203,7 +204,7 @@ def test_where_no_layer_pays_tune_says_so_before_calibrating(tmp_path, text, mon
     from ortsparse.harness import allocation
     from ortsparse.tuning import layer_speed
 
-    monkeypatch.setattr(layer_speed, "measure_class", _class_speed(pays=False))
+    monkeypatch.setattr(layer_speed, "measure_classes", _class_speed(pays=False))
     monkeypatch.setattr(allocation, "prepare_lm", lambda *a, **k: pytest.fail("calibrated although nothing pays"))
     out = tmp_path / "tuned"
     assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--threads", "2"]) == 1
@@ -217,7 +218,7 @@ def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, tex
     from ortsparse.harness import allocation
     from ortsparse.tuning import layer_speed
 
-    monkeypatch.setattr(layer_speed, "measure_class", _class_speed(pays=True))
+    monkeypatch.setattr(layer_speed, "measure_classes", _class_speed(pays=True))
     timed = []
     real_allocate = allocation.allocate
     monkeypatch.setattr(allocation, "allocate", lambda units, *a, **k: (
@@ -234,7 +235,7 @@ def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, tex
 def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer_speed, steady_tune_speed):
     from ortsparse.tuning import layer_speed
 
-    monkeypatch.setattr(layer_speed, "measure_class", lambda *a, **k: pytest.fail("measured with --no-speed-aware"))
+    monkeypatch.setattr(layer_speed, "measure_classes", lambda *a, **k: pytest.fail("measured with --no-speed-aware"))
     out = tmp_path / "tuned"
     assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0", "--no-speed-aware"]) == 0
     report = json.loads((tmp_path / "tuned.tune.json").read_text())

@@ -13,9 +13,16 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   one decode row ``[1, 1, K]`` (units apart, as in the model: the rewrite fuses a unit's layers only),
   once as the input model has them and once on our op at each keep of :data:`KEEPS` (a
   threshold on a fixed row putting exactly that fraction of the inputs through);
-- the sessions run in rotation, each run after the caches were flushed by a read of twice the
-  last-level cache (in a decode step every other layer's weights pass between two uses of a
-  layer's: the weights come from memory, not the cache), the same threads as the speed check;
+- every class's sessions run in **one rotation**, no flush: between two runs of a session, the
+  other sessions' weights (four copies of every class's units) pass through the caches, as in a
+  decode step every other layer's weights pass between two uses of a layer's — the weights come
+  from memory while the code and ONNX Runtime's own state stay warm, as they do in a decode step.
+  (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
+  int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
+  profile; per class the rotation was within 0-7% of the profile, the flush 21-68% slower:
+  reports/layer_speed_regimes_2026-11-28.md.) When the rotation's weights
+  fit twice in the last-level cache (a small model), each run is preceded by a flush after all;
+  the same threads as the speed check;
 - per class and keep: ours' time as the median of the paired ratios to the input (run back to
   back: the same load on both) times the input's median, made non-decreasing in the keep (fewer
   rows never cost more: a pool-adjacent-violators pass irons out what the noise inverts), and a
@@ -26,7 +33,8 @@ A unit's value at sparsity ``s`` is then the time it saves, ``t_input - t(1 - s)
 sparsities that save time, and only when at some measured keep ours was *shown* faster (sign test,
 p < :data:`SIGNIFICANCE`) — under noise that shows nothing the class stays dense, as the input has
 it — and, with its price, buys loss with measured time instead of bytes. A class that cannot be measured (a layer whose weight is not a plain initializer
-of its node) keeps the byte model. Cost: a few seconds per class (12-25 s for SmolLM2's four).
+of its node) keeps the byte model. Cost: a few seconds per class (12-25 s for SmolLM2's four); memory:
+every class's five sessions at once (8 units each).
 """
 from __future__ import annotations
 
@@ -36,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from ..benchmarking import cache_flusher, sign_test, time_sessions
+from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..harness.allocation import Unit, gated_layers, units_of
 from ..runtime import open_session, thread_options
@@ -46,7 +54,7 @@ from ..runtime import open_session, thread_options
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
 SIGNIFICANCE = 0.05  # one-sided sign test: ours faster than the input in this many pairs by chance
 UNITS_PER_CLASS = 8
-SECONDS_PER_CLASS = 3.0  # rotation time per class (~40-60 rounds for SmolLM2's classes here)
+SECONDS_PER_CLASS = 3.0  # rotation time per class (~1000 rounds in all for SmolLM2's four here)
 
 
 @dataclasses.dataclass
@@ -106,7 +114,7 @@ class ClassSpeed:
         pays = ("gating never pays here" if even is None else
                 f"gating pays from {even:.0%} sparsity" if even > 0 else "gating pays at every sparsity")
         return (f"{self.signature} x {self.units}: input {self.input_us:.1f} us, ours {ours} us per unit and decode "
-                f"row ({self.rounds} rounds, caches flushed): {pays}")
+                f"row ({self.rounds} rounds, weights from memory): {pays}")
 
 
 def _signature(model: onnx.ModelProto, unit: Unit) -> tuple[str, ...] | None:
@@ -189,11 +197,22 @@ def non_decreasing(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequence[Unit], *, threads: int = 1,
-                  seconds: float | None = None, min_rounds: int = 5, keeps: Iterable[float] = KEEPS) -> ClassSpeed:
-    """The input form and our op at each of ``keeps`` on the class graph of ``units`` (real weights),
-    rotating for about ``seconds`` (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds``
-    rotations), caches flushed before each timed run."""
+@dataclasses.dataclass
+class _ClassRun:
+    """One class ready to time: its sessions ("input" and each keep) and what to feed them."""
+
+    name: str
+    class_size: int
+    units: int
+    sessions: dict[Any, Any]
+    feed: dict[str, np.ndarray]
+    weight_bytes: int  # the class graph's constants, once per session
+
+
+def _prepare_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequence[Unit], threads: int,
+                   keeps: Iterable[float]) -> _ClassRun | ClassSpeed:
+    """The class graph of up to :data:`UNITS_PER_CLASS` ``units`` as the input has it and on our op
+    at each keep, sessions open; a ClassSpeed saying why when it cannot be measured."""
     name = " + ".join(signature)
     class_size, units = len(units), units[:UNITS_PER_CLASS]
     try:
@@ -204,36 +223,76 @@ def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Seque
     row = np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)
     layer_names = [layer.name for unit in units for layer in unit.layers]
     options = thread_options(threads)
-    sessions = {"input": open_session(graph, options)}
+    sessions: dict[Any, Any] = {"input": open_session(graph, options)}
     for keep in keeps:
         gate = {"threshold": keep_threshold(row, keep), "k_frac": 1.0, "block": 1}
         ours = rewritten_with(graph, override_entries("kwta", [(n, gate) for n in layer_names], rest=None))
         if {node.op_type for node in ours.graph.node} & {node.op_type for node in graph.graph.node}:
             return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
-        sessions[keep] = open_session(ours, options)
-    # Every weight byte from memory, as in a decode step; one warm-up run each (allocations, packing).
-    times = time_sessions(sessions, {f"X{i}": row for i in range(len(units))}, repeats=min_rounds, warmup=1,
-                          min_seconds=SECONDS_PER_CLASS if seconds is None else seconds,
-                          before=cache_flusher())
+        sessions[float(keep)] = open_session(ours, options)
+    weight_bytes = sum(numpy_helper.to_array(t).nbytes for t in graph.graph.initializer)
+    return _ClassRun(name, class_size, len(units), sessions, {f"X{i}": row for i in range(len(units))}, weight_bytes)
+
+
+def _class_speed(run: _ClassRun, times: dict[Any, list[float]]) -> ClassSpeed:
+    """A class's record from its sessions' times (paired by index with the input's)."""
     base = np.asarray(times["input"])
-    input_us = 1e6 * float(np.median(base)) / len(units)
-    measured = sorted(key for key in sessions if key != "input")
-    ours_us = {float(keep): input_us * float(np.median(np.asarray(times[keep]) / base)) for keep in measured}
-    monotone = dict(zip(map(float, measured), non_decreasing([ours_us[float(k)] for k in measured])))
-    p_values = {float(keep): sign_test(int(np.sum(np.asarray(times[keep]) < base)), base.size) for keep in measured}
-    return ClassSpeed(name, class_size, input_us, ours_us, len(base),
-                      f"{len(units)} units timed; paired ratios to the input form, medians", monotone, p_values)
+    input_us = 1e6 * float(np.median(base)) / run.units
+    measured = sorted(key for key in times if key != "input")
+    ours_us = {keep: input_us * float(np.median(np.asarray(times[keep]) / base)) for keep in measured}
+    monotone = dict(zip(measured, non_decreasing([ours_us[k] for k in measured])))
+    p_values = {keep: sign_test(int(np.sum(np.asarray(times[keep]) < base)), base.size) for keep in measured}
+    return ClassSpeed(run.name, run.class_size, input_us, ours_us, len(base),
+                      f"{run.units} units timed in one rotation with the other classes; paired ratios to the input "
+                      "form, medians", monotone, p_values)
+
+
+def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str], Sequence[Unit]]], *,
+                    threads: int = 1, seconds: float | None = None, min_rounds: int = 5,
+                    keeps: Iterable[float] = KEEPS, flush: bool | None = None) -> list[ClassSpeed]:
+    """Each (signature, units) class: the input form and our op at each of ``keeps`` on its class
+    graph (real weights), every class's sessions in one rotation for about ``seconds`` per class
+    (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds`` rotations), one warm-up run each
+    (allocations, packing); a flush before each run only when the rotation's weights are under
+    :func:`ortsparse.benchmarking.cache_flush_bytes` (``flush``: True / False forces it either way)."""
+    keeps = tuple(keeps)
+    prepared = [_prepare_class(model, signature, units, threads, keeps) for signature, units in classes]
+    runs = [run for run in prepared if isinstance(run, _ClassRun)]
+    times: dict[Any, list[float]] = {}
+    if runs:
+        runners = {(index, key): (lambda s=session, f=run.feed: s.run(None, f))
+                   for index, run in enumerate(runs) for key, session in run.sessions.items()}
+        rotation_bytes = sum(run.weight_bytes * len(run.sessions) for run in runs)
+        per_class = SECONDS_PER_CLASS if seconds is None else seconds
+        if flush is None:
+            flush = rotation_bytes < cache_flush_bytes()
+        times = alternate(runners, repeats=min_rounds, warmup=1, min_seconds=per_class * len(runs),
+                          before=cache_flusher() if flush else None)
+    records, timed = [], iter(range(len(runs)))
+    for item in prepared:
+        if isinstance(item, ClassSpeed):
+            records.append(item)
+            continue
+        index = next(timed)
+        records.append(_class_speed(item, {key: values for (i, key), values in times.items() if i == index}))
+    return records
+
+
+def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequence[Unit], *, threads: int = 1,
+                  seconds: float | None = None, min_rounds: int = 5, keeps: Iterable[float] = KEEPS) -> ClassSpeed:
+    """One class alone (:func:`measure_classes`)."""
+    return measure_classes(model, [(signature, units)], threads=threads, seconds=seconds, min_rounds=min_rounds,
+                           keeps=keeps)[0]
 
 
 def measure_units(model: onnx.ModelProto, units: Sequence[Unit], *, threads: int = 1, seconds: float | None = None,
                   log: Callable[[str], None] = print) -> list[ClassSpeed]:
     """Every speed class of ``units`` measured; sets each measured unit's ``saving`` (microseconds
     saved per decode row at each grid sparsity). Returns the classes' records."""
-    records = []
-    for signature, members in speed_classes(model, units).items():
-        speed = measure_class(model, signature, members, threads=threads, seconds=seconds)
+    classes = list(speed_classes(model, units).items())
+    records = measure_classes(model, classes, threads=threads, seconds=seconds)
+    for (_, members), speed in zip(classes, records):
         log(f"layer speed: {speed.describe()}")
-        records.append(speed)
         if speed.measured:
             for unit in members:
                 unit.saving = speed.saving(np.asarray(unit.grid))

@@ -110,8 +110,8 @@ def _layer_speed_lines(report: dict[str, Any]) -> list[str]:
     speeds = report.get("layer_speed")
     if not isinstance(speeds, list):
         return [f"Layer speed {speeds or 'not measured'}."]
-    lines = ["Per speed class (the units sharing ops and shapes), microseconds per unit and decode row, caches "
-             "flushed, this machine at the run's threads; a unit is gated only where gating saves time:", "",
+    lines = ["Per speed class (the units sharing ops and shapes), microseconds per unit and decode row, weights "
+             "from memory (every class in one rotation), this machine at the run's threads; a unit is gated only where gating saves time:", "",
              "| class | units | input | ours, keep 1 / 0.75 / 0.5 / 0.25 | gating pays from |", "|---|---|---|---|---|"]
     for speed in speeds:
         if speed["input_us"] is None:
