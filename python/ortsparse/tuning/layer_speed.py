@@ -14,7 +14,7 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   once as the input model has them and once on our op at each keep of :data:`KEEPS` (a
   threshold on a fixed row putting exactly that fraction of the inputs through);
 - every class's sessions run in **one rotation**, no flush: between two runs of a session, the
-  other sessions' weights (four copies of every class's units) pass through the caches, as in a
+  other sessions' weights (five forms of every class's units) pass through the caches, as in a
   decode step every other layer's weights pass between two uses of a layer's — the weights come
   from memory while the code and ONNX Runtime's own state stay warm, as they do in a decode step.
   (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
