@@ -20,8 +20,9 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
   int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
   profile; per class the rotation was within 0-7% of the profile, the flush 21-68% slower:
-  reports/layer_speed_regimes_2026-11-28.md.) When the rotation's weights
-  fit twice in the last-level cache (a small model), each run is preceded by a flush after all;
+  reports/layer_speed_regimes_2026-11-28.md.) When the rotation's weights fit in the last-level
+  cache (a small model; sysfs's size capped at 64 MiB, as virtual machines overstate it), each run
+  is preceded by a flush after all;
   the same threads as the speed check;
 - per class and keep: ours' time as the median of the paired ratios to the input (run back to
   back: the same load on both) times the input's median, made non-decreasing in the keep (fewer
@@ -253,8 +254,9 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
     """Each (signature, units) class: the input form and our op at each of ``keeps`` on its class
     graph (real weights), every class's sessions in one rotation for about ``seconds`` per class
     (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds`` rotations), one warm-up run each
-    (allocations, packing); a flush before each run only when the rotation's weights are under
-    :func:`ortsparse.benchmarking.cache_flush_bytes` (``flush``: True / False forces it either way)."""
+    (allocations, packing); a flush before each run only when the rotation's weights are under the
+    last-level cache's size (half :func:`ortsparse.benchmarking.cache_flush_bytes`: sysfs's figure,
+    capped at 64 MiB) (``flush``: True / False forces it either way)."""
     keeps = tuple(keeps)
     prepared = [_prepare_class(model, signature, units, threads, keeps) for signature, units in classes]
     runs = [run for run in prepared if isinstance(run, _ClassRun)]
@@ -264,8 +266,8 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
                    for index, run in enumerate(runs) for key, session in run.sessions.items()}
         rotation_bytes = sum(run.weight_bytes * len(run.sessions) for run in runs)
         per_class = SECONDS_PER_CLASS if seconds is None else seconds
-        if flush is None:
-            flush = rotation_bytes < cache_flush_bytes()
+        if flush is None:  # a rotation within the last-level cache (capped estimate) would time cached weights
+            flush = rotation_bytes < cache_flush_bytes() // 2
         times = alternate(runners, repeats=min_rounds, warmup=1, min_seconds=per_class * len(runs),
                           before=cache_flusher() if flush else None)
     records, timed = [], iter(range(len(runs)))
