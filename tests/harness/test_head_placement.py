@@ -53,8 +53,14 @@ def test_time_head_flushes_the_caches_before_every_timed_run(quantized, monkeypa
     # answer flipped for SmolLM2's head.
     flushes = []
     monkeypatch.setattr(head_placement, "cache_flusher", lambda: lambda: flushes.append(1))
-    timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1)
+    timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1, fresh_process=False)
     assert len(flushes) == 2 * timing.runs
+
+
+def test_a_failed_timing_process_leaves_the_head_where_it_is(quantized, monkeypatch):
+    monkeypatch.setattr(head_placement.sys, "executable", "/bin/false")
+    timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1)
+    assert not timing.on_ours and timing.matmulnbits_us is None and "the timing process failed" in timing.note
 
 
 def test_sign_test():
