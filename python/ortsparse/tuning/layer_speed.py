@@ -20,7 +20,9 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
   int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
   profile; per class the rotation was within 0-7% of the profile, the flush 21-68% slower:
-  reports/layer_speed_regimes_2026-11-28.md.) When the rotation's weights fit in the last-level
+  reports/layer_speed_regimes_2026-11-28.md. On int4, whose 84 MiB rotation keeps part of itself in
+  the 32 MiB L3, the rotation was 6-18% under the profile and the flush 28-71% over it; an earlier
+  run had the rotation 28-38% under. A spacer read between runs overshot instead, +20-34%: not kept.) When the rotation's weights fit in the last-level
   cache (a small model; sysfs's size capped at 64 MiB, as virtual machines overstate it), each run
   is preceded by a flush after all;
   the same threads as the speed check;
