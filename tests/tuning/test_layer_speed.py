@@ -63,15 +63,15 @@ def test_a_node_reading_a_computed_weight_is_not_measured(model_units):
     target = units[0].layers[0].name
     node = next(n for n in broken.graph.node if n.name == target)
     node.input[1] = "computed_weight"  # no initializer of that name
-    speed = layer_speed.measure_class(broken, ("x",), units[:1], seconds=0.0)
+    (speed,) = layer_speed.measure_classes(broken, [(("x",), units[:1])], seconds=0.0)
     assert not speed.measured and "not a constant initializer" in speed.note
     assert speed.break_even is None
 
 
-def test_measure_class_gives_a_monotone_curve_and_a_test_per_keep(model_units):
+def test_a_class_gets_a_monotone_curve_and_a_test_per_keep(model_units):
     model, units = model_units
     signature, members = next(iter(layer_speed.speed_classes(model, units).items()))
-    speed = layer_speed.measure_class(model, signature, members, seconds=0.0, min_rounds=7)
+    (speed,) = layer_speed.measure_classes(model, [(signature, members)], seconds=0.0, min_rounds=7)
     assert speed.measured and speed.rounds >= 7 and speed.units == len(members)
     assert set(speed.ours_us) == set(speed.monotone_us) == set(speed.p_values) == set(layer_speed.KEEPS)
     curve = [speed.monotone_us[k] for k in sorted(speed.monotone_us)]

@@ -19,8 +19,9 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   from memory while the code and ONNX Runtime's own state stay warm, as they do in a decode step.
   (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
   int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
-  profile; per class the rotation was within 0-7% of the profile, the flush 21-68% slower:
-  reports/layer_speed_regimes_2026-11-28.md. On int4, whose 84 MiB rotation keeps part of itself in
+  profile; per class the rotation was within 0-7% of the profile in two runs (11-16% under in a
+  third, during another experiment), the flush 21-68% slower: reports/layer_speed_regimes_2026-11-28.md
+  and ..._rerun.md. On int4, whose 84 MiB rotation keeps part of itself in
   the 32 MiB L3, the rotation was 6-18% under the profile and the flush 28-71% over it; an earlier
   run had the rotation 28-38% under. A spacer read between runs overshot instead, +20-34%: not kept.) When the rotation's weights fit in the last-level
   cache (a small model; sysfs's size capped at 64 MiB, as virtual machines overstate it), each run
@@ -280,13 +281,6 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
         index = next(timed)
         records.append(_class_speed(item, {key: values for (i, key), values in times.items() if i == index}))
     return records
-
-
-def measure_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequence[Unit], *, threads: int = 1,
-                  seconds: float | None = None, min_rounds: int = 5, keeps: Iterable[float] = KEEPS) -> ClassSpeed:
-    """One class alone (:func:`measure_classes`)."""
-    return measure_classes(model, [(signature, units)], threads=threads, seconds=seconds, min_rounds=min_rounds,
-                           keeps=keeps)[0]
 
 
 def measure_units(model: onnx.ModelProto, units: Sequence[Unit], *, threads: int = 1, seconds: float | None = None,
