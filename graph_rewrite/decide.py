@@ -4,11 +4,12 @@ override entries in order), and let :func:`compose` pick the technique whose op 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .compose import compose
-from .config import RewriteConfig
+from .config import LayerOverride, RewriteConfig
+from .errors import ConfigError
 from .layers import LinearLayer
 from .rules import FLOAT32
 from .targets import target_includes
@@ -73,6 +74,27 @@ def _weight_form_conflict(layer: LinearLayer, chosen: dict[str, tuple[Any, str]]
             return (f"{name}: {technique.op_type} takes {' or '.join(sorted(technique.weight_forms))} weights, this "
                     f"layer's are {form} (MatMulNBits); left as it is rather than dequantized"), notes
     return None, notes
+
+
+def _names_layers(entry: LayerOverride) -> bool:
+    """Whether ``entry`` names layers rather than describing a kind of layer: ``node``,
+    ``layer:<index>``, or a ``match`` without glob characters (a node name)."""
+    if entry.node is not None:
+        return True
+    kind, _, _ = entry.match.partition(":")
+    return kind == "layer" or (kind not in ("class", "role") and not any(c in entry.match for c in "*?["))
+
+
+def check_overrides_match(layers: Sequence[LinearLayer], config: RewriteConfig) -> None:
+    """Every override entry that names layers (:func:`_names_layers`) selects at least one of
+    ``layers``: a typo, or a file written for another model, would otherwise be silently ignored.
+    A pattern or a class / role may select none (a file shared by several models). ConfigError
+    naming the first such entry."""
+    for entry in config.overrides:
+        if _names_layers(entry) and not any(entry.matches(layer.index, layer.name, layer.layer_class, layer.role)
+                                            for layer in layers):
+            raise ConfigError(f"{entry.source or 'override'}: {entry.label} names no linear layer of this model "
+                              f"({len(layers)} layers; `rewrite-onnx MODEL --list-layers` lists them)")
 
 
 def decide_layer(layer: LinearLayer, config: RewriteConfig) -> LayerDecision:

@@ -11,13 +11,13 @@ import dataclasses
 import functools
 import json
 import os
-import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 
+from ..runtime import ModelFileUnreadable, check_external_bytes, external_data_file
 from .config import RewriteConfig
 from .errors import ModelFileError
 from .report import RewriteReport
@@ -78,49 +78,32 @@ def _weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+def needs_external_data(model: ir.Model, threshold: int = PROTOBUF_LIMIT) -> bool:
+    """Whether a copy of ``model`` is saved with its weights as external data of its own: it read
+    external data (after :func:`load_model` its tensors point at the input's files by absolute
+    path, which the checker refuses and a moved copy loses), or its weights exceed ``threshold``
+    bytes."""
+    return bool(_external_tensors(model)) or _weight_bytes(model) > threshold
 
 
 def pin_external_data(model: ir.Model, path: Path) -> None:
     """Checks every external tensor under ONNX Runtime's rule, so a model is never read beyond
-    what its file names: the location is relative, has no ``..``, and resolves (symlinks
-    followed) to an existing regular file inside the model's folder — or inside the folder of the
-    model file's own target when the model is a symlink (the Hugging Face cache layout, which ONNX
-    Runtime accepts) — and the tensor's bytes lie within that file. Then points each tensor at its
+    what its file names (:func:`ortsparse.runtime.external_data_file`: a relative location without
+    ``..`` resolving to a regular file inside the model's folder, or inside the folder of the model
+    file's own target when the model is a symlink — the Hugging Face cache layout, which ONNX
+    Runtime accepts) and the tensor's bytes lie within that file. Then points each tensor at its
     checked file by absolute path, so reading does not depend on the working directory."""
-    folder = path.absolute().parent
-    real_folder = os.path.realpath(folder)
-    real_model_folder = os.path.dirname(os.path.realpath(path))
     for slot in _external_slots(model):
         tensor = slot.tensor
         location = os.fspath(tensor.location)
         where = f"{path}: {slot.owner} has external data location {location!r}"
-        if not location or Path(location).is_absolute() or location.startswith(("/", "\\")):
-            raise ModelFileError(f"{where}: it must be a path relative to the model's folder "
-                                 "(ONNX Runtime refuses this model too)")
-        if ".." in location.replace("\\", "/").split("/"):
-            raise ModelFileError(f"{where}: '..' is not allowed, the data must lie inside the model's folder "
-                                 "(ONNX Runtime refuses this model too)")
-        real = os.path.realpath(folder / location)
-        if not _inside(real, real_folder) and not _inside(real, real_model_folder):
-            raise ModelFileError(f"{where}: it resolves to {real}, outside the model's folder {real_folder} "
-                                 "(a symlink?); ONNX Runtime refuses this model too")
-        try:
-            info = os.stat(real)
-        except FileNotFoundError:
-            raise ModelFileError(f"{path} refers to external data that is missing: {real}") from None
-        except OSError as error:
-            raise ModelFileError(f"{where}: cannot read {real}: {error.strerror or error}") from None
-        if not stat.S_ISREG(info.st_mode):
-            raise ModelFileError(f"{where}: {real} is not a regular file")
         offset = tensor.offset or 0
-        if tensor.length is not None and tensor.length != tensor.nbytes:
-            raise ModelFileError(f"{where}: length {tensor.length} does not match the tensor's {tensor.nbytes} bytes "
-                                 f"({tensor.dtype.name} {list(tensor.shape)})")
-        if offset + tensor.nbytes > info.st_size:
-            raise ModelFileError(f"{where}: bytes {offset}..{offset + tensor.nbytes} lie past the end of {real} "
-                                 f"({info.st_size} bytes)")
+        try:
+            real, size = external_data_file(path, location, where)
+            check_external_bytes(where, real, size, offset, tensor.length, tensor.nbytes,
+                                 f"{tensor.dtype.name} {list(tensor.shape)}")
+        except ModelFileUnreadable as error:
+            raise ModelFileError(str(error)) from None
         # An empty base folder turns off onnx_ir's own (stricter: no symlink may leave the
         # logical folder, no hard links) check, which this one replaces.
         slot.replace(ir.ExternalTensor(real, offset, tensor.length, tensor.dtype, shape=tensor.shape,
@@ -343,7 +326,7 @@ def rewrite_file(
     """
     from tqdm.auto import tqdm
 
-    in_path, out_path = Path(in_path), Path(out_path)
+    in_path = Path(in_path)  # out_path as given: a trailing "/" (a folder, refused) must reach outputs.add
     if not in_path.exists():
         raise ModelFileError(f"input model {in_path} does not exist")
     if not in_path.is_file():
@@ -363,7 +346,7 @@ def rewrite_file(
             stage("load")
             model = load_model(in_path)
             outputs.read(_read_files(in_path, model, {}))
-            external = bool(_external_tensors(model)) or _weight_bytes(model) > external_data_threshold
+            external = needs_external_data(model, external_data_threshold)
             # Data is declared (and so moved into place) before the model: a reader never sees a
             # new model with missing data.
             data_path = outputs.add(out_path.with_name(f"{out_path.name}.data"), "output's external data",

@@ -25,15 +25,17 @@ Files (graph_rewrite/output_paths.py, the policy of every command): every file o
 is an input; the output folder may not be, lie inside or contain an input, and an existing one is
 replaced only when ortsparse wrote it (or it is empty). A symlink in the source that resolves inside
 it is written as a relative symlink to the same place in the new folder (sub-folders too); one that
-leaves the folder, or points nowhere, is refused — copying it would read (and hand on) a file the
-user did not name. Everything is staged beside the output and renamed into place at the end, with
-the user's umask. The source folder is never modified. Bad input — no genai_config.json, a config
+leaves the folder, points nowhere or loops is refused (:func:`source_entries`, before the long
+part) — copying it would read (and hand on) a file the user did not name. Everything is staged
+beside the output and renamed into place at the end, with the user's umask; a write error (disk
+full, quota, a file too large) is one line and leaves nothing. The source folder is never modified. Bad input — no genai_config.json, a config
 that is not JSON or names a decoder file that is missing, a model that cannot be read or rewritten —
 is a :class:`~ortsparse.graph_rewrite.errors.ModelFileError` with one line, and nothing is written.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.metadata
 import json
 import os
@@ -45,13 +47,13 @@ import onnx_ir as ir
 
 from .._library import get_library_path
 from ..digest import sha256
-from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_decoder, genai_folder, is_onnx_file,
-                       open_session, uses_ortsparse)
+from ..runtime import (GENAI_CONFIG, GenaiConfigError, GenaiDecoder, ModelFileUnreadable, check_model_file,
+                       genai_decoder, genai_folder, is_onnx_file, open_session, uses_ortsparse)
 from .config import RewriteConfig
 from .errors import ModelFileError
-from .files import _external_files, load_model
+from .files import load_model
 from .load_check import UnloadableOutputError, check_nodes_load
-from .output_paths import _OLD_STAGING_PREFIXES, Inputs, OutputFiles
+from .output_paths import _OLD_STAGING_PREFIXES, Inputs, OutputFiles, external_data_files
 from .report import RewriteReport
 from .rewrite import rewrite_model
 from .rules import DOMAIN
@@ -81,15 +83,29 @@ def read_genai_folder(path: str | os.PathLike) -> GenaiDecoder:
 
 
 def model_input(path: str | os.PathLike) -> Path:
-    """The ONNX file a rewrite reads from ``path``: the file itself, or a genai folder's decoder.
-    A file that is not an ONNX model (a text, a tokenizer) is a ModelFileError; a missing path is
-    returned as is (the caller says it does not exist)."""
+    """The ONNX file a command reads from ``path``: the file itself, or a genai folder's decoder,
+    checked before any session opens it (:func:`ortsparse.runtime.check_model_file`). A file that
+    is not an ONNX model (a text, a tokenizer), a damaged one or one whose external data is missing,
+    short or outside its folder is a ModelFileError; a missing path is returned as is (the caller
+    says it does not exist)."""
     path = Path(path)
     if path.is_dir():
-        return read_genai_folder(path).model_file
-    if path.is_file() and not is_onnx_file(path):
+        path = read_genai_folder(path).model_file
+    elif path.is_file() and not is_onnx_file(path):
         raise ModelFileError(f"{path} is not an ONNX model or genai folder")
+    if path.is_file():
+        try:
+            check_model_file(path)
+        except ModelFileUnreadable as error:
+            raise ModelFileError(str(error)) from None
     return path
+
+
+def generated_input_sizes(folder: str | os.PathLike) -> dict[str, int]:
+    """Sizes of the symbolic dimensions of a genai decoder's inputs for generated test inputs
+    (ortsparse.verify): its K/V head size comes from its config, the lengths are small."""
+    return {"kv_cache_dim": read_genai_folder(folder).head_size, "past_sequence_length": 4, "sequence_length": 8,
+            "total_sequence_length": 12}
 
 
 def is_folder_rewrite(source: str | os.PathLike, output: str | os.PathLike | None) -> bool:
@@ -125,39 +141,72 @@ def written_by_ortsparse(folder: Path) -> bool:
     return _written_by_us(folder) or not any(folder.iterdir())
 
 
-def _copy_folder(source: Path, target: Path, skip: set[Path]) -> None:
-    """Copy every file below ``source`` into ``target`` (same relative paths, contents), except
-    ``skip`` (resolved paths) and the staging folders of a command running there. A symlink that
-    resolves inside ``source`` becomes a relative symlink to the same place; one that leaves it,
-    points nowhere, or any entry that is not a file or folder is refused (ModelFileError)."""
-    real_source = source.resolve()
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """A file of a source folder to copy: its path, its place relative to the folder, where it
+    resolves, and for a symlink the relative link to write (None: a regular file, copied)."""
+
+    path: Path
+    relative: Path
+    resolved: Path
+    link: str | None
+
+
+def source_entries(source: str | os.PathLike) -> list[_Entry]:
+    """Every file below the genai folder ``source`` that :func:`rewrite_genai_folder` copies as it
+    is: not the decoder and its external data (written anew), ortsparse's record, nor the staging
+    folders of a command running there. Checked before anything is read or written: a symlink must
+    resolve to something that exists inside ``source`` (one that leaves it, points nowhere or
+    loops is refused, as is any entry that is not a file or folder: ModelFileError). Commands that
+    write a genai folder call this before their long part."""
+    info = read_genai_folder(source)
+    source = info.folder
+    real_source = Path(os.path.realpath(source))
+    rewritten = {Path(os.path.realpath(p)) for p in [info.model_file, *external_data_files(info.model_file),
+                                                      source / RECORD_FILE]}
+    entries = []
     for root, dirs, files in os.walk(real_source):  # symlinked sub-folders are listed in dirs, not entered
         dirs[:] = [d for d in dirs if not d.startswith(_OLD_STAGING_PREFIXES)]
         relative = Path(root).relative_to(real_source)
         for name in [*files, *dirs]:
             path = Path(root) / name
+            shown = source / relative / name
             link = path.is_symlink()
             if not link and name in dirs:
                 continue
-            resolved = path.resolve()
-            if resolved in skip:
+            resolved = Path(os.path.realpath(path))
+            if resolved in rewritten:
                 continue
             if link:
                 if not resolved.is_relative_to(real_source):
-                    raise ModelFileError(f"{source / relative / name} is a symlink to {resolved}, outside the folder; "
-                                         "ortsparse copies only what lies inside the folder you named (copy the file "
-                                         "in, or remove the link)")
-                if not resolved.exists():
-                    raise ModelFileError(f"{source / relative / name} is a symlink to {resolved}, which does not "
-                                         "exist; remove the link")
-                (target / relative).mkdir(parents=True, exist_ok=True)
-                os.symlink(os.path.relpath(resolved, Path(root).resolve()), target / relative / name)
+                    raise ModelFileError(f"{shown} is a symlink to {resolved}, outside the folder; ortsparse copies "
+                                         "only what lies inside the folder you named (copy the file in, or remove "
+                                         "the link)")
+                try:
+                    os.stat(path)
+                except OSError as error:
+                    problem = ("is a symlink loop" if error.errno == errno.ELOOP
+                               else f"is a symlink to {resolved}, which does not exist")
+                    raise ModelFileError(f"{shown} {problem}; remove the link") from None
+                entries.append(_Entry(path, relative / name, resolved,
+                                      os.path.relpath(resolved, os.path.realpath(root))))
                 continue
             if not stat.S_ISREG(path.stat().st_mode):
-                raise ModelFileError(f"{source / relative / name} is not a regular file (a FIFO, socket or device); "
-                                     "a model folder holds files and folders only")
-            (target / relative).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target / relative / name)
+                raise ModelFileError(f"{shown} is not a regular file (a FIFO, socket or device); a model folder "
+                                     "holds files and folders only")
+            entries.append(_Entry(path, relative / name, resolved, None))
+    return entries
+
+
+def _copy_folder(entries: list[_Entry], target: Path) -> None:
+    """Copy ``entries`` (:func:`source_entries`) into ``target`` at the same relative paths: a file
+    with its contents, a symlink as the same relative link."""
+    for entry in entries:
+        (target / entry.relative).parent.mkdir(parents=True, exist_ok=True)
+        if entry.link is not None:
+            os.symlink(entry.link, target / entry.relative)
+        else:
+            shutil.copy2(entry.path, target / entry.relative)
 
 
 def _copy_library(folder: Path) -> str:
@@ -208,23 +257,24 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
     try:
         staging_outputs.read(folder, "the source folder")
         destination = staging_outputs.add_folder(output, "output", replaceable=written_by_ortsparse)
+        entries = source_entries(folder)
         model = load_model(info.model_file)
-        input_data = _external_files(model, info.model_file.resolve().parent)
         _, report = rewrite_model(model, config, fuse=fuse)
         if check:
             check_nodes_load(model)  # a node the op library refuses: exit 2 before anything is staged
         staging = staging_outputs.staged(destination)
-        _copy_folder(folder, staging, skip={info.model_file.resolve(), *input_data, (folder / RECORD_FILE).resolve()})
         model_file = staging / info.model_file.relative_to(folder)
-        model_file.parent.mkdir(parents=True, exist_ok=True)
-        ir.save(model, model_file, external_data=f"{model_file.name}.data")  # in the staging folder
-        uses_library = DOMAIN in model.opset_imports
-        library_sha = _copy_library(staging) if uses_library else None
-        if not uses_library:
-            (staging / LIBRARY_FILE).unlink(missing_ok=True)  # a stale copy from a rewritten source
-        genai_config = json.loads(info.config_path.read_text(encoding="utf-8"))
-        _set_library(genai_config, uses_library)
-        _write_json(staging / GENAI_CONFIG, genai_config)
+        with staging_outputs.writing(destination):
+            _copy_folder(entries, staging)
+            model_file.parent.mkdir(parents=True, exist_ok=True)
+            ir.save(model, model_file, external_data=f"{model_file.name}.data")  # in the staging folder
+            uses_library = DOMAIN in model.opset_imports
+            library_sha = _copy_library(staging) if uses_library else None
+            if not uses_library:
+                (staging / LIBRARY_FILE).unlink(missing_ok=True)  # a stale copy from a rewritten source
+            genai_config = json.loads(info.config_path.read_text(encoding="utf-8"))
+            _set_library(genai_config, uses_library)
+            _write_json(staging / GENAI_CONFIG, genai_config)
         if check:
             try:
                 open_session(model_file)
@@ -235,7 +285,8 @@ def rewrite_genai_folder(source: str | os.PathLike, output: str | os.PathLike, c
         record = {"written_by": f"ortsparse {_package_version()}", "source": str(folder.resolve()),
                   "decoder": info.model_file.name, "library": LIBRARY_FILE if uses_library else None,
                   "library_sha256": library_sha, "rewrite": report.to_dict()["counts"]}
-        _write_json(staging / RECORD_FILE, record, indent=1)
+        with staging_outputs.writing(destination):
+            _write_json(staging / RECORD_FILE, record, indent=1)
         if own:
             staging_outputs.commit()
     finally:
@@ -254,13 +305,14 @@ def _loaded_library(folder: Path, configured: str | None) -> tuple[Path | None, 
     leaves it (an absolute path elsewhere, ``..``)."""
     if not configured:
         return None, "not configured"
-    path = Path(configured) if os.path.isabs(configured) else folder / configured
-    inside = Path(os.path.normpath(path.absolute())).is_relative_to(Path(os.path.normpath(folder.absolute())))
+    # As a string: a Path drops a trailing "/", and "libortsparse_ops.so/" names no file genai can load.
+    path = configured if os.path.isabs(configured) else os.path.join(folder, configured)
+    inside = Path(os.path.normpath(os.path.abspath(path))).is_relative_to(Path(os.path.normpath(folder.absolute())))
     if not inside or ".." in Path(configured).parts:
         return None, f"custom_ops_library {configured!r} lies outside the folder (onnxruntime-genai refuses it)"
-    if not path.is_file():
+    if not os.path.isfile(path):
         return None, f"custom_ops_library {configured!r} is missing (or not a file)"
-    return path, None
+    return Path(path), None
 
 
 def _same_file_content(path: Path, installed: Path) -> bool:

@@ -3,8 +3,8 @@
 
 **Inputs** (:class:`Inputs`) are everything a command reads: the model and its external data,
 every file of an input folder (a genai folder; symlinks resolved: the link and its target both
-count), a config, a reference model or folder, text, tokenizer, corpus. A command declares them
-before it writes anything.
+count; a folder a link points to is an input as a whole, not walked), a config, a reference model
+or folder, text, tokenizer, corpus. A command declares them before it writes anything.
 
 **Outputs** (:class:`OutputFiles`) are files (model, report, JSON, plot) and folders (a genai
 folder). Every output is checked when it is declared, before any slow work:
@@ -17,7 +17,16 @@ folder). Every output is checked when it is declared, before any slow work:
   symlink replaces the folder it points to (a dangling one is refused);
 - two outputs are never the same path, and no output file lies inside an output folder (the folder
   is replaced as a whole);
-- its directory exists (or can be made, ``create_dirs``) and is writable.
+- its directory exists (or can be made, ``create_dirs``) and is writable;
+- a file output names a file: a path ending in ``/`` (``-o newdir/``) is refused rather than
+  written as the file ``newdir``; a report *stem* naming a folder (``reports/``, ``.``, ``..``)
+  means the command's default name inside it (:func:`report_stem`: ``-o reports/`` writes
+  ``reports/bench.json``);
+- an output folder is never the current directory or one holding it: it is replaced as a whole,
+  which would leave the command (and the shell that started it) in a deleted folder.
+
+Any OSError while checking, staging or moving (disk full, quota, a file too large, a name longer
+than the file system allows) is a :class:`~.errors.ModelFileError` naming the output.
 
 Outputs are staged beside their destination (hidden ``.ortsparse-rewrite-*`` folders, so the final
 rename stays on one file system) and moved into place together by :meth:`OutputFiles.commit`,
@@ -207,8 +216,11 @@ class Inputs:
         return self
 
     def add_folder(self, path: str | os.PathLike, description: str) -> Inputs:
-        """The folder and every file below it; a symlink below it counts with its target (a
-        folder outside is added whole)."""
+        """The folder and every file below it; a symlink below it counts with its target. A
+        folder a link points to outside is an input folder as a whole (nothing may be written in
+        it) but is not walked: it may be anything (``/``, ``/usr``, another user's home), and a
+        command reads only what the folder's own files name. A link that cannot be resolved
+        (a loop, a component we may not read) is skipped: no command reads through it."""
         real = os.path.realpath(path)
         if any(_inside(real, folder) for folder in self.folders):
             self.folders.setdefault(real, description)
@@ -219,12 +231,16 @@ class Inputs:
             for name in [*files, *dirs]:
                 entry = os.path.join(root, name)
                 if os.path.islink(entry):
-                    target = os.path.realpath(entry)
+                    try:
+                        target = os.path.realpath(entry, strict=True)
+                    except OSError:
+                        continue
+                    through = f"{description} (through the link {entry})"
                     if os.path.isdir(target):
                         if not _inside(target, real):
-                            self.add_folder(target, f"{description} (through the link {entry})")
-                    elif os.path.exists(target):
-                        self.add_file(target, f"{description} (through the link {entry})")
+                            self.folders.setdefault(target, through)
+                    else:
+                        self.add_file(target, through)
                 elif name in files and (identity := _identity(entry)) is not None:
                     self.identities.setdefault(identity, f"a file of {description} {real}")  # its hard links
         return self
@@ -276,13 +292,31 @@ def _missing_dirs(directory: Path) -> list[Path]:
     return missing
 
 
+def _example_name(what: str) -> str:
+    return "model.onnx" if what == "output" else "report.json"
+
+
+def report_stem(stem: str | os.PathLike, default_name: str) -> str:
+    """The stem of a command's report files (``STEM.json``, ``STEM.md``...) for the ``stem`` the
+    user gave: as given, unless it names a folder (ends with ``/``, or is ``.`` / ``..``), which
+    means ``default_name`` inside that folder (``-o reports/`` -> ``reports/bench``)."""
+    text = os.fspath(stem)
+    if text.endswith((os.sep, os.altsep or os.sep)) or os.path.basename(text) in ("", ".", ".."):
+        return os.path.join(text, default_name)
+    return text
+
+
 def check_output_path(path: str | os.PathLike, *, what: str = "output", protected: Protected | Inputs = (),
                       create_dirs: bool = False) -> Path:
     """The absolute ``path`` if a command may write the file ``what`` there (see the module rules).
     ``create_dirs``: a missing directory is fine if it can be made (its nearest existing ancestor
     is a writable directory); :meth:`OutputFiles.staged` then makes it."""
     inputs = protected if isinstance(protected, Inputs) else Inputs(protected)
-    path = Path(os.path.abspath(os.fspath(path)))
+    given = os.fspath(path)
+    if given.endswith((os.sep, os.altsep or os.sep)):  # abspath would drop the slash and write a file there
+        raise ModelFileError(f"{what} {given} names a folder (it ends with '{given[-1]}'); give a file name "
+                             f"(e.g. {given}{_example_name(what)})")
+    path = Path(os.path.abspath(given))
     if (found := inputs.describe(path)) is not None:
         raise _refuse_input(what, path, *found)
     try:
@@ -305,6 +339,13 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output", protecte
     return path
 
 
+def _current_directory() -> str | None:
+    try:
+        return os.path.realpath(os.getcwd())
+    except OSError:  # already deleted: nothing to protect
+        return None
+
+
 def _empty_folder(folder: Path) -> bool:
     return not any(folder.iterdir())
 
@@ -316,6 +357,12 @@ def check_output_folder(path: str | os.PathLike, *, what: str = "output", protec
     ``replaceable`` (default: empty). A symlink to a folder means that folder."""
     inputs = protected if isinstance(protected, Inputs) else Inputs(protected)
     given = Path(os.path.abspath(os.fspath(path)))
+    try:
+        os.lstat(given)  # a name too long, a component we may not search: said here, once
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise ModelFileError(f"cannot check {what} {given}: {error.strerror or error}") from None
     if given.is_symlink() and not given.exists():
         raise ModelFileError(f"{what} {given} is a symlink to {os.readlink(given)}, which does not exist; "
                              "give a folder path")
@@ -325,6 +372,10 @@ def check_output_folder(path: str | os.PathLike, *, what: str = "output", protec
     if (inner := inputs.contained_in(str(folder))) is not None:
         raise ModelFileError(f"{what} {given} contains {inner}, which is only read; choose another folder "
                              "(inputs are never modified)")
+    if folder.exists() and (cwd := _current_directory()) is not None and _inside(cwd, str(folder)):
+        raise ModelFileError(f"{what} {given} is the current directory (or holds it) and would be replaced as a "
+                             "whole, leaving this shell in a deleted folder; run from another directory and name "
+                             "the folder there")
     if folder.exists() and not (folder.is_dir() and replaceable(folder)):
         kind = "a file" if not folder.is_dir() else "a folder not written by ortsparse"
         raise ModelFileError(f"{what} {given} exists and is {kind}; give a new folder (or one ortsparse wrote)")
@@ -434,12 +485,20 @@ class OutputFiles:
         self._staging[directory] = staging
         return staging / destination.name
 
-    def write(self, destination: Path, write: Callable[[Path], None]) -> None:
-        """Calls ``write(staged_path)``; an OSError becomes a one-line ModelFileError."""
+    @staticmethod
+    @contextlib.contextmanager
+    def writing(destination: Path) -> Iterator[None]:
+        """Around code that fills the staging of ``destination``: an OSError (disk full, quota, a
+        file too large, a name too long) becomes a one-line ModelFileError naming it."""
         try:
-            write(self.staged(destination))
+            yield
         except OSError as error:
             raise ModelFileError(f"cannot write {destination}: {error.strerror or error}") from None
+
+    def write(self, destination: Path, write: Callable[[Path], None]) -> None:
+        """Calls ``write(staged_path)``; an OSError becomes a one-line ModelFileError."""
+        with self.writing(destination):
+            write(self.staged(destination))
 
     def write_text(self, destination: Path, text: str) -> None:
         self.write(destination, lambda staged: staged.write_text(text, encoding="utf-8"))

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from .attention import AttentionCore, default_opset
 from .attention_event import EventAttention, event_attention, for_op
 from .config import RewriteConfig
-from .decide import decide_layer
+from .decide import check_overrides_match, decide_layer
 from .errors import ConfigError
 from .fuse import fuse_shared_input
 from .layers import LinearLayer, Survey, survey
@@ -171,6 +171,7 @@ def _run(model: ir.Model, config: RewriteConfig, *, apply: bool, on_stage: Calla
     stage = on_stage or (lambda _: None)
     stage("analyse")
     found = survey(model)
+    check_overrides_match(found.layers, config)  # an entry naming no layer is an error, not ignored
     editor = GraphEditor(model) if apply else None
     preparer = WeightPreparer(model.graph) if apply else None
     layers = _linear_layers(found, config, editor, preparer, calibration, stage)

@@ -5,6 +5,9 @@ note), 1 ``--verify`` found an error over budget, 2 usage or input errors, one l
 or flag, an output that aliases an input or is a device/FIFO, external data outside the model's
 folder, unwritable output, invalid override file, missing native library for --verify), 128 + N
 interrupted by signal N (nothing moved into place). File rules: graph_rewrite/output_paths.py.
+Every command runs under :func:`_execute`: whatever the user's files raise from the libraries below
+(OSError, ValueError, onnx's and onnxruntime's refusals), wherever in the command and also after
+its long part, is one line and exit 2; outputs are staged, so nothing is left half-written.
 
 New subcommands (models, quality, bench, validate, sweep, calibrate) are one entry in
 ``SUBCOMMANDS``: a help line, a function adding the arguments and a function running them.
@@ -146,12 +149,11 @@ def _self_check(args: argparse.Namespace, report, say: Callable[[str], None], or
 
 
 def _genai_shapes(folder, shapes) -> dict:
-    """Generated-input sizes of a genai decoder: its symbolic K/V sizes come from its config."""
-    from .graph_rewrite.genai import read_genai_folder
+    """Generated-input sizes of a genai decoder (its symbolic K/V sizes come from its config), then
+    the user's ``--verify-shape``."""
+    from .graph_rewrite.genai import generated_input_sizes
 
-    info = read_genai_folder(folder)
-    return {"kv_cache_dim": info.head_size, "past_sequence_length": 4, "sequence_length": 8,
-            "total_sequence_length": 12, **(shapes or {})}
+    return {**generated_input_sizes(folder), **(shapes or {})}
 
 
 def _rewrite_genai_folder(args: argparse.Namespace, config, say: Callable[[str], None], progress: bool,
@@ -331,6 +333,37 @@ def _execute(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except _user_file_errors() as error:
+        # The net under the commands' own checks: what the user's files raise anywhere in a command,
+        # also after its long part (a disk that fills, a model onnx or onnxruntime cannot read).
+        # Outputs are staged, so the `with OutputFiles` blocks this unwound left nothing behind.
+        print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _user_file_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that user files (models, data, texts, output places) raise from the libraries
+    under the commands: OSError (disk full, quota, a name too long, permissions), ValueError (numpy,
+    json, onnx's external data loader), onnx's checker and protobuf's decoder, onnxruntime's
+    refusals of a model."""
+    import onnx
+    from google.protobuf.message import DecodeError
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    return (OSError, ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError, DecodeError,
+            ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf,
+            ort_errors.NoSuchFile, ort_errors.NotImplemented)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: an OSError as its reason and file, anything else as the first line
+    of its message, prefixed with its type when that is not ours (onnxruntime's messages name none)."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    kind = type(error).__name__
+    return text if type(error).__module__.startswith("ortsparse") else f"{kind}: {text}".rstrip(": ")
 
 
 def rewrite_onnx_main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,9 @@ as before.
 
 One place for what every measurement, benchmark and offline builder needs:
 
-- model sources: :func:`load_proto` (a path, serialized bytes or an ``onnx.ModelProto``),
+- model sources: :func:`load_proto` (a path, serialized bytes or an ``onnx.ModelProto``; external
+  data read under ONNX Runtime's rule), :func:`check_model_file` (a damaged model is one line
+  before any session opens it),
   :func:`opset_domains` / :func:`uses_ortsparse` (read from a file's top level only), and
   :func:`with_outputs` (a copy whose graph also outputs some inner values, e.g. a layer's X);
 - sessions: :func:`open_session` registers the op library only when the model uses the
@@ -26,7 +28,8 @@ One place for what every measurement, benchmark and offline builder needs:
 """
 from __future__ import annotations
 
-from .model_files import load_proto, is_onnx_file, opset_domains, uses_ortsparse, with_outputs
+from .model_files import (ModelFileUnreadable, check_external_bytes, check_model_file, external_data_file, load_proto,
+                          is_onnx_file, opset_domains, uses_ortsparse, with_outputs)
 from .sessions import thread_options, options_for, open_session
 from .genai_config import GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_folder, genai_decoder, context_length
 from .kv_cache import past_inputs, KVLayout, GENAI_CPU_WINDOW_SLACK, window_capacities, kv_layout, KVDecoder
@@ -34,7 +37,8 @@ from .feeds import lm_feeds, named_feeds, decode_feeds, vocab_size, empty_past, 
 
 __all__ = [
     "GENAI_CONFIG", "GENAI_CPU_WINDOW_SLACK", "GenaiConfigError", "GenaiDecoder", "KVDecoder", "KVLayout",
-    "context_length", "decode_feeds", "empty_past", "genai_decoder", "genai_folder", "is_onnx_file",
+    "ModelFileUnreadable", "check_external_bytes", "check_model_file", "context_length", "decode_feeds",
+    "external_data_file", "empty_past", "genai_decoder", "genai_folder", "is_onnx_file",
     "kv_layout", "kv_step_feeds", "lm_feeds", "load_proto", "named_feeds", "open_session", "opset_domains",
     "options_for", "past_inputs", "thread_options", "uses_ortsparse", "vocab_size", "window_capacities",
     "with_outputs",

@@ -1,27 +1,174 @@
 """Model sources: :func:`load_proto` (a path, serialized bytes or an ``onnx.ModelProto``),
+:func:`check_model_file` (a model file a command was given, read and checked before any session),
 :func:`opset_domains` / :func:`uses_ortsparse` / :func:`is_onnx_file` (read from a file's top level only,
 by a minimal protobuf varint scan: no weights loaded), and :func:`with_outputs` (a copy whose graph also
-outputs some inner values, e.g. a layer's X)."""
+outputs some inner values, e.g. a layer's X).
+
+External data is read under ONNX Runtime's rule (:func:`external_data_file`), not onnx's stricter
+loader: a location relative to the model's folder, without ``..``, resolving (symlinks followed)
+to a regular file inside that folder — or inside the folder of the model file's own target when the
+model is a symlink (the Hugging Face cache layout) — with the tensor's bytes inside the file. onnx's
+loader also refuses a symlinked or hard-linked data file, which ONNX Runtime runs (and which
+``rewrite-onnx`` accepts), so a command would die on a model its own rewriter read.
+"""
 from __future__ import annotations
 
+import math
 import mmap
 import os
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 
 from .._library import DOMAIN
 
 
+class ModelFileUnreadable(ValueError):
+    """A model file (or its external data) cannot be read: not ONNX, damaged, data missing, short or
+    outside the model's folder. The message is one line naming the file."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def external_data_file(model_path: str | os.PathLike, location: str, where: str) -> tuple[str, int]:
+    """(resolved path, size) of the external data file ``location`` of the model file
+    ``model_path``, checked under ONNX Runtime's rule (module docstring); ``where`` starts each
+    message (the model and the tensor). Raises :class:`ModelFileUnreadable`."""
+    if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
+        raise ModelFileUnreadable(f"{where}: it must be a path relative to the model's folder "
+                                  "(ONNX Runtime refuses this model too)")
+    if ".." in location.replace("\\", "/").split("/"):
+        raise ModelFileUnreadable(f"{where}: '..' is not allowed, the data must lie inside the model's folder "
+                                  "(ONNX Runtime refuses this model too)")
+    folder = os.path.dirname(os.path.abspath(model_path))
+    real_folder = os.path.realpath(folder)
+    real_model_folder = os.path.dirname(os.path.realpath(model_path))
+    real = os.path.realpath(os.path.join(folder, location))
+    if not _inside(real, real_folder) and not _inside(real, real_model_folder):
+        raise ModelFileUnreadable(f"{where}: it resolves to {real}, outside the model's folder {real_folder} "
+                                  "(a symlink?); ONNX Runtime refuses this model too")
+    try:
+        info = os.stat(real)
+    except FileNotFoundError:
+        raise ModelFileUnreadable(f"{model_path} refers to external data that is missing: {real}") from None
+    except OSError as error:
+        raise ModelFileUnreadable(f"{where}: cannot read {real}: {error.strerror or error}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelFileUnreadable(f"{where}: {real} is not a regular file")
+    return real, info.st_size
+
+
+def check_external_bytes(where: str, real: str, size: int, offset: int, length: int | None, nbytes: int,
+                         described: str) -> None:
+    """The tensor's ``nbytes`` (``described``: its type and shape) lie in the data file ``real`` of
+    ``size`` bytes at ``offset``, and its declared ``length`` (when given) is ``nbytes``."""
+    if length is not None and length != nbytes:
+        raise ModelFileUnreadable(f"{where}: length {length} does not match the tensor's {nbytes} bytes ({described})")
+    if offset < 0:
+        raise ModelFileUnreadable(f"{where}: cannot read {real} at the negative offset {offset}")
+    if offset + nbytes > size:
+        raise ModelFileUnreadable(f"{where}: bytes {offset}..{offset + nbytes} lie past the end of {real} "
+                                  f"({size} bytes)")
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[tuple[onnx.TensorProto, str]]:
+    """Every tensor of ``graph`` that may hold external data, with its owner for messages:
+    initializers and tensor attributes, subgraphs too."""
+    for tensor in graph.initializer:
+        yield tensor, f"initializer {tensor.name!r}"
+    for node in graph.node:
+        for attribute in node.attribute:
+            where = f"attribute {attribute.name!r} of node {node.name!r}"
+            if attribute.HasField("t"):
+                yield attribute.t, where
+            for tensor in attribute.tensors:
+                yield tensor, where
+            for subgraph in [*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])]:
+                yield from _tensors(subgraph)
+
+
+def _external_fields(tensor: onnx.TensorProto, where: str) -> tuple[str, int, int | None]:
+    """(location, offset, length or None) of an external tensor."""
+    fields = {entry.key: entry.value for entry in tensor.external_data}
+    try:
+        return (fields.get("location", ""), int(fields.get("offset") or 0),
+                int(fields["length"]) if fields.get("length") else None)
+    except ValueError:
+        raise ModelFileUnreadable(f"{where}: external data offset {fields.get('offset')!r} / length "
+                                  f"{fields.get('length')!r} is not a whole number") from None
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    return math.ceil(math.prod(tensor.dims) * ir.DataType(tensor.data_type).itemsize)
+
+
+def _read_external_data(proto: onnx.ModelProto, path: str, load_weights: bool) -> None:
+    """Checks every external tensor of ``proto`` (read from ``path``) under ONNX Runtime's rule;
+    with ``load_weights`` its bytes are read into the tensor, as ``onnx.load`` would."""
+    for tensor, owner in _tensors(proto.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location, offset, length = _external_fields(tensor, f"{path}: {owner}")
+        where = f"{path}: {owner} has external data location {location!r}"
+        real, size = external_data_file(path, location, where)
+        try:
+            nbytes = _nbytes(tensor)
+        except ValueError:
+            raise ModelFileUnreadable(f"{path}: {owner} has the unknown data type {tensor.data_type}") from None
+        dims = list(tensor.dims)
+        check_external_bytes(where, real, size, offset, length, nbytes,
+                             f"{onnx.TensorProto.DataType.Name(tensor.data_type)} {dims}")
+        if load_weights:
+            try:
+                with open(real, "rb") as handle:
+                    handle.seek(offset)
+                    tensor.raw_data = handle.read(nbytes)
+            except OSError as error:
+                raise ModelFileUnreadable(f"{where}: cannot read {real}: {error.strerror or error}") from None
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
 def load_proto(model: Any, load_weights: bool = False) -> onnx.ModelProto:
     """``model`` as an ``onnx.ModelProto``: a proto is returned as is, bytes are parsed, a path is
-    loaded (external weights only when ``load_weights``)."""
+    loaded (external weights only when ``load_weights``; either way its external data is checked
+    under ONNX Runtime's rule, module docstring). A file that cannot be read is a
+    :class:`ModelFileUnreadable` naming it."""
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
-    return onnx.load(os.fspath(model), load_external_data=load_weights)
+    path = os.fspath(model)
+    try:
+        if not os.path.isfile(path):
+            raise ModelFileUnreadable(f"model {path} " + ("is not a regular file" if os.path.exists(path)
+                                                          else "does not exist"))
+        proto = onnx.load(path, load_external_data=False)
+    except OSError as error:
+        raise ModelFileUnreadable(f"cannot read the model {path}: {error.strerror or error}") from None
+    except ModelFileUnreadable:
+        raise
+    except Exception as error:  # noqa: BLE001 - protobuf and onnx raise many types for a damaged file
+        raise ModelFileUnreadable(f"cannot read {path} as an ONNX model: {_first_line(error)}") from None
+    _read_external_data(proto, path, load_weights)
+    return proto
+
+
+def check_model_file(path: str | os.PathLike) -> None:
+    """A model file a command was given, checked before any session opens it: it parses as an ONNX
+    model and its external data is present, in bounds and inside its folder (the weights are not
+    read). Raises :class:`ModelFileUnreadable` with one line naming the file."""
+    load_proto(path)
 
 
 def _varint(data: Any, pos: int) -> tuple[int, int]:
