@@ -206,6 +206,58 @@ def json_default(value: Any) -> Any:
 # A standard neighbour (docs/measure.md "The machine has moods"): a second program on the machine
 # that streams a buffer larger than the last-level cache, as a user's other programs do.
 
+# The start of every child Python process the package runs (python_command): its import path set
+# from argv, then the -c code, -m module or script run as `python ...` would run it.
+_CHILD_START = r"""
+import os, runpy, sys
+_, path, what, target, *arguments = sys.argv
+sys.path[:0] = [entry for entry in path.split(os.pathsep) if entry]
+if what == "-c":
+    sys.argv = ["-c", *arguments]
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+elif what == "-m":
+    sys.argv = [target, *arguments]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    sys.argv = [target, *arguments]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    runpy.run_path(target, run_name="__main__")
+"""
+
+
+def python_command(*arguments: str | os.PathLike, path: Sequence[str | os.PathLike] = ()) -> list[str]:
+    """The command line of a child Python process running ``arguments`` as ``python ARGUMENTS`` would
+    (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``), isolated from the caller's folder: ``-I``
+    keeps the current directory off its ``sys.path`` (``python -c``/``-m`` put it first, so a
+    ``numpy.py`` or an ``ortsparse/`` where the user stands would be imported instead of the installed
+    ones) and ignores PYTHON* variables and the user site. The child gets this process's import path
+    instead, the current directory left out, so it imports the same ortsparse and dependencies (an
+    editable install, a PYTHONPATH or a user-site install too); ``path``: folders put before it (a
+    script's own modules)."""
+    here = os.path.realpath(os.getcwd())
+    package_root = str(Path(__file__).resolve().parent.parent)  # where this ortsparse was imported from
+    inherited = [entry for entry in sys.path if entry and os.path.realpath(entry) != here]
+    if package_root not in inherited:  # it was imported from the current directory itself
+        inherited.insert(0, package_root)
+    search = os.pathsep.join([*map(os.fspath, path), *inherited])
+    first, *rest = map(os.fspath, arguments)
+    if first in ("-c", "-m"):
+        what, target, rest = first, rest[0], rest[1:]
+    else:
+        what, target = "script", first
+    return [sys.executable, "-I", "-c", _CHILD_START, search, what, target, *rest]
+
+
+def shown_command(command: Sequence[str | os.PathLike]) -> str:
+    """A command line for a log: a :func:`python_command` as ``python -I ARGUMENTS`` (its start code
+    and import path left out)."""
+    words = list(map(os.fspath, command))
+    if words[1:4] == ["-I", "-c", _CHILD_START]:
+        what, rest = words[5], words[6:]
+        words = ["python", "-I", *([] if what == "script" else [what]), *rest]
+    return " ".join(words)
+
+
 NEIGHBOURS = ("none", "stream")
 
 _STREAM_NEIGHBOUR = r"""
@@ -276,7 +328,7 @@ class StreamNeighbour:
         llc = last_level_cache_bytes()
         size = max(256 << 20, 4 * llc) if llc <= (64 << 20) else 256 << 20
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _STREAM_NEIGHBOUR, str(size), str(self.max_seconds), str(os.getpid())],
+            python_command("-c", _STREAM_NEIGHBOUR, str(size), str(self.max_seconds), str(os.getpid())),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
         if cpus and hasattr(os, "sched_setaffinity"):

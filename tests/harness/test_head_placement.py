@@ -1,6 +1,8 @@
 """The ungated quantized LM head goes dense on our kernel only when a measurement on this machine
 finds it faster there (issue 29: on Gemma-3's 640 x 262144 head ours was slower). The timings are
 not asserted (they are the machine's); the rule that follows from them and the graph written are."""
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,32 @@ def test_a_failed_timing_process_leaves_the_head_where_it_is(quantized, monkeypa
     monkeypatch.setattr(head_placement.sys, "executable", "/bin/false")
     timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1)
     assert not timing.on_ours and timing.matmulnbits_us is None and "the timing process failed" in timing.note
+
+
+def test_the_timing_process_imports_the_installed_package_not_the_current_folders(quantized, tmp_path, monkeypatch):
+    """Run from a folder holding an ortsparse/ source tree and a numpy.py, the child still times the
+    head with the installed package (``python -m`` would import the folder's)."""
+    (tmp_path / "ortsparse" / "harness").mkdir(parents=True)
+    for init in (tmp_path / "ortsparse" / "__init__.py", tmp_path / "ortsparse" / "harness" / "__init__.py"):
+        init.write_text("raise SystemExit('the ortsparse/ of the current folder was imported')\n")
+    (tmp_path / "numpy.py").write_text("raise SystemExit('the numpy.py of the current folder was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1)
+    assert timing.matmulnbits_us is not None and timing.ours_us is not None, timing.note
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ([], "the following arguments are required: NBITS.onnx, OURS.onnx, K, THREADS, SECONDS"),
+    (["a.onnx", "b.onnx", "x", "1", "1"], "argument K: 'x' is not an integer >= 1"),
+    (["a.onnx", "b.onnx", "4", "1", "1"], "a.onnx is not a file"),
+    ([str(LLAMA), str(LLAMA), "4", "1", "0.1"], "Required inputs"),  # not a head's single-node graph
+])
+def test_the_timing_module_with_bad_arguments_is_a_one_line_error(arguments, message, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ortsparse.harness.head_placement", *arguments], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
+    assert lines[0].startswith("python -m ortsparse.harness.head_placement: error: ")
 
 
 def test_sign_test():

@@ -732,7 +732,7 @@ def run(args: Any, target: str, write: Callable[[str, str, str], None], report_p
     encoder = args.min_cosine is not None
     model_file = args.model or str(model_path("minilm" if encoder else "smollm2",
                                               "torchscript" if encoder else "full.torchscript"))
-    model = onnx.load(model_file)
+    model = load_proto(model_file, load_weights=True)  # external data under ONNX Runtime's rule
     if encoder:
         arrays = load_sentences(default_sentences() if getattr(args, "sentences", None) is None else args.sentences)
         half = arrays["input_ids"].shape[0] // 2

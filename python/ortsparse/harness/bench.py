@@ -21,9 +21,10 @@ import onnx
 from ..benchmarking import check_report, write_report
 from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
-from ..graph_rewrite.output_paths import Inputs
+from ..graph_rewrite.output_paths import Inputs, resolve_report_stem
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
+from ..runtime import load_proto
 from .corpus import load_corpus_tokens
 from .request import RequestShape, parse_requests, request_bench, request_markdown
 from .speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
@@ -84,8 +85,7 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
         result = rewrite_genai_folder(base.source, workdir / name, config)
         log(result.report.summary())
         return Candidate(name, result.folder, base.runners)
-    rewritten, report = rewrite_model(onnx.load(str(base.source)) if not isinstance(base.source, onnx.ModelProto)
-                                      else base.source, config)
+    rewritten, report = rewrite_model(load_proto(base.source, load_weights=True), config)
     log(report.summary())
     path = workdir / f"{name}.onnx"  # a file: the sessions read it, Python holds no copy of the weights
     onnx.save(rewritten, str(path))
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if path and Path(path).exists():
             inputs.add_model(path, f"the input model {spec}")
     if args.output:
+        args.output = resolve_report_stem(args.output, "bench")  # -o reports/: reports/bench.json
         check_report(args.output, inputs)
     config = config_from_args(args)
     specs = args.models or ["ours", "ours-int4", "ours-int8"]

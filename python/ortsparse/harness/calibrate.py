@@ -30,7 +30,8 @@ from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
-from ..runtime import context_length, genai_folder, kv_layout, lm_feeds, open_session, vocab_size, with_outputs
+from ..runtime import (context_length, genai_folder, kv_layout, lm_feeds, load_proto, open_session, vocab_size,
+                       with_outputs)
 from . import allocation, head_placement
 from .corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out,
                      text_per_window)
@@ -277,7 +278,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
     if not model_file:
         model_file = str(model_path("smollm2", "full.torchscript"))
     model_file = str(model_input(model_file))  # a genai folder: its decoder graph
-    model = onnx.load(model_file)
+    model = load_proto(model_file, load_weights=True)  # external data under ONNX Runtime's rule
     if args.text and args.tokens:
         raise ModelFileError("give --text or --tokens, not both")
     tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
@@ -336,7 +337,7 @@ def _inputs(args) -> Inputs:
 
 
 def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None]) -> int:
-    model = onnx.load(args.model)
+    model = load_proto(args.model, load_weights=True)
     layers = target_layers(model, target)
     batches = encoder_batches()
     capture_quantiles(model, layers, batches, log=log)

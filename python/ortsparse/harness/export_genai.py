@@ -24,12 +24,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from pathlib import Path
 
+from ..benchmarking import python_command
 from .cache import ModelBuildError
 from .export_smollm2 import GREEDY_TOKENS, PROMPT, load, torch_greedy
 
@@ -48,8 +48,8 @@ def builder_command(hf: Path, out: Path, precision: str, cache_dir: Path) -> lis
     """The onnxruntime-genai model builder call for one precision."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose from {', '.join(PRECISIONS)}")
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
-               "-p", precision, "-e", EXECUTION_PROVIDER, "-c", str(cache_dir)]
+    command = python_command("-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
+                             "-p", precision, "-e", EXECUTION_PROVIDER, "-c", str(cache_dir))
     if precision != "fp32":
         command += ["--extra_options", *QUANTIZED_OPTIONS]
     return command
@@ -304,7 +304,7 @@ def build_tiny_gemma3(out: Path, *, window: int = 8, seed: int = 0, log: Log = p
 
         def writer(folder: Path) -> None:
             built = Path(tmp) / "genai"
-            command = [sys.executable, "-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache")]
+            command = python_command("-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache"))
             done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if done.returncode != 0:
                 lines = (done.stderr or done.stdout).strip().splitlines()

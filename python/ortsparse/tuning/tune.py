@@ -39,8 +39,8 @@ from ..graph_rewrite.as_decoded import as_decoded
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
-from ..graph_rewrite.genai import model_input, rewrite_genai_folder, written_by_ortsparse
-from ..graph_rewrite.output_paths import Inputs, OutputFiles
+from ..graph_rewrite.genai import model_input, rewrite_genai_folder, source_entries, written_by_ortsparse
+from ..graph_rewrite.output_paths import Inputs, OutputFiles, resolve_report_stem
 from ..graph_rewrite.rules import DOMAIN
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..harness import allocation, head_placement
@@ -50,7 +50,7 @@ from ..harness.perplexity import compare_lm, perplexity
 from ..harness.request import request_speed
 from ..harness.speed import decode_speed
 from ..harness.text import BosChoice, as_bos
-from ..runtime import genai_decoder, genai_folder, open_session, uses_ortsparse
+from ..runtime import genai_decoder, genai_folder, load_proto, open_session, uses_ortsparse
 from . import report as reports
 from . import layer_speed, search, selection
 from .windows import check_length, plan_windows, window_length
@@ -83,10 +83,13 @@ def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path 
                                                     "the source folder" if folder else "the input model")
     reads.add_model(reference, "the reference model")
     outputs = OutputFiles(reads)
-    out = Path(output)
-    destination = (outputs.add(out, "output") if folder is None
-                   else outputs.add_folder(out, "output", replaceable=written_by_ortsparse))
-    stem = Path(report_stem) if report_stem is not None else out.with_name(out.name + ".tune")
+    destination = (outputs.add(output, "output") if folder is None  # as given: "out/" names a folder
+                   else outputs.add_folder(output, "output", replaceable=written_by_ortsparse))
+    if folder is not None:
+        source_entries(folder)  # a link the copy refuses (outside, dangling, a loop): now, not after calibrating
+    out = Path(os.path.abspath(output))
+    stem = resolve_report_stem(report_stem, f"{out.name}.tune") if report_stem is not None \
+        else out.with_name(out.name + ".tune")
     targets = {suffix: outputs.add(f"{stem}{suffix}", what) for suffix, what in REPORT_FILES}
     return outputs, {"model": destination, **targets}
 
@@ -213,7 +216,7 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     first = first_scored(bos.id)
 
     # 2. Calibrate: curves and probes, then the path, window by window.
-    graph = onnx.load(str(decoder))
+    graph = load_proto(decoder, load_weights=True)  # external data under ONNX Runtime's rule
     measured = layer_speed.measure_model(graph, threads=threads, log=log) if speed_aware else None
     if measured is not None and measured.nothing_pays:  # before minutes of calibration are spent
         note = layer_speed.nothing_pays_note(measured.records, threads)
