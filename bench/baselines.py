@@ -31,7 +31,7 @@ import numpy as np
 from ortsparse.benchmarking import command_line, machine_info, read_bandwidth_gbs, report_header, write_report
 from ortsparse.harness import speed
 from ortsparse.harness import llama_cpp
-from ortsparse.harness.corpus import load_corpus_tokens
+from ortsparse.harness.corpus import load_corpus_tokens, vocabulary_of
 from ortsparse.harness.models import model_path
 from ortsparse.harness.perplexity import perplexity
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         args.windows, args.window_len, args.contexts, args.threads, args.steps, args.warmup = 1, 128, [128, 1024], [1], 8, 2
     started = time.perf_counter()
     candidates = [speed.resolve_model(name) for name in args.models]
-    tokens = load_corpus_tokens(args.corpus)
+    tokens = load_corpus_tokens(args.corpus, vocabulary_of(*(c.graph for c in candidates)))
     payload = {"machine": machine_info(), "bandwidth": read_bandwidth_gbs(), "models": {c.name: str(c.source)
                                                                                     for c in candidates}}
     payload["quality"] = {"windows": args.windows, "window_len": args.window_len,

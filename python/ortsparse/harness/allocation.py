@@ -49,6 +49,7 @@ from .corpus import (
     load_sentences,
     sentence_batches,
     text_per_window,
+    vocabulary_of,
 )
 from .embeddings import compare_embeddings, mean_pool
 from .head_placement import DENSE_ON_OURS
@@ -743,7 +744,7 @@ def run(args: Any, target: str, write: Callable[[str, str, str], None], report_p
         final = compare_embeddings(model, rewritten_with(model, result.entries()), held)
         passed, summary = final["cosine_mean"] >= args.min_cosine, f"held-out cosine mean {final['cosine_mean']:.4f}"
     else:
-        tokens = load_corpus_tokens(args.tokens)
+        tokens = load_corpus_tokens(args.tokens, vocabulary_of(model))
         eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
         result = allocate_lm(model, calib_tokens, args.max_dppl, target=target, score=args.score, margin=args.margin,
                              windows=args.calib_windows, window_len=args.window_len, log=log)

@@ -25,7 +25,7 @@ from ..graph_rewrite.output_paths import Inputs, resolve_report_stem
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import load_proto
-from .corpus import load_corpus_tokens
+from .corpus import load_corpus_tokens, vocabulary_of
 from .request import RequestShape, parse_requests, request_bench, request_markdown
 from .speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         candidates = [resolve_model(spec, args.runners) for spec in specs]
     except (KeyError, FileNotFoundError, ValueError) as error:
         parser.error(str(error).strip("'\""))
-    tokens = load_corpus_tokens(args.corpus)
+    tokens = load_corpus_tokens(args.corpus, vocabulary_of(*(c.graph for c in candidates)))
     with tempfile.TemporaryDirectory(prefix="ortsparse-bench-") as workdir:
         if requested:
             names = [c.name for c in candidates]

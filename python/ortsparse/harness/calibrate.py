@@ -283,7 +283,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
         raise ModelFileError("give --text or --tokens, not both")
     tokens = (text_tokens(args.text, args.model or model_file if args.tokenizer is None else None, args.tokenizer,
                           vocab_size(model, default=None))
-              if args.text else load_corpus_tokens(args.tokens))
+              if args.text else load_corpus_tokens(args.tokens, vocab_size(model, default=None)))
     bos = resolve_bos(args.bos, args.model or model_file, args.tokenizer, vocab_size(model, default=None))
     eval_tokens, calib_tokens = split_held_out(tokens, text_per_window(args.window_len, bos.id), args.split)
     source = args.text or args.tokens or "the default corpus"
@@ -291,7 +291,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
                               (calib_tokens, "--calib-windows", args.calib_windows)):
         check_windows(part.size, count, args.window_len, windows_flag=flag, max_positions=context_length(model_file),
                       source=f"the {'held-out' if part is eval_tokens else 'calibration'} part of {source} "
-                             f"(--split {args.split})")
+                             f"(--split {args.split})", bos=bos.id)
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,

@@ -18,8 +18,12 @@ from typing import Any
 import numpy as np
 
 from ..graph_rewrite.errors import ModelFileError
+from ..runtime import vocab_size as logits_width
 from .cache import models_dir
 from .models import cached_file
+
+
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def default_corpus() -> Path:
@@ -33,12 +37,43 @@ def default_sentences() -> Path:
     return cached_file("minilm", "sentences", models_dir() / "minilm" / "sentences.npz")
 
 
-def load_corpus_tokens(path: str | os.PathLike | None = None) -> np.ndarray:
-    """The 1-D token ids of a ``.npy`` file; default: the cache's SmolLM2 britannica-11th tokens."""
+def load_corpus_tokens(path: str | os.PathLike | None = None, vocab_size: int | None = None) -> np.ndarray:
+    """The token ids of a ``.npy`` file (default: the cache's SmolLM2 britannica-11th tokens) as int64,
+    checked as every command reads a token corpus: a 1-D, non-empty array of integers, each ``0 <= id
+    < vocab_size`` (the model's vocabulary, when known: an id past it would fail inside onnxruntime,
+    and a negative one would silently read another embedding row — Gather wraps -1 to the last).
+    Anything else is a one-line :class:`ModelFileError` naming the file (CLI exit 2)."""
     path = Path(path) if path is not None else default_corpus()
     if not path.is_file():
-        raise FileNotFoundError(f"token corpus {path} not found (run `ortsparse models`, or give a .npy of token ids)")
-    return np.load(path).reshape(-1)
+        raise ModelFileError(f"token corpus {path} not found (run `ortsparse models`, or give a .npy of token ids)")
+    try:
+        with path.open("rb") as file:
+            if file.read(len(NPY_MAGIC)) != NPY_MAGIC:  # a text file, a .npz archive, anything else
+                raise ModelFileError(f"token corpus {path} is not a .npy file; give the token ids saved with np.save")
+            file.seek(0)
+            ids = np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:  # unreadable, truncated, or an array of Python objects
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ModelFileError(f"token corpus {path} cannot be read as token ids: {reason}") from None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ModelFileError(f"token corpus {path} holds {ids.dtype} values; token ids are integers")
+    if ids.ndim != 1:
+        raise ModelFileError(f"token corpus {path} has shape {list(ids.shape)}; give a 1-D array of token ids")
+    if ids.size == 0:
+        raise ModelFileError(f"token corpus {path} is empty")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0:
+        raise ModelFileError(f"token corpus {path} holds the negative id {low} (at index {int(ids.argmin())})")
+    if vocab_size is not None and high >= vocab_size:
+        raise ModelFileError(f"token corpus {path} holds the id {high} (at index {int(ids.argmax())}), outside the "
+                             f"model's vocabulary of {vocab_size}: the ids are not this model's")
+    return ids.astype(np.int64, copy=False)
+
+
+def vocabulary_of(*models: Any) -> int | None:
+    """The smallest vocabulary of ``models`` (paths or protos of decoder graphs) that their logits
+    output states: the ids a corpus for all of them may hold (None when no graph states it)."""
+    return min(filter(None, (logits_width(model, default=None) for model in models)), default=None)
 
 
 SPLITS = ("halves", "interleaved")
@@ -74,6 +109,11 @@ def first_scored(bos: int | None = None) -> int:
     return 0 if bos is None else 1
 
 
+def shortest_window(bos: int | None = None) -> int:
+    """Positions of the shortest window with one scored prediction (a BOS adds one, unscored)."""
+    return 2 + (bos is not None)
+
+
 def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: int = 0,
                bos: int | None = None) -> np.ndarray:
     """``[windows, window_len]`` int64: window i = ``token_ids[offset + i*L : offset + (i+1)*L]``;
@@ -81,7 +121,7 @@ def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: 
     tokens = np.asarray(token_ids).reshape(-1)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
-    shortest = 2 + (bos is not None)  # at least one scored prediction
+    shortest = shortest_window(bos)
     if windows < 1 or window_len < shortest:
         raise ValueError(f"need windows >= 1 and window_len >= {shortest} (got {windows} x {window_len})")
     if offset < 0:
@@ -98,16 +138,23 @@ def lm_windows(token_ids: Any, windows: int = 8, window_len: int = 512, offset: 
 
 
 def check_windows(available: int, windows: int, window_len: int, *, offset: int = 0, source: str = "the tokens",
-                  max_positions: int | None = None, windows_flag: str = "--windows") -> None:
+                  max_positions: int | None = None, windows_flag: str = "--windows", bos: int | None = None) -> None:
     """A one-line :class:`ModelFileError` (CLI exit 2), before any model runs, when ``windows`` windows
-    of ``window_len`` tokens from ``offset`` need more than the ``available`` tokens of ``source``, or
-    a window is longer than the model's ``max_positions`` (its longest sequence, when known)."""
+    of ``window_len`` positions (``[bos] +`` text when ``bos``) from ``offset`` need more than the
+    ``available`` tokens of ``source``, a window has no scored prediction (:func:`lm_windows`), or a
+    window is longer than the model's ``max_positions`` (its longest sequence, when known)."""
+    shortest = shortest_window(bos)
+    if window_len < shortest:
+        raise ModelFileError(f"--window-len {window_len} leaves no next-token prediction to score"
+                             + (f" after the BOS (id {bos})" if bos is not None else "")
+                             + f"; give --window-len {shortest} or more")
     if max_positions is not None and window_len > max_positions:
         raise ModelFileError(f"--window-len {window_len} is longer than the model's context of {max_positions} "
                              f"tokens; give --window-len {max_positions} or less")
-    needed = offset + windows * window_len
+    text = text_per_window(window_len, bos)
+    needed = offset + windows * text
     if needed > available:
-        fit = max(0, (available - offset) // window_len)
+        fit = max(0, (available - offset) // text)
         start = f" from --offset {offset}" if offset else ""
         raise ModelFileError(f"{windows_flag} {windows} x --window-len {window_len}{start} need {needed} tokens; "
                              f"{source} has {available} (room for {fit} such window(s): fewer or shorter "

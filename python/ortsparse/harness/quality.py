@@ -167,11 +167,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         corpus = Path(args.corpus) if args.corpus else default_corpus()
         if not corpus.is_file():
             parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
-        tokens = load_corpus_tokens(corpus)
+        tokens = load_corpus_tokens(corpus, vocab_size(args.model, default=None))
     if kind == "lm":
         bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
         check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
-                      max_positions=context_length(args.model))
+                      max_positions=context_length(args.model), bos=bos.id)
     report = None
     if args.rewritten:
         rewritten: Any = args.rewritten

@@ -17,7 +17,7 @@ from ..benchmarking import check_report, machine_info
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..runtime import load_proto
 from ..graph_rewrite.output_paths import Inputs, resolve_report_stem, write_files
-from .corpus import load_corpus_tokens
+from .corpus import load_corpus_tokens, vocabulary_of
 from .models import model_path
 from .perplexity import perplexity
 from .speed import decode_speed
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.output = resolve_report_stem(args.output, "sweep")  # -o reports/: reports/sweep.json
     check_report(args.output, inputs, ".png")
     full_model, kv_model = load_proto(full_path, load_weights=True), load_proto(kv_path, load_weights=True)
-    tokens = load_corpus_tokens(args.tokens)
+    tokens = load_corpus_tokens(args.tokens, vocabulary_of(full_model, kv_model))
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
                         context=args.context, steps=args.steps)
