@@ -20,7 +20,7 @@ folder). Every output is checked when it is declared, before any slow work:
 - its directory exists (or can be made, ``create_dirs``) and is writable;
 - a file output names a file: a path ending in ``/`` (``-o newdir/``) is refused rather than
   written as the file ``newdir``; a report *stem* naming a folder (``reports/``, ``.``, ``..``)
-  means the command's default name inside it (:func:`report_stem`: ``-o reports/`` writes
+  means the command's default name inside it (:func:`resolve_report_stem`: ``-o reports/`` writes
   ``reports/bench.json``);
 - an output folder is never the current directory or one holding it: it is replaced as a whole,
   which would leave the command (and the shell that started it) in a deleted folder.
@@ -296,7 +296,7 @@ def _example_name(what: str) -> str:
     return "model.onnx" if what == "output" else "report.json"
 
 
-def report_stem(stem: str | os.PathLike, default_name: str) -> str:
+def resolve_report_stem(stem: str | os.PathLike, default_name: str) -> str:
     """The stem of a command's report files (``STEM.json``, ``STEM.md``...) for the ``stem`` the
     user gave: as given, unless it names a folder (ends with ``/``, or is ``.`` / ``..``), which
     means ``default_name`` inside that folder (``-o reports/`` -> ``reports/bench``)."""
