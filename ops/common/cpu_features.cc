@@ -1,6 +1,11 @@
 #include "common/cpu_features.h"
 
+#ifndef ORTSPARSE_X86_KERNELS
+#error "ORTSPARSE_X86_KERNELS (0 or 1) comes from CMakeLists.txt"
+#endif
+#if ORTSPARSE_X86_KERNELS
 #include <cpuid.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -9,6 +14,7 @@
 namespace ortsparse {
 namespace {
 
+#if ORTSPARSE_X86_KERNELS
 uint64_t read_xcr0() {
   uint32_t eax = 0, edx = 0;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -40,6 +46,11 @@ CpuFeatures detect() {
   f.fma = f.fma && f.os_saves_ymm;
   return f;
 }
+#else
+// Built without the x86 kernels (another processor, or a compiler without the flags): report no
+// feature, so only the scalar kernels are ever chosen and ORTSPARSE_ISA=avx2|avx512 is refused.
+CpuFeatures detect() { return CpuFeatures{}; }
+#endif
 
 struct ActiveIsa {
   Isa isa = Isa::kScalar;

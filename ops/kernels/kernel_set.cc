@@ -14,6 +14,7 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
   set.isa = isa;
   set.popcnt_path = popcnt;
   switch (isa) {
+#if ORTSPARSE_X86_KERNELS
     case Isa::kAvx512:
       set.matmul = &matmul_kernels_avx512();
       set.select = &select_kernels_avx512();
@@ -30,7 +31,8 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
       set.attention = &attention_kernels_avx2();
       set.quant = &quant_kernels_avx2();
       break;
-    default:
+#endif
+    default:  // and every x86 ISA in a build without its kernels (never supported there)
       set.matmul = &matmul_kernels_scalar();
       set.select = &select_kernels_scalar();
       set.proc = &proc_kernels_scalar();
@@ -40,8 +42,10 @@ KernelSet make_set(Isa isa, PopcntPath popcnt) {
       break;
   }
   switch (popcnt) {
+#if ORTSPARSE_X86_KERNELS
     case PopcntPath::kVpopcntdq: set.popcount = &popcount_vpopcntdq(); break;
     case PopcntPath::kPopcnt: set.popcount = &popcount_popcnt(); break;
+#endif
     default: set.popcount = &popcount_portable(); break;
   }
   return set;
