@@ -97,3 +97,21 @@ def snapshot(folder: Path) -> dict[str, bytes | str]:
         else:
             result[key] = "dir" if entry.is_dir() else "special"
     return result
+
+
+def damage(folder: Path, how: str) -> Path:
+    """Damages the model in ``folder`` (a genai folder or a model with external data) as a careless
+    copy or a full disk would, and returns what a command is given: ``truncated-data`` (the external
+    data cut short), ``corrupt-model`` (the graph file's bytes garbled), ``text-as-model`` (a text
+    file in place of the graph)."""
+    model = folder / "model.onnx"
+    if how == "truncated-data":
+        data = next(p for p in folder.iterdir() if p.suffix in (".data", ".weights"))
+        data.write_bytes(data.read_bytes()[:1000])
+    elif how == "corrupt-model":
+        raw = bytearray(model.read_bytes())
+        raw[len(raw) // 3: len(raw) // 3 + 64] = b"\xff" * 64
+        model.write_bytes(bytes(raw))
+    else:
+        model.write_text("the quick brown fox, not an ONNX model\n")
+    return folder

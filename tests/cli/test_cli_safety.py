@@ -346,3 +346,30 @@ def test_config_that_is_not_a_regular_file_is_refused_without_blocking(kind, inl
 def test_out_of_range_settings_are_usage_errors(flags, message, inline_model, tmp_path, capsys):
     refused(capsys, [inline_model, "-o", tmp_path / "out.onnx", *flags], message)
     assert not (tmp_path / "out.onnx").exists()
+
+
+# ------------------------------------------------------------------ override entries (issue 36)
+
+@pytest.mark.parametrize("entry, label", [({"node": "no_such_node", "kwta": "off"}, "node 'no_such_node'"),
+                                          ({"match": "layer:99", "off": True}, "match 'layer:99'"),
+                                          ({"match": "/model/typo/MatMul", "off": True}, "match '/model/typo/MatMul'")])
+def test_an_override_entry_naming_no_layer_is_an_error(entry, label, inline_model, tmp_path, capsys):
+    import json
+
+    config = tmp_path / "layers.json"
+    config.write_text(json.dumps({"layers": [{"match": "class:mlp", "kwta": {"k_frac": 0.5}}, entry]}))
+    line = refused(capsys, [inline_model, "-o", tmp_path / "out.onnx", "--config", config], f"{config} entry 1",
+                   label, "names no linear layer")
+    assert refused(capsys, [inline_model, "--list-layers", "--config", config]) == line
+    assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("entry", [{"match": "*nothing_here*", "off": True}, {"match": "role:qkv", "off": True}])
+def test_an_override_pattern_may_select_no_layer(entry, inline_model, tmp_path, capsys):
+    """A pattern or a class / role may select nothing (one file shared by several models)."""
+    import json
+
+    config = tmp_path / "layers.json"
+    config.write_text(json.dumps({"layers": [entry]}))
+    assert rewrite_onnx_main([str(inline_model), "-o", str(tmp_path / "out.onnx"), "--config", str(config),
+                              "-q"]) == EXIT_OK, capsys.readouterr().err

@@ -4,6 +4,7 @@ the user's umask. The regression tests name the finding of issue 23 they reprodu
 enumerates every command x output flag x kind of input and asserts refusal, exit 2, nothing changed."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -396,3 +397,233 @@ def test_sweep_writes_its_report_and_plot_together(tmp_path, capsys):
                  "0.5", "--blocks", "1", "--windows", "1", "--window-len", "32", "--context", "8", "--steps", "2",
                  "-o", str(stem)]) == EXIT_OK
     assert sorted(p.name for p in stem.parent.iterdir()) == ["sweep.json", "sweep.md", "sweep.png"]
+
+
+# ------------------------------------------------------------------ findings of issue 36
+
+GATED = ["--kwta-target", "mlp"]  # a rewrite that uses ortsparse ops (the folder needs the library)
+
+
+def tokens_file(path: Path, size: int = 600) -> Path:
+    np.save(path, np.random.default_rng(0).integers(0, 256, size=size))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["external data file", "genai folder"])
+def test_36_finding6_validate_passes_models_with_external_data(kind, src, tmp_path, capsys):
+    model = hm.external_model(tmp_path / "m") if kind == "external data file" else src
+    report = tmp_path / "validate.json"
+    code = main(["validate", str(model), "--runs", "1", "--timing-runs", "0", "--json", str(report), "-q"])
+    import json
+
+    results = json.loads(report.read_text())["models"]
+    assert code == EXIT_OK and [r["status"] for r in results] == ["ok"], [(r["stage"], r["reason"]) for r in results]
+
+
+def test_36_finding7_a_library_path_with_a_trailing_slash_is_not_up_to_date(src, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert rewrite_onnx_main([str(src), "-o", str(out), *GATED, "-q"]) == EXIT_OK
+    config = out / "genai_config.json"
+    config.write_text(config.read_text().replace('"libortsparse_ops.so"', '"libortsparse_ops.so/"'))
+    assert main(["genai-config", str(out), "--check"]) == 1
+    assert "'libortsparse_ops.so/' is missing" in capsys.readouterr().out
+    assert main(["genai-config", str(out)]) == EXIT_OK  # the refresh mends the entry
+    assert '"libortsparse_ops.so"' in config.read_text()
+    assert main(["genai-config", str(out), "--check"]) == EXIT_OK
+
+
+def test_36_finding10_an_output_folder_name_too_long_is_one_line(src, text, tmp_path, capsys):
+    long = tmp_path / ("x" * 300)
+    before = tree_hash(tmp_path)
+    refused(capsys, rewrite_onnx_main([str(src), "-o", str(long), "-q"]), "File name too long")
+    refused(capsys, main(["tune", str(src), "--text", str(text), "-o", str(long)]), "File name too long")
+    assert tree_hash(tmp_path) == before
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_36_finding10_a_write_error_in_a_genai_folder_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch,
+                                                                                   capsys):
+    from ortsparse.graph_rewrite import genai
+
+    monkeypatch.setattr(genai.ir, "save", _disk_full)  # the decoder is written while the folder is staged
+    before = tree_hash(tmp_path)
+    refused(capsys, rewrite_onnx_main([str(src), "-o", str(tmp_path / "o"), "-q"]), "cannot write",
+            str(tmp_path / "o"), "No space left on device")
+    assert tree_hash(tmp_path) == before
+
+
+def test_36_finding10_tune_says_a_write_error_after_calibrating_in_one_line_exit_2(src, text, tmp_path, monkeypatch,
+                                                                                   capsys, steady_tune_speed):
+    from ortsparse.graph_rewrite import genai
+
+    monkeypatch.setattr(genai.ir, "save", _disk_full)
+    before = tree_hash(tmp_path)
+    code = main(["tune", str(src), "--text", str(text), "-o", str(tmp_path / "o"), "--max-dppl", "1.0",
+                 "--windows", "1"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err  # not 1 ("nothing written: the budget")
+    assert "Traceback" not in err and "ortsparse: error: cannot write" in err.strip().splitlines()[-1], err
+    assert tree_hash(tmp_path) == before
+
+
+def test_36_finding11_a_symlink_loop_in_the_source_is_one_line_before_calibrating(src, text, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from ortsparse.tuning import tune
+
+    (src / "loop1").symlink_to("loop2")
+    (src / "loop2").symlink_to("loop1")
+    before = tree_hash(tmp_path)
+    refused(capsys, rewrite_onnx_main([str(src), "-o", str(tmp_path / "o"), "-q"]), "symlink loop")
+
+    def calibration_started(*args, **kwargs):
+        raise AssertionError("the folder's links are checked before the calibration")
+
+    monkeypatch.setattr(tune, "plan_windows", calibration_started)
+    refused(capsys, main(["tune", str(src), "--text", str(text), "-o", str(tmp_path / "o")]), "symlink loop")
+    assert tree_hash(tmp_path) == before
+
+
+def test_36_finding12_a_folder_a_link_points_to_is_protected_but_not_walked(src, tmp_path, monkeypatch):
+    """Declaring a folder as input walks that folder only: a link to /usr (seconds), / (dies in /proc)
+    or another user's folder (PermissionError) must not be walked."""
+    from ortsparse.graph_rewrite import output_paths
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "deep").mkdir(parents=True)
+    (elsewhere / "deep" / "file.txt").write_text("not read by any command")
+    (src / "shared").symlink_to(elsewhere)
+    walked, real_walk = [], os.walk
+    monkeypatch.setattr(output_paths.os, "walk", lambda top, *a, **k: walked.append(top) or real_walk(top, *a, **k))
+    inputs = output_paths.Inputs().add(src, "the source folder")
+    assert walked == [os.path.realpath(src)]
+    assert inputs.describe(elsewhere / "new.json")[0] == "inside"  # still never written into
+    assert inputs.describe(tmp_path / "new.json") is None
+
+
+def test_36_finding12_an_unresolvable_link_in_an_input_folder_is_skipped(src, tmp_path, monkeypatch):
+    """A link whose target cannot be resolved (here: a component we may not read, as in /proc of
+    another user) does not stop the command that merely reads the folder."""
+    from ortsparse.graph_rewrite import output_paths
+
+    (src / "private").symlink_to("/nowhere/at/all")
+    real_realpath = os.path.realpath
+
+    def refusing_realpath(path, *args, **kwargs):
+        if str(path).endswith("private"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(output_paths.os.path, "realpath", refusing_realpath)
+    inputs = output_paths.Inputs().add(src, "the source folder")
+    assert inputs.describe(src / "tokenizer.json") == ("inside", f"the source folder {real_realpath(src)}")
+
+
+DAMAGES = ["truncated-data", "corrupt-model", "text-as-model"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("command", ["bench folder", "bench file", "quality", "tune", "calibrate"])
+def test_36_finding13_a_damaged_model_is_one_line_for_every_command(command, how, src, text, tmp_path, capsys):
+    if command == "bench file":
+        model = hm.damage(hm.external_model(tmp_path / "m").parent, how) / "model.onnx"
+    else:
+        model = hm.damage(src, how)
+    tokens = tokens_file(tmp_path / "tokens.npy")
+    argv = {"bench folder": ["bench", f"a={model}", "--corpus", str(tokens), "--contexts", "8", "--steps", "1",
+                             "--warmup", "0", "--runners", "ort"],
+            "bench file": ["bench", f"a={model}", "--corpus", str(tokens), "--contexts", "8", "--steps", "1",
+                           "--warmup", "0", "--runners", "ort"],
+            "quality": ["quality", str(model), "--corpus", str(tokens), "--runs", "1"],
+            "tune": ["tune", str(model), "--text", str(text), "-o", str(tmp_path / "o"), "--windows", "1"],
+            "calibrate": ["calibrate", str(model), "--text", str(text), "-o", str(tmp_path / "c.json"),
+                          "--window-len", "64", "--calib-windows", "1", "--eval-windows", "1"]}[command]
+    before = tree_hash(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "model.onnx" in err, err
+    assert tree_hash(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["quality", "calibrate", "tune"])
+def test_36_finding15_hard_linked_external_data_is_read_as_onnx_runtime_reads_it(command, src, text, tmp_path,
+                                                                                capsys, steady_tune_speed):
+    os.link(src / "model.onnx.data", tmp_path / "second-name.data")  # a hard link, as a dedup tool makes
+    tokens = tokens_file(tmp_path / "tokens.npy", 2000)
+    argv = {"quality": ["quality", str(src), "--corpus", str(tokens), "--runs", "1", "--window-len", "64",
+                        "--windows", "2"],
+            "calibrate": ["calibrate", str(src), "--text", str(text), "-o", str(tmp_path / "c.json"), "--window-len",
+                          "64", "--calib-windows", "1", "--eval-windows", "1", "--target", "mlp"],
+            "tune": ["tune", str(src), "--text", str(text), "-o", str(tmp_path / "o"), "--max-dppl", "1.0",
+                     "--windows", "1"]}[command]
+    assert main(argv) == EXIT_OK, capsys.readouterr().err
+
+
+def test_36_finding15_load_proto_reads_hard_linked_data_like_the_original(tmp_path):
+    import onnx
+
+    from ortsparse.runtime import load_proto
+
+    model = hm.external_model(tmp_path / "m")
+    expected = onnx.load(str(model))
+    os.link(model.parent / "model.weights", tmp_path / "other.weights")
+    loaded = load_proto(model, load_weights=True)
+    assert loaded.SerializeToString() == expected.SerializeToString()
+
+
+def test_36_finding19_the_current_directory_is_never_an_output_folder(src, text, tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    refused(capsys, rewrite_onnx_main([str(src), "-o", ".", "-q"]), "is the current directory")
+    refused(capsys, main(["tune", str(src), "--text", str(text), "-o", "."]), "is the current directory")
+    assert os.getcwd() == str(empty) and list(empty.iterdir()) == []
+
+
+def test_36_finding20_a_file_output_ending_in_a_slash_is_refused(tmp_path, capsys):
+    before = tree_hash(tmp_path)
+    refused(capsys, rewrite_onnx_main([str(FULL), "-o", f"{tmp_path / 'newdir'}/", "-q"]), "names a folder")
+    refused(capsys, rewrite_onnx_main([str(FULL), "-o", str(tmp_path / "m.onnx"), "--report",
+                                       f"{tmp_path / 'reports'}/", "-q"]), "names a folder")
+    assert tree_hash(tmp_path) == before
+
+
+@pytest.mark.parametrize("stem, expected", [("reports/", "reports/bench"), (".", "bench"), ("run1", "run1")])
+def test_36_finding20_a_report_stem_naming_a_folder_writes_inside_it(stem, expected, tmp_path, monkeypatch, capsys):
+    tokens = tokens_file(tmp_path / "tokens.npy", 256)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["bench", f"dense={KV}", "--contexts", "8", "--threads", "1", "--steps", "2", "--warmup", "1",
+                 "--corpus", str(tokens), "--runners", "ort", "-o", stem]) == EXIT_OK, capsys.readouterr().err
+    written = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
+    assert written == [f"{expected}.json", f"{expected}.md"]
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), ValueError("bad value"),
+                                     "onnx"])
+def test_36_errors_after_the_long_part_are_one_line_exit_2_and_nothing_written(failure, text, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The class: whatever the user's files raise late in a command (a disk that fills, a value the
+    libraries refuse) is one line and exit 2 from the top level, and the staged outputs are gone."""
+    import onnx
+
+    from ortsparse.harness import calibrate
+
+    def fail(*args, **kwargs):
+        if failure == "onnx":
+            raise onnx.checker.ValidationError("the held-out model is refused")
+        raise failure
+
+    monkeypatch.setattr(calibrate, "compare_lm", fail)  # after the calibration
+    before = tree_hash(tmp_path)
+    code = main(["calibrate", str(FULL), "--text", str(text), "--tokenizer", str(GENAI), "-o",
+                 str(tmp_path / "layers.json"), "--window-len", "64", "--calib-windows", "1", "--eval-windows", "1",
+                 "--target", "mlp"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("ortsparse: error: "), err
+    assert tree_hash(tmp_path) == before
