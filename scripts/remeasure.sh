@@ -16,7 +16,12 @@
 #   tune          `ortsparse tune` on genai fp32 and int8 with a text never used for calibration
 #                 (Python's own documentation from the standard library)                              ~30 min
 #   stability     two back-to-back runs of the loop (spread of the medians)                           ~10 min
-# usage: scripts/remeasure.sh [baselines|fp32|attention|gqa|quant|quant_attn|tune|stability ...]
+#   headline      every row of the README's "what to expect" table: the demo's int8 tune and an int4 tune
+#                 on Python's docs, each benched against its input (3 rounds; 1 and 2 threads, ORT's
+#                 default pool and spinning off), long requests with --attn=popcount and the answer's
+#                 quality where selection acts; then rewrites the README table and docs/results.md
+#                 (reports/headline_*)                                                                ~2 h
+# usage: scripts/remeasure.sh [baselines|fp32|attention|gqa|quant|quant_attn|tune|stability|headline ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")
@@ -95,6 +100,27 @@ run_tune() {
   rm -rf "$work"
 }
 
+run_headline() {  # the README's table; scripts/results_table.py reads reports/headline_* first
+  work=$(mktemp -d)
+  python -c "import pydoc_data.topics as t; print('\n\n'.join(t.topics.values()))" > "$work/python-docs.txt"
+  ortsparse tune "$S/genai-int8" --reference "$S/genai-fp32" --text "$work/python-docs.txt" --max-dppl 0.02 \
+    -o "$work/int8-tuned" --report reports/headline_tune_int8 || [ $? -eq 3 ]
+  ortsparse tune "$S/genai-int4" --text "$work/python-docs.txt" --max-dppl 0.02 \
+    -o "$work/int4-tuned" --report reports/headline_tune_int4 || [ $? -eq 3 ]
+  ortsparse bench input="$S/genai-int8" tuned="$work/int8-tuned" --runners og --contexts 128 1024 --threads 1 2 \
+    --rounds 3 -o reports/headline_bench_int8
+  ortsparse bench input="$S/genai-int8" tuned="$work/int8-tuned" --runners og --contexts 128 1024 --threads 2 \
+    --spinning --rounds 3 -o reports/headline_bench_int8_spinning
+  ortsparse bench input="$S/genai-int4" tuned="$work/int4-tuned" --runners og --contexts 128 1024 --threads 1 \
+    --rounds 3 -o reports/headline_bench_int4
+  ortsparse bench int4="$S/genai-int4" --rewrite int4 --attn=popcount --runners og --request 4096:256,7936:256 \
+    --threads 1 --rounds 3 -o reports/headline_request_int4_attention
+  python bench/bench_event_attention.py --contexts 4096 8192 --steps 256 --rounds 1 --variants input pages \
+    -o reports/headline_attention_quality_int4
+  rm -rf "$work"
+  python scripts/results_table.py --write
+}
+
 run_stability() {
   ortsparse bench ours genai-fp32 --contexts 128 1024 4096 --threads 1 --runs 2 -o reports/loop_stability
 }
@@ -103,7 +129,7 @@ sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(baselines fp32 attention gqa quant quant_attn tune stability)
 for section in "${sections[@]}"; do
   case "$section" in
-    baselines|fp32|attention|gqa|quant|quant_attn|tune|stability) echo "== $section"; "run_$section" ;;
-    *) echo "remeasure.sh: unknown section '$section' (baselines fp32 attention gqa quant quant_attn tune stability)" >&2; exit 2 ;;
+    baselines|fp32|attention|gqa|quant|quant_attn|tune|stability|headline) echo "== $section"; "run_$section" ;;
+    *) echo "remeasure.sh: unknown section '$section' (baselines fp32 attention gqa quant quant_attn tune stability headline)" >&2; exit 2 ;;
   esac
 done

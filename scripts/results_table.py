@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The README's results section, generated from the measured reports under reports/.
+"""The README's "what to expect" table and docs/results.md's results section, generated from the
+measured reports under reports/.
 
-Every number in it is read from a report JSON written by the command the report names
-(scripts/remeasure.sh runs them all), so the README cannot drift from what was measured:
-tests/test_readme.py checks that the README's section equals this script's output.
+Every number in them is read from a report JSON written by the command the report names
+(`scripts/remeasure.sh headline` re-runs the README's rows), so the docs cannot drift from what was
+measured: tests/test_readme.py checks that both sections equal this script's output.
 
-usage: python scripts/results_table.py            # print the section
-       python scripts/results_table.py --write    # replace it in README.md (between the markers)
+usage: python scripts/results_table.py            # print both sections
+       python scripts/results_table.py --write    # replace them in README.md and docs/results.md
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "reports"
 BEGIN, END = "<!-- results:begin (scripts/results_table.py) -->", "<!-- results:end -->"
+EXPECT_BEGIN, EXPECT_END = "<!-- expect:begin (scripts/results_table.py) -->", "<!-- expect:end -->"
+RESULTS_DOC = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
 
 
 def _load(name: str) -> dict | None:
@@ -34,8 +38,11 @@ def _rows(payload: dict, *, threads: int, runner: str) -> dict[tuple[str, int], 
     return out
 
 
-def _link(name: str) -> str:
-    return f"[{name}](reports/{name})"
+_LINK_PREFIX = "../reports/"  # the results section lives in docs/
+
+
+def _link(name: str, prefix: str | None = None) -> str:
+    return f"[{name}]({_LINK_PREFIX if prefix is None else prefix}{name})"
 
 
 def _pct(fraction: float) -> str:
@@ -152,29 +159,137 @@ def technique_rows() -> list[str]:
 def section() -> str:
     lines = [BEGIN, *baselines_table(), *technique_rows(),
              "Each report names its command and machine; `scripts/remeasure.sh` re-runs them all. Older and "
-             "kernel-level results: [docs/results.md](docs/results.md).", END]
+             "kernel-level results: the sections below.", END]
     return "\n".join(lines)
 
 
-def replace_section(readme: str, new: str) -> str:
-    start, stop = readme.index(BEGIN), readme.index(END) + len(END)
-    return readme[:start] + new + readme[stop:]
+# ---------------------------------------------------------------------------------------------
+# The README's "what to expect": the headline rows, each the worst round of a multi-round bench
+# report (docs/measure.md), with its quality, CPU, date and command.
+# ---------------------------------------------------------------------------------------------
+def _headline(stable: str, measured_before: str) -> str:
+    """The report `scripts/remeasure.sh headline` writes, else the one the row was first measured in."""
+    return stable if (REPORTS / stable).exists() else measured_before
+
+
+def _ratio(payload: dict, *, model: str, context: int, threads: int) -> dict | None:
+    for ratio in payload["ratios"]:
+        if (ratio["model"], ratio["context"], ratio["threads"]) == (model, context, threads):
+            return ratio["speedup"]
+    return None
+
+
+def _request_ratio(payload: dict, *, model: str, request: str, threads: int) -> dict | None:
+    for ratio in payload["ratios"]:
+        if (ratio["model"], ratio["request"], ratio["threads"]) == (model, request, threads):
+            return ratio["total_speedup"]
+    return None
+
+
+def _worst_median(speedups: list[dict | None]) -> str:
+    if any(s is None for s in speedups):
+        return "—"
+    worst = " / ".join(f"{s['min']:.2f}x" for s in speedups)
+    median = " / ".join(f"{s['median']:.2f}x" for s in speedups)
+    return f"**{worst}** (median {median}, {speedups[0]['rounds']} rounds)"
+
+
+def _when(payload: dict) -> str:
+    machine = payload["machine"]
+    return f"{machine['cpu']}, {machine['cores']} cores; {machine['date'][:10]}"
+
+
+def _command(payload: dict) -> str:
+    """The report's command without its output stem, model paths cut to their folder names."""
+    words = []
+    for word in payload["command"].split(" -o ")[0].split():
+        name, sep, path = word.partition("=")
+        words.append(f"{name}={Path(path).name}" if sep and "/" in path else Path(word).name if word.startswith("/") else word)
+    return " ".join(words)
+
+
+def _tune_quality(name: str) -> str:
+    report = _load(name)
+    if report is None:
+        return "—"
+    held = report["held_out"]
+    against = "fp32" if report.get("reference") else "its input"
+    return (f"{_pct(held['dppl'])} vs {against} ({_pct(held['dppl_low'])} .. {_pct(held['dppl_high'])}), "
+            f"top-1 {held['top1_agreement']:.3f}, {held['windows']} held-out windows of the tuning text; "
+            f"{100 * report['gating']['skipped_fraction']:.1f}% of gated bytes skipped "
+            f"([tune report](reports/{name[:-5]}.md))")
+
+
+def _attention_quality(name: str) -> str:
+    """dppl of the selecting model vs exact attention and top-1 agreement between them, per context."""
+    report = _load(name)
+    if report is None:
+        return "—"
+    rows = {(row["model"], row["context"]): row for row in report["rows"]}
+    contexts = sorted(c for model, c in rows if model == "pages")
+    cells = [f"{c // 1024}k {_pct(rows[('pages', c)]['dppl_vs_input'])}, top-1 {rows[('input', c)]['top1_vs_pages']:.3f}"
+             for c in contexts if ("input", c) in rows]
+    return (f"answer tokens after the prompt, where selection acts: {'; '.join(cells)} vs exact attention "
+            f"(one 256-step window each; {_link(name.replace('.json', '.md'), 'reports/')})")
+
+
+def expect_rows() -> list[str]:
+    lines = ["| workload | model, ortsparse setting | threads | speed vs the input model: worst round (median) | "
+             "quality | CPU, date | command |", "|---|---|---|---|---|---|---|"]
+    int8 = _headline("headline_bench_int8.json", "bench_tune_int8_rotation_head.json")
+    decode = [("int8", int8, 1, "1"),
+              ("int8", _headline("headline_bench_int8_spinning.json", "bench_tune_int8_rotation_head_spinning.json"), 2,
+               "2, ORT's default pool"),
+              ("int8", int8, 2, "2, `allow_spinning=0`"),
+              ("int4", _headline("headline_bench_int4.json", "bench_tune_int4_head_2026-11-28.json"), 1, "1")]
+    tune_reports = {"int8": _headline("headline_tune_int8.json", "tune_genai_int8_python_docs_rotation_2026-11-28.json"),
+                    "int4": _headline("headline_tune_int4.json", "tune_genai_int4_python_docs_rotation_2026-11-28.json")}
+    for precision, name, threads, thread_label in decode:
+        payload = _load(name)
+        if payload is None:
+            continue
+        speed = _worst_median([_ratio(payload, model="tuned", context=c, threads=threads) for c in (128, 1024)])
+        lines.append(f"| decode, context 128 / 1024 | SmolLM2-135M genai {precision}, `ortsparse tune` "
+                     f"{'--reference fp32 ' if precision == 'int8' else ''}(budget 2%) | {thread_label} | {speed} | "
+                     f"{_tune_quality(tune_reports[precision])} | {_when(payload)} | `{_command(payload)}` "
+                     f"({_link(name.replace('.json', '.md'), 'reports/')}) |")
+    request = _headline("headline_request_int4_attention.json", "request_genai_int4_attention.json")
+    quality = _headline("headline_attention_quality_int4.json", "event_attention_genai_int4.json")
+    payload = _load(request)
+    if payload is not None:
+        speed = _worst_median([_request_ratio(payload, model="int4+ortsparse", request=r, threads=1)
+                               for r in ("4096+256", "7936+256")])
+        lines.append(f"| whole request, prompt + answer: 4k + 256 / 8k + 256 tokens | SmolLM2-135M genai int4, "
+                     f"`--attn=popcount` | 1 | {speed} | {_attention_quality(quality)} | "
+                     f"{_when(payload)} | `{_command(payload)}` "
+                     f"({_link(request.replace('.json', '.md'), 'reports/')}) |")
+    return [EXPECT_BEGIN, *lines, EXPECT_END]
+
+
+def expect_section() -> str:
+    return "\n".join(expect_rows())
+
+
+def replace_section(text: str, new: str, begin: str = BEGIN, end: str = END) -> str:
+    start, stop = text.index(begin), text.index(end) + len(end)
+    return text[:start] + new + text[stop:]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the section in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the sections in README.md and docs/results.md")
     args = parser.parse_args()
-    text = section()
+    targets = [(README, expect_section(), EXPECT_BEGIN, EXPECT_END), (RESULTS_DOC, section(), BEGIN, END)]
     if not args.write:
-        print(text)
+        print("\n\n".join(text for _, text, _, _ in targets))
         return 0
-    readme = ROOT / "README.md"
-    current = readme.read_text()
-    if BEGIN not in current or END not in current:
-        print(f"results_table.py: README.md has no '{BEGIN}' ... '{END}' section", file=sys.stderr)
-        return 2
-    readme.write_text(replace_section(current, text))
+    for path, text, begin, end in targets:
+        current = path.read_text()
+        if begin not in current or end not in current:
+            print(f"results_table.py: {path.name} has no '{begin}' ... '{end}' section", file=sys.stderr)
+            return 2
+    for path, text, begin, end in targets:
+        path.write_text(replace_section(path.read_text(), text, begin, end))
     return 0
 
 

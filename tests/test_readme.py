@@ -1,5 +1,6 @@
-"""The README's results section is generated from reports/ (scripts/results_table.py): it must
-equal what the generator prints, so a re-measured report cannot leave stale numbers behind."""
+"""The README's "what to expect" table and docs/results.md's results section are generated from
+reports/ (scripts/results_table.py): they must equal what the generator prints, so a re-measured
+report cannot leave stale numbers behind."""
 import importlib.util
 import re
 from pathlib import Path
@@ -14,20 +15,50 @@ def _generator():
     return module
 
 
-def test_readme_results_section_matches_the_reports():
+def _generated_part(path: Path, begin: str, end: str) -> str:
+    text = path.read_text()
+    assert begin in text and end in text, f"{path.name} lost its generated section {begin}"
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+def test_readme_expect_table_matches_the_reports():
     table = _generator()
-    readme = (ROOT / "README.md").read_text()
-    assert table.BEGIN in readme and table.END in readme, "README.md lost its generated results section"
-    start, stop = readme.index(table.BEGIN), readme.index(table.END) + len(table.END)
-    assert readme[start:stop] == table.section(), "run: python scripts/results_table.py --write"
+    assert _generated_part(ROOT / "README.md", table.EXPECT_BEGIN, table.EXPECT_END) == table.expect_section(), \
+        "run: python scripts/results_table.py --write"
 
 
-def test_readme_links_point_at_files_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
-        if "://" in target:
-            continue
-        assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+def test_results_doc_section_matches_the_reports():
+    table = _generator()
+    assert _generated_part(ROOT / "docs" / "results.md", table.BEGIN, table.END) == table.section(), \
+        "run: python scripts/results_table.py --write"
+
+
+def test_the_expect_table_has_every_headline_row_and_only_worst_rounds():
+    """Every row of the README's table comes from a report that exists, and quotes a worst round."""
+    rows = [line for line in _generator().expect_rows() if line.startswith("| ") and not line.startswith("| workload")]
+    assert len(rows) == 5, rows
+    for row in rows:
+        assert "—" not in row.split("|")[4], f"a headline row lost its report: {row}"
+        assert "rounds)" in row and "median" in row
+
+
+def test_the_generator_refuses_a_file_without_its_markers(tmp_path, monkeypatch):
+    table = _generator()
+    monkeypatch.setattr(table, "README", tmp_path / "README.md")
+    monkeypatch.setattr(table, "RESULTS_DOC", tmp_path / "results.md")
+    (tmp_path / "README.md").write_text("no markers\n")
+    (tmp_path / "results.md").write_text(f"{table.BEGIN}\n{table.END}\n")
+    monkeypatch.setattr("sys.argv", ["results_table.py", "--write"])
+    assert table.main() == 2
+    assert (tmp_path / "results.md").read_text() == f"{table.BEGIN}\n{table.END}\n"  # nothing half-written
+
+
+def test_readme_and_results_links_point_at_files_that_exist():
+    for doc in (ROOT / "README.md", ROOT / "docs" / "results.md"):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" in target:
+                continue
+            assert (doc.parent / target).exists(), f"{doc.name} links to a missing file: {target}"
 
 
 def _python_block_after(readme: str, marker: str) -> str:
@@ -49,7 +80,7 @@ def test_readme_onnxruntime_snippet_runs_as_written(tmp_path, monkeypatch):
     onnx.save(tiny_graphs.llama_like(), tmp_path / "model.onnx")
     monkeypatch.chdir(tmp_path)
     assert rewrite_onnx_main(["model.onnx", "-o", "model.gated.onnx", "-q"]) == 0
-    code = _python_block_after((ROOT / "README.md").read_text(), "## Use in an app")
+    code = _python_block_after((ROOT / "README.md").read_text(), "ONNX Runtime directly:")
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["outputs"] and namespace["outputs"][0].size > 0
