@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from ..benchmarking import check_report, write_report
@@ -26,6 +27,8 @@ from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import load_proto
 from .corpus import load_corpus_tokens, vocabulary_of
+from .export_corpus import fallback_corpus_text
+from .text import check_vocabulary, text_tokens, tokenize_text, tokenizer_read
 from .request import RequestShape, parse_requests, request_bench, request_markdown
 from .speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
 
@@ -45,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure whole requests instead of decode steps: each prompt in one call (time to first "
                              "token), then the answer's decode steps; e.g. 512:64,4096:256 (--contexts, --steps, "
                              "--warmup and --prefill-chunk do not apply)")
+    parser.add_argument("--text", metavar="FILE",
+                        help="a UTF-8 text to decode, tokenized with the first model's tokenizer (default: Python's "
+                             "own documentation, pydoc_data.topics; --corpus gives token ids instead)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="tokenizer.json (or its folder) for --text; default: beside the first model")
     parser.add_argument("-o", "--output", metavar="STEM",
                         help="also write the report as STEM.json and STEM.md (default: print the table only)")
     add_technique_arguments(parser)
@@ -92,9 +100,34 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
     return Candidate(name, path, ("ort",))
 
 
+DEFAULT_TEXT = "Python's documentation (pydoc_data.topics)"
+
+
+def bench_tokens(args: argparse.Namespace, candidates: list[Candidate]) -> tuple[np.ndarray, str]:
+    """(token ids, what they are) the loop decodes: ``--corpus`` ids, ``--text`` tokenized with the
+    first model's tokenizer, or by default Python's documentation tokenized likewise — text every
+    Python has, in the models' own vocabulary. Only models without a tokenizer (the cache's research
+    exports) fall back to the cache's SmolLM2 corpus. Ids past any model's vocabulary are refused."""
+    vocabulary = vocabulary_of(*(c.graph for c in candidates))
+    if args.corpus:
+        return load_corpus_tokens(args.corpus, vocabulary), f"token ids {args.corpus}"
+    source = candidates[0].source
+    if args.text:
+        return text_tokens(args.text, source, args.tokenizer, vocabulary), f"text {args.text}"
+    tokenizer = tokenizer_read(source, args.tokenizer)
+    if tokenizer is None:
+        return load_corpus_tokens(None, vocabulary), "the model cache's SmolLM2 corpus"
+    tokens = tokenize_text(fallback_corpus_text(), tokenizer)
+    check_vocabulary(tokens, vocabulary, tokenizer=tokenizer)
+    return tokens, DEFAULT_TEXT
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     requested = technique_requested(args)
-    inputs = Inputs().add(args.config, "the config file").add(args.corpus, "the corpus")  # never overwritten
+    if args.text and args.corpus:
+        parser.error("--text and --corpus: give one (a text to tokenize, or token ids)")
+    inputs = (Inputs().add(args.config, "the config file").add(args.corpus, "the corpus")  # never overwritten
+              .add(args.text, "the text").add(args.tokenizer, "the tokenizer"))
     for spec in args.models or []:
         path = spec.split("=", 1)[1] if "=" in spec else spec
         if path and Path(path).exists():
@@ -108,7 +141,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         candidates = [resolve_model(spec, args.runners) for spec in specs]
     except (KeyError, FileNotFoundError, ValueError) as error:
         parser.error(str(error).strip("'\""))
-    tokens = load_corpus_tokens(args.corpus, vocabulary_of(*(c.graph for c in candidates)))
+    tokens, text = bench_tokens(args, candidates)
     with tempfile.TemporaryDirectory(prefix="ortsparse-bench-") as workdir:
         if requested:
             names = [c.name for c in candidates]
@@ -130,6 +163,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(str(error))
     command = getattr(args, "command_line", None) or "ortsparse bench"
     payload["command"] = command
+    payload["text"] = text
     payload["models"] = {c.name: "rewritten, temporary" if c.name.endswith("+ortsparse") else str(c.source)
                          for c in candidates}
     if requested:

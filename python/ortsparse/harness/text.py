@@ -192,6 +192,11 @@ def tokenize_file(text: str | os.PathLike, tokenizer: str | os.PathLike) -> np.n
         raise ModelFileError(f"cannot read text {path}: {error.strerror or error}") from None
     if not content.strip():
         raise ModelFileError(f"text {path} is empty")
+    return tokenize_text(content, tokenizer)
+
+
+def tokenize_text(content: str, tokenizer: str | os.PathLike) -> np.ndarray:
+    """The int64 token ids of ``content`` (no special tokens added)."""
     encoder = _load_tokenizer(tokenizer)
     ids = encoder.encode(content, add_special_tokens=False).ids
     return np.asarray(ids, dtype=np.int64)
