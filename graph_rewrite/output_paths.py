@@ -292,10 +292,6 @@ def _missing_dirs(directory: Path) -> list[Path]:
     return missing
 
 
-def _example_name(what: str) -> str:
-    return "model.onnx" if what == "output" else "report.json"
-
-
 def resolve_report_stem(stem: str | os.PathLike, default_name: str) -> str:
     """The stem of a command's report files (``STEM.json``, ``STEM.md``...) for the ``stem`` the
     user gave: as given, unless it names a folder (ends with ``/``, or is ``.`` / ``..``), which
@@ -314,8 +310,8 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output", protecte
     inputs = protected if isinstance(protected, Inputs) else Inputs(protected)
     given = os.fspath(path)
     if given.endswith((os.sep, os.altsep or os.sep)):  # abspath would drop the slash and write a file there
-        raise ModelFileError(f"{what} {given} names a folder (it ends with '{given[-1]}'); give a file name "
-                             f"(e.g. {given}{_example_name(what)})")
+        raise ModelFileError(f"{what} {given} names a folder (it ends with '{given[-1]}'); give the path of a file "
+                             "(in that folder, or without the slash)")
     path = Path(os.path.abspath(given))
     if (found := inputs.describe(path)) is not None:
         raise _refuse_input(what, path, *found)
