@@ -1,0 +1,65 @@
+"""Quality at the point of use (harness.answer_quality): windows spread over the text, only answer
+steps scored, pooled dppl with a t-interval over windows."""
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortsparse.harness import answer_quality as aq
+from ortsparse.harness.decode import open_stepper
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+GENAI = TINY / "llama_tiny_genai"
+
+
+def test_windows_spread_from_the_start_to_the_end_of_the_text():
+    plan = aq.plan_answer_windows(1000, prefix=100, answer=20, windows=5)
+    assert plan.offsets[0] == 0 and plan.offsets[-1] == 1000 - plan.span
+    assert not plan.overlapping and all(b - a >= plan.span for a, b in zip(plan.offsets, plan.offsets[1:]))
+    assert aq.plan_answer_windows(300, prefix=100, answer=20, windows=5).overlapping
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefix": 900, "answer": 200, "windows": 2}, "needs 1101"),
+    ({"prefix": 100, "answer": 20, "windows": 2, "max_positions": 64}, "the model holds 64"),
+    ({"prefix": 0, "answer": 20, "windows": 2}, "--prefix >= 1"),
+])
+def test_windows_that_do_not_fit_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as error:
+        aq.plan_answer_windows(1000, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_summary_pools_answer_steps_and_gives_a_t_interval():
+    rows = [{"nll_reference": 2.0, "nll_candidate": 2.0 + d, "top1": t} for d, t in ((0.01, 0.9), (0.03, 0.8), (0.02, 1.0))]
+    out = aq.summarize(rows)
+    assert out["dppl"] == pytest.approx(math.expm1(0.02))
+    half = 4.302652729911275 * 0.01 / math.sqrt(3)  # t(0.975, 2) x sd / sqrt(n)
+    assert out["dppl_low"] == pytest.approx(math.expm1(0.02 - half))
+    assert out["dppl_high"] == pytest.approx(math.expm1(0.02 + half))
+    assert out["top1_agreement"] == pytest.approx(0.9) and out["top1_worst_window"] == 0.8
+    assert aq.summarize(rows[:1])["dppl_low"] is None
+
+
+def test_a_model_against_itself_is_exact_at_the_point_of_use():
+    tokens = np.random.default_rng(3).integers(0, 256, size=200)
+    plan = aq.plan_answer_windows(tokens.size, prefix=40, answer=8, windows=3)
+    result = aq.answer_quality(open_stepper(GENAI, "og", 1), open_stepper(GENAI, "og", 1), tokens, plan)
+    assert result["dppl"] == 0.0 and result["top1_agreement"] == 1.0
+    assert [w["offset"] for w in result["per_window"]] == list(plan.offsets)
+    assert "no prompt position" in result["scored"]
+    assert "3 x 8 answer tokens" in aq.describe(result)
+
+
+def test_a_changed_model_shows_at_the_point_of_use(tmp_path):
+    from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.3), enabled=True, target="all")})
+    gated = rewrite_genai_folder(GENAI, tmp_path / "gated", config).folder
+    tokens = np.random.default_rng(4).integers(0, 256, size=200)
+    plan = aq.plan_answer_windows(tokens.size, prefix=40, answer=8, windows=2)
+    result = aq.answer_quality(open_stepper(GENAI, "og", 1), open_stepper(gated, "og", 1), tokens, plan)
+    assert result["dppl"] != 0.0
+    assert all(w["nll_candidate"] != w["nll_reference"] for w in result["per_window"])
