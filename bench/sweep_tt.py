@@ -182,7 +182,7 @@ def _restrict(config, names: set[str], model, args):
 def _bench(config, calib, args) -> dict:
     kv = onnx.load(str(model_path("smollm2", "kv.torchscript")))
     rewritten, _ = rewrite_model(kv, config, calibration=calib)  # same node names as the full export
-    return decode_speed({"dense": kv, "tt": rewritten}, context=128, steps=args.steps)
+    return decode_speed({"dense": kv, "tt": rewritten}, load_corpus_tokens(args.tokens), context=128, steps=args.steps)
 
 
 def sweep_encoder(args) -> dict[str, Any]:

@@ -141,3 +141,24 @@ def test_our_overrides_carry_over_to_the_genai_graph(model, tokens, tmp_path):
         broken = [dict(e) for e in entries]
         broken[1] = {**broken[1], "kwta": {**broken[1]["kwta"], "threshold": 123.0}}  # q of layer 0 alone
         translate(broken)
+
+
+def test_calibrate_bench_measures_on_the_users_text(tmp_path, tokens, monkeypatch, capsys):
+    """--bench's decode loop is teacher-forced on the text calibrated on (it fell back to the model
+    cache's SmolLM2 corpus: another vocabulary's ids for the user's model); a text too short for the
+    loop is refused before calibrating."""
+    from ortsparse.cli import main
+
+    fed = []
+    monkeypatch.setattr(calibrate, "decode_speed", lambda models, text, **kwargs: fed.append(np.asarray(text))
+                        or {"dense": {"tokens_per_s": 1.0}, "calibrated": {"tokens_per_s": 1.0}})
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, tokens)
+    common = ["--calib-windows", "1", "--eval-windows", "1", "--window-len", "32", "--target", "mlp", "--bench"]
+    main(["calibrate", str(GENAI), "-o", str(tmp_path / "layers.json"), "--tokens", str(corpus), *common])
+    assert len(fed) == len(calibrate.BENCH_CONTEXTS) and all(np.array_equal(text, tokens) for text in fed)
+    np.save(corpus, tokens[:100])  # the loop at GENAI's 128 positions needs 129
+    monkeypatch.setattr(calibrate, "gating_search", lambda *a, **k: pytest.fail("calibrated for a loop that cannot run"))
+    assert main(["calibrate", str(GENAI), "-o", str(tmp_path / "short.json"), "--tokens", str(corpus), *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bench runs the decode loop" in err[0] and "needs 129 tokens, the text has 100" in err[0]

@@ -113,14 +113,14 @@ def test_over_budget_writes_nothing_and_says_what_it_would_take(tmp_path, text, 
     assert "over the budget" in said and "--max-dppl" in said
 
 
-def test_a_failure_before_the_commit_leaves_nothing(tmp_path, text, monkeypatch, faster):
+def test_a_failure_before_the_commit_leaves_nothing(tmp_path, text, monkeypatch, faster, capsys):
     def broken(report):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tune_module.reports, "markdown", broken)
     out = tmp_path / "tuned"
-    with pytest.raises(OSError):
-        main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0"])
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0"]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("No space left on device")
     assert not out.exists() and not list(tmp_path.glob("tuned.tune.*")) and not list(tmp_path.glob(".ortsparse-*"))
 
 
@@ -240,3 +240,94 @@ def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer
     assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0", "--no-speed-aware"]) == 0
     report = json.loads((tmp_path / "tuned.tune.json").read_text())
     assert report["layer_speed"].startswith("not measured (--no-speed-aware)")
+
+
+KV = TINY / "llama_tiny_kv.torchscript.onnx"  # no genai config: no position limit known
+
+
+def _user_tokens(count, seed=3):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, count)
+
+
+def _is_part_of(part, whole) -> bool:
+    import numpy as np
+
+    part, whole = np.asarray(part), np.asarray(whole)
+    windows = np.lib.stride_tricks.sliding_window_view(whole, part.size) if part.size <= whole.size else []
+    return bool(np.any(np.all(windows == part, axis=1))) if len(windows) else False
+
+
+@pytest.fixture
+def loop_texts(monkeypatch):
+    """What the speed checks are fed: the decode loop's text (refused when None, as the real loop
+    is when it falls back to a model cache that is not there) and the whole request's."""
+    fed = {}
+
+    def decode(models, text, *, context, steps, **kwargs):
+        if text is None:
+            raise FileNotFoundError("token corpus not found (the model cache's)")
+        fed["decode"] = (text, context, steps)
+        return {"input": {"tokens_per_s": 100.0}, "tuned": {"tokens_per_s": 110.0}}
+
+    def request(models, text, *, prompt, answer, **kwargs):
+        fed["request"] = (text, prompt, answer)
+        row = {"total_s": 1.0, "ttft_s": 0.5, "speedup": 1.0, "request": f"{prompt}+{answer}"}
+        return {"input": row, "tuned": {**row, "speedup": 0.9}}
+
+    monkeypatch.setattr(tune_module, "decode_speed", decode)
+    monkeypatch.setattr(tune_module, "request_speed", request)
+    return fed
+
+
+def test_the_decode_check_runs_on_the_users_text_when_the_check_windows_are_shorter(tmp_path, loop_texts):
+    """--windows 2 gives 2 x 512 check tokens, fewer than --context 1000 + the steps: the loop still
+    runs on the user's text (it fell back to the model cache's corpus, another model's ids)."""
+    tokens = _user_tokens(9000)
+    report = tune_module.tune(KV, tokens, tmp_path / "tuned.onnx", max_dppl=1.0, windows=2, context=1000,
+                              log=lambda line: None)
+    text, context, steps = loop_texts["decode"]
+    assert report["check_windows"] * report["window_len"] < context + steps  # the windows alone are too short
+    assert text.size >= context + steps + 5 and _is_part_of(text, tokens)
+    assert report["exit_status"] == tune_module.EXIT_WRITTEN and "1.10x decode at context 1000" in report["last_line"]
+
+
+def test_the_whole_request_check_decides_the_exit_status_on_the_users_text(tmp_path, loop_texts):
+    tokens = _user_tokens(13000)
+    report = tune_module.tune(KV, tokens, tmp_path / "tuned.onnx", max_dppl=1.0, windows=2, context=4096,
+                              log=lambda line: None)
+    decode_text, _, _ = loop_texts["decode"]
+    request_text, prompt, answer = loop_texts["request"]
+    assert _is_part_of(decode_text, tokens) and _is_part_of(request_text, tokens)
+    assert request_text.size >= prompt + answer
+    assert report["exit_status"] == tune_module.EXIT_WRITTEN_SLOWER and "0.90x request time" in report["last_line"]
+
+
+def test_a_genai_decoder_file_is_cut_into_windows_it_takes(tmp_path, steady_tune_speed):
+    """The decoder file of a genai folder (128 positions) gets the folder's window length, as the
+    folder does, instead of 512-token windows onnxruntime refuses."""
+    report = tune_module.tune(GENAI / "model.onnx", _user_tokens(3000), tmp_path / "tuned.onnx", max_dppl=1.0,
+                              log=lambda line: None)
+    assert report["written"] and report["window_len"] == 128
+    assert report["speed_context"] <= 128 - 32  # the loop fits the positions too
+
+
+def test_a_reference_with_fewer_positions_bounds_the_windows_and_the_context(tmp_path, steady_tune_speed, capsys):
+    report = tune_module.tune(KV, _user_tokens(3000), tmp_path / "tuned.onnx", max_dppl=1.0, reference=GENAI,
+                              log=lambda line: None)
+    assert report["written"] and report["window_len"] == 128
+    text = write_text(tmp_path / "text.txt", 3000)
+    assert main(["tune", str(KV), "--tokenizer", str(GENAI), "--text", str(text), "--reference", str(GENAI),
+                 "--context", "200", "-o", str(tmp_path / "long.onnx")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--context 200 is longer than the reference model's 128 positions" in err[0]
+
+
+def test_the_limit_reported_is_the_one_applied(tmp_path, capsys):
+    """--margin 1e-9: the choice had to stay within 1e-9 x the budget, and the advice says so."""
+    text = write_text(tmp_path / "text.txt", 3000)
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(tmp_path / "tuned"), "--max-dppl", "1.0",
+                 "--margin", "1e-9"]) == tune_module.EXIT_NOT_WRITTEN
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "no gating fits --margin 1e-09 x the budget 100.00% = 1e-07%" in last and "or --margin" in last

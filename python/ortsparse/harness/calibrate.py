@@ -35,11 +35,17 @@ from ..runtime import (context_length, genai_folder, kv_layout, lm_feeds, load_p
 from . import allocation, head_placement
 from .corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out,
                      text_per_window)
+from .decode import plan
 from .embeddings import compare_embeddings
 from .models import model_path
 from .perplexity import compare_lm, describe_spread, perplexity
 from .speed import decode_speed
 from .text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
+
+# --bench: the decode loop's contexts, timed steps and untimed warm-up steps.
+BENCH_CONTEXTS = (128, 1024)
+BENCH_STEPS = 32
+BENCH_WARMUP = 4
 
 SPARSITY_GRID = (0.0, 0.05, 0.1, 0.15, 0.2, 0.225, 0.25, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
 
@@ -292,6 +298,12 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
         check_windows(part.size, count, args.window_len, windows_flag=flag, max_positions=context_length(model_file),
                       source=f"the {'held-out' if part is eval_tokens else 'calibration'} part of {source} "
                              f"(--split {args.split})", bos=bos.id)
+    if args.bench:  # its decode loop is teacher-forced on the same text: long enough for the longest context
+        needed = max(plan(context, BENCH_STEPS, BENCH_WARMUP, max_positions=context_length(model_file)).tokens_needed
+                     for context in BENCH_CONTEXTS)
+        if tokens.size < needed:
+            raise ModelFileError(f"--bench runs the decode loop on {source} up to context {max(BENCH_CONTEXTS)}: it "
+                                 f"needs {needed} tokens, the text has {tokens.size}")
     reference = str(model_input(args.reference)) if args.reference else None
     entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
@@ -314,7 +326,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
                                           found.get("allocation", {}).get("dense_on_ours", [])),
     }
     if args.bench:
-        report["bench"] = _bench_with(model_file, entries, log)
+        report["bench"] = _bench_with(model_file, entries, tokens, log)
     report_path = _report_path(args)
     write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: held-out windows: {held_out['window_construction']}")
@@ -361,10 +373,11 @@ def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None])
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 
 
-def _bench_with(model_file: str, entries, log) -> dict:
-    """Decode tokens/s of the calibrated rewrite vs dense in the real loop, at contexts 128 and 1024:
-    on the cached SmolLM2 KV export (node names are those of the full export), or, when the
-    calibrated model is an onnxruntime-genai decoder, on its folder (rewritten into a temporary one)."""
+def _bench_with(model_file: str, entries, tokens: np.ndarray, log) -> dict:
+    """Decode tokens/s of the calibrated rewrite vs dense in the real loop, at :data:`BENCH_CONTEXTS`,
+    teacher-forced on ``tokens`` (the calibration's text): on the cached SmolLM2 KV export (node names
+    are those of the full export), or, when the calibrated model is an onnxruntime-genai decoder, on
+    its folder (rewritten into a temporary one)."""
     import tempfile
 
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
@@ -377,5 +390,6 @@ def _bench_with(model_file: str, entries, log) -> dict:
         else:
             dense = onnx.load(str(model_path("smollm2", "kv.torchscript")))
             rewritten, _ = rewrite_model(dense, config)
-        return {str(context): decode_speed({"dense": dense, "calibrated": rewritten}, context=context, log=log)
-                for context in (128, 1024)}
+        return {str(context): decode_speed({"dense": dense, "calibrated": rewritten}, tokens, context=context,
+                                           steps=BENCH_STEPS, warmup=BENCH_WARMUP, log=log)
+                for context in BENCH_CONTEXTS}

@@ -32,7 +32,6 @@ from ..benchmarking import (NEIGHBOURS, machine_info, neighbour_line, ratio_summ
                             threads_policy)
 from ..benchmarking import neighbour as neighbour_process
 from ..runtime import check_model_file, genai_decoder, load_proto
-from .corpus import load_corpus_tokens
 from .decode import decode_loop, open_stepper, plan
 from .models import genai_folder_path, model_path
 from .op_metrics import keep_ratios
@@ -356,16 +355,17 @@ def add_loop_arguments(parser: argparse.ArgumentParser, contexts: Sequence[int] 
                       help="first corpus token of the prompt (default 0)")
 
 
-def decode_speed(models: Mapping[str, Any], tokens: np.ndarray | None = None, *, context: int = 128,
-                 steps: int = 32, warmup: int = 4, threads: int = 1, rounds: int = 3, neighbour: str | None = None,
+def decode_speed(models: Mapping[str, Any], tokens: np.ndarray, *, context: int = 128, steps: int = 32,
+                 warmup: int = 4, threads: int = 1, rounds: int = 3, neighbour: str | None = None,
                  log: Callable[[str], None] | None = None) -> dict:
     """Tokens/s of a few KV graphs or genai folders in the real loop at one context and thread count
-    (tune, sweeps and calibration use it), over ``rounds`` rounds: name -> ``tokens_per_s`` (median
+    (tune, sweeps and calibration use it), teacher-forced on ``tokens`` (ids of the models'
+    vocabulary: the caller's text; at least context + warmup + steps + 1 of them), over ``rounds``
+    rounds: name -> ``tokens_per_s`` (median
     over the rounds), ``speedup`` (vs the first model: the **minimum** over the rounds, the claim),
     ``speedup_median``, ``top1_agreement`` (vs the first), ``weight_mb``, ``keep_ratio`` (mean over
     gated nodes, when any). A genai folder runs through onnxruntime_genai's Generator, as apps run
     it; a graph in an ORT session."""
-    tokens = load_corpus_tokens() if tokens is None else tokens
     candidates = [Candidate(n, s) for n, s in models.items()]
     for candidate in candidates:
         if candidate.is_genai:

@@ -158,6 +158,8 @@ def _draw(report: dict[str, Any], path: Path) -> None:
     ax.scatter([100 * report["gating"]["skipped_fraction"]], [100 * report["held_out"]["dppl"]], marker="*", s=180,
                c="black", zorder=5, label="chosen, as written, held-out")
     ax.axhline(100 * report["max_dppl"], color="grey", ls="--", lw=0.8, label="budget")
+    if report["selection"]["limit"] != report["max_dppl"]:
+        ax.axhline(100 * report["selection"]["limit"], color="C1", ls="--", lw=0.8, label="--margin x budget")
     ax.set_xlabel("gated weight bytes skipped (%)")
     ax.set_ylabel("dppl (%)")
     ratio = _speed_ratio(report)

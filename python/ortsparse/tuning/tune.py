@@ -50,7 +50,7 @@ from ..harness.perplexity import compare_lm, perplexity
 from ..harness.request import request_speed
 from ..harness.speed import decode_speed
 from ..harness.text import BosChoice, as_bos
-from ..runtime import genai_decoder, genai_folder, load_proto, open_session, uses_ortsparse
+from ..runtime import context_length, genai_folder, load_proto, open_session, uses_ortsparse
 from . import report as reports
 from . import layer_speed, search, selection
 from .windows import check_length, plan_windows, window_length
@@ -194,11 +194,15 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     out = Path(output)
     outputs, targets = tune_outputs(source, out, report_stem, protected, reference)  # before the long part
     bos = as_bos(bos)
-    positions = genai_decoder(folder).context_length if folder is not None else None
-    if context is not None and positions is not None and context > positions:
-        raise ModelFileError(f"--context {context} is longer than the model's {positions} positions")
+    # The longest sequence each model takes (its genai config: a folder, or the decoder file in one):
+    # every window runs on MODEL and on the reference, the speed check on MODEL.
+    positions = context_length(source)
+    limits = {"the model": positions, "the reference model": context_length(reference) if reference else None}
+    for what, limit in limits.items():
+        if context is not None and limit is not None and context > limit:
+            raise ModelFileError(f"--context {context} is longer than {what}'s {limit} positions")
     long_context = context if context is not None and context >= LONG_CONTEXT else None
-    window_len = window_length(positions)
+    window_len = window_length(min(filter(None, limits.values()), default=None))
     text_len = text_per_window(window_len, bos.id)  # a BOS takes a window's first position
     check_length(int(tokens.size), text_len, long_context)  # before anything is measured
 
@@ -236,6 +240,8 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
                                          baseline_nll=baseline_nll, first=first)
     dense_losses = calibration_loss.dense_window_nll - calibration_loss.baseline_window_nll
     limit = max_dppl if margin is None else max_dppl * margin
+    limit_text = f"the budget {max_dppl:.2%}" if margin is None else (
+        f"--margin {margin:g} x the budget {max_dppl:.2%} = {100 * limit:.3g}%")
     points = search.walk(prepared, calibration_loss.window_loss, limit, dense_losses, method=method,
                          check_windows=m, log=log)
 
@@ -257,9 +263,9 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
         "seconds_per_window": seconds_per_window,
         "layer_speed": ([speed.to_dict() for speed in measured.records] if measured is not None
                         else "not measured (--no-speed-aware): skipped bytes valued alike, gating from 10% sparsity"),
-        "selection": {"z": chosen.z, "margin_factor": chosen.margin_factor, "index": chosen.index,
+        "selection": {"z": chosen.z, "margin_factor": chosen.margin_factor, "index": chosen.index, "limit": limit,
                       "rule": "most skipped bytes whose monotone-fitted calibration loss + z x window sd x "
-                              "sqrt(1/calibration + 1/check windows) is within the budget"},
+                              f"sqrt(1/calibration + 1/check windows) is within {limit_text}"},
         "calibration_curve": curve, "machine": machine_info(), "versions": versions(),
     }
 
@@ -271,11 +277,11 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
     if chosen.index is None or points[chosen.index].skipped <= 0.0:
         report["written"] = False
         lowest = curve[1]["bound"] if len(curve) > 1 else curve[0]["bound"]
-        report["advice"] = (f"no gating fits the budget {max_dppl:.2%} with confidence on this text (the least "
+        report["advice"] = (f"no gating fits {limit_text} with confidence on this text (the least "
                             f"gated point's bound is {lowest:+.2%}"
                             + (f"; the input alone is at {curve[0]['dppl']:+.2%} vs the reference" if reference else "")
-                            + "): nothing written. A larger --max-dppl, or a longer text (the margin shrinks "
-                            "with more windows), would be needed")
+                            + "): nothing written. A larger --max-dppl" + ("" if margin is None else " or --margin")
+                            + ", or a longer text (the margin shrinks with more windows), would be needed")
         return finish(EXIT_NOT_WRITTEN, f"tune: {report['advice']}")
     point = points[chosen.index]
     result = prepared.allocation(point.choice, limit, float(math.expm1(point.losses.mean())), search.history(points))
@@ -343,19 +349,19 @@ def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl:
             speed_context = min(context or 128, (positions or 1 << 30) - speed_steps - 8)
             report["speed_context"] = speed_context
             report["speed_runner"] = "onnxruntime_genai Generator" if folder is not None else "ONNX Runtime session"
-            text = plan.check.reshape(-1)
+            # The loop is teacher-forced on the user's own text: all of it (check_length made it longer than
+            # any context the loop runs at), not the check windows alone, which may be shorter.
             try:
                 report["speed"] = decode_speed({"input": folder if folder is not None else decoder, "tuned": staged},
-                                               text if text.size > speed_context + speed_steps else None,
-                                               context=speed_context, steps=speed_steps, threads=threads, log=log)
+                                               tokens, context=speed_context, steps=speed_steps, threads=threads,
+                                               log=log)
             except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
                 report["speed"] = {"error": f"decode loop not run: {str(error).splitlines()[0]}"}
             if long_context is not None and "error" not in report["speed"]:
                 # A long context is a whole request: the prompt, then the answer (docs/measure.md).
                 prompt = min(long_context, (positions or 1 << 30) - REQUEST_ANSWER) - REQUEST_ANSWER
-                pieces = [plan.long_piece if plan.long_piece is not None else plan.check.reshape(-1), text]
                 report["speed_request"] = request_speed(
-                    {"input": folder if folder is not None else decoder, "tuned": staged}, np.concatenate(pieces),
+                    {"input": folder if folder is not None else decoder, "tuned": staged}, tokens,
                     prompt=prompt, answer=REQUEST_ANSWER, threads=threads, log=log)
 
             # 7. Reports beside the model, then everything into place at once.
