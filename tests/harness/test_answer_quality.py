@@ -63,3 +63,32 @@ def test_a_changed_model_shows_at_the_point_of_use(tmp_path):
     result = aq.answer_quality(open_stepper(GENAI, "og", 1), open_stepper(gated, "og", 1), tokens, plan)
     assert result["dppl"] != 0.0
     assert all(w["nll_candidate"] != w["nll_reference"] for w in result["per_window"])
+
+
+def test_quality_command_scores_answers_after_prompts(tmp_path, capsys):
+    import json
+
+    from ortsparse.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
+    report = tmp_path / "answer.json"
+    code = main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8", "--windows", "2",
+                 "--kwta-k", "0.3", "--kwta-target", "all", "--json", str(report)])
+    assert code == 0
+    result = json.loads(report.read_text())["result"]
+    assert result["kind"] == "answer" and result["runner"] == "og" and len(result["per_window"]) == 2
+    assert result["prefix"] == 40 and result["answer"] == 8 and result["dppl"] != 0.0
+    assert "answer quality after 40-token prompts" in capsys.readouterr().out
+    assert main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8", "--windows", "2",
+                 "--kwta-k", "0.3", "--max-dppl", "-1"]) == 1
+
+
+def test_quality_command_refuses_windows_past_the_text_in_one_line(tmp_path, capsys):
+    from ortsparse.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("a few words only")
+    assert main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 49" in err[0]

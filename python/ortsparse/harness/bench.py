@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from ..benchmarking import check_report, write_report
@@ -26,9 +25,8 @@ from ..graph_rewrite.output_paths import Inputs, resolve_report_stem
 from ..graph_rewrite.techniques import flag_groups
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import load_proto
-from .corpus import load_corpus_tokens, vocabulary_of
-from .export_corpus import fallback_corpus_text
-from .text import check_vocabulary, text_tokens, tokenize_text, tokenizer_read
+from .corpus import vocabulary_of
+from .decode import loop_tokens
 from .request import RequestShape, parse_requests, request_bench, request_markdown
 from .speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
 
@@ -100,28 +98,6 @@ def rewritten_candidate(base: Candidate, config, workdir: Path, log: Callable[[s
     return Candidate(name, path, ("ort",))
 
 
-DEFAULT_TEXT = "Python's documentation (pydoc_data.topics)"
-
-
-def bench_tokens(args: argparse.Namespace, candidates: list[Candidate]) -> tuple[np.ndarray, str]:
-    """(token ids, what they are) the loop decodes: ``--corpus`` ids, ``--text`` tokenized with the
-    first model's tokenizer, or by default Python's documentation tokenized likewise — text every
-    Python has, in the models' own vocabulary. Only models without a tokenizer (the cache's research
-    exports) fall back to the cache's SmolLM2 corpus. Ids past any model's vocabulary are refused."""
-    vocabulary = vocabulary_of(*(c.graph for c in candidates))
-    if args.corpus:
-        return load_corpus_tokens(args.corpus, vocabulary), f"token ids {args.corpus}"
-    source = candidates[0].source
-    if args.text:
-        return text_tokens(args.text, source, args.tokenizer, vocabulary), f"text {args.text}"
-    tokenizer = tokenizer_read(source, args.tokenizer)
-    if tokenizer is None:
-        return load_corpus_tokens(None, vocabulary), "the model cache's SmolLM2 corpus"
-    tokens = tokenize_text(fallback_corpus_text(), tokenizer)
-    check_vocabulary(tokens, vocabulary, tokenizer=tokenizer)
-    return tokens, DEFAULT_TEXT
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     requested = technique_requested(args)
     if args.text and args.corpus:
@@ -141,7 +117,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         candidates = [resolve_model(spec, args.runners) for spec in specs]
     except (KeyError, FileNotFoundError, ValueError) as error:
         parser.error(str(error).strip("'\""))
-    tokens, text = bench_tokens(args, candidates)
+    tokens, text = loop_tokens(text=args.text, corpus=args.corpus, model=candidates[0].source,
+                               tokenizer=args.tokenizer, vocabulary=vocabulary_of(*(c.graph for c in candidates)))
     with tempfile.TemporaryDirectory(prefix="ortsparse-bench-") as workdir:
         if requested:
             names = [c.name for c in candidates]

@@ -36,6 +36,30 @@ import numpy as np
 from .._library import metrics, reset_metrics
 from ..benchmarking import SPINNING_SETTLE_S
 from ..runtime import KVDecoder, genai_decoder, kv_layout, open_session, thread_options, uses_ortsparse
+from .corpus import load_corpus_tokens
+from .export_corpus import fallback_corpus_text
+from .text import check_vocabulary, text_tokens, tokenize_text, tokenizer_read
+
+DEFAULT_TEXT = "Python's documentation (pydoc_data.topics)"
+
+
+def loop_tokens(*, text: str | os.PathLike | None, corpus: str | os.PathLike | None, model: Any,
+                tokenizer: str | os.PathLike | None, vocabulary: int | None) -> tuple[np.ndarray, str]:
+    """(token ids, what they are) a decode loop reads: ``corpus`` ids (a .npy), ``text`` tokenized
+    with ``model``'s tokenizer (or ``tokenizer``), or by default Python's documentation tokenized
+    likewise — text every Python has, in the model's own vocabulary. Only a model without a
+    tokenizer (the cache's research exports) falls back to the cache's SmolLM2 corpus. Ids past
+    ``vocabulary`` are refused (one line)."""
+    if corpus:
+        return load_corpus_tokens(corpus, vocabulary), f"token ids {corpus}"
+    if text:
+        return text_tokens(text, model, tokenizer, vocabulary), f"text {text}"
+    found = tokenizer_read(model, tokenizer)
+    if found is None:
+        return load_corpus_tokens(None, vocabulary), "the model cache's SmolLM2 corpus"
+    tokens = tokenize_text(fallback_corpus_text(), found)
+    check_vocabulary(tokens, vocabulary, tokenizer=found)
+    return tokens, DEFAULT_TEXT
 
 
 class Stepper(Protocol):

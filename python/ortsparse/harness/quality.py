@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="first token of the first window (default 0)")
     lm.add_argument("--max-dppl", type=flag_types.any_finite, metavar="FRAC",
                     help="exit 1 when dppl exceeds this")
+    lm.add_argument("--prefix", type=flag_types.positive_int, metavar="N",
+                    help="quality at the point of use: each window's first N tokens are read as a prompt (one call), "
+                         "then --answer tokens are decoded teacher-forced and only those are scored, MODEL and the "
+                         "rewritten model each running the whole window (a genai folder through the Generator); "
+                         "--windows windows spread over the text (default text: Python's documentation)")
+    lm.add_argument("--answer", type=flag_types.positive_int, default=256, metavar="M",
+                    help="answer tokens scored after each --prefix prompt (default 256)")
     emb = parser.add_argument_group("embedding")
     emb.add_argument("--sentences", metavar="FILE.npz",
                      help="input_ids/attention_mask[/token_type_ids] (default: the cache's minilm/sentences.npz)")
@@ -134,6 +141,73 @@ def _format(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _candidate_model(args: argparse.Namespace, workdir: Path, say) -> Path:
+    """The rewritten model the answer windows run: --rewritten, else MODEL rewritten with the flags
+    into ``workdir`` (a genai folder as a folder, so the Generator runs it as an app would)."""
+    from ..graph_rewrite.genai import rewrite_genai_folder
+
+    if args.rewritten:
+        return Path(args.rewritten)
+    config = config_from_args(args)
+    if Path(args.model).is_dir():
+        result = rewrite_genai_folder(args.model, workdir / "rewritten", config)
+        say(result.report.summary())
+        return result.folder
+    rewritten, report = rewrite_in_memory(args.model, config)
+    say(report.summary())
+    path = workdir / "rewritten.onnx"
+    onnx.save(rewritten, str(path))
+    return path
+
+
+def run_answer_quality(args: argparse.Namespace, parser: argparse.ArgumentParser, inputs, say) -> int:
+    """``--prefix``: :mod:`ortsparse.harness.answer_quality` on MODEL vs the rewritten model."""
+    import tempfile
+
+    from ..graph_rewrite.output_paths import write_text_files
+    from .answer_quality import answer_quality, describe, plan_answer_windows
+    from .corpus import vocabulary_of
+    from .decode import loop_tokens, open_stepper
+
+    if args.text and args.corpus:
+        parser.error("give --text or --corpus, not both")
+    for path, what in ((args.model, "model"), (args.rewritten, "rewritten model")):
+        if path and not Path(path).exists():
+            parser.error(f"{what} {path} does not exist")
+    reference_source = Path(args.model)
+    decoder = model_input(args.model)
+    tokens, text = loop_tokens(text=args.text, corpus=args.corpus, model=reference_source, tokenizer=args.tokenizer,
+                               vocabulary=vocabulary_of(decoder))
+    try:
+        windows = plan_answer_windows(tokens.size, prefix=args.prefix, answer=args.answer, windows=args.windows,
+                                      max_positions=context_length(decoder), source=text)
+    except ValueError as error:
+        parser.error(str(error))
+    runner = "og" if reference_source.is_dir() else "ort"
+    threads = args.threads or 1
+    with tempfile.TemporaryDirectory(prefix="ortsparse-quality-") as workdir:
+        candidate_source = _candidate_model(args, Path(workdir), say)
+        if runner == "og" and not Path(candidate_source).is_dir():
+            parser.error(f"rewritten model {candidate_source}: MODEL is a genai folder, so give the rewritten folder")
+        say(f"answer quality: {len(windows.offsets)} windows of {args.prefix} + {args.answer} tokens of {text}"
+            f"{' (overlapping: the text is short)' if windows.overlapping else ''}, runner {runner}, {threads} thread(s)")
+        result = answer_quality(open_stepper(reference_source, runner, threads),
+                                open_stepper(candidate_source, runner, threads), tokens, windows, log=say)
+    result.update({"kind": "answer", "text": text, "runner": runner, "threads": threads})
+    say(describe(result))
+    code = EXIT_OVER_BUDGET if args.max_dppl is not None and result["dppl"] > args.max_dppl else EXIT_OK
+    if args.json:
+        document = {"command": getattr(args, "command_line", None), "model": str(args.model),
+                    "rewritten": args.rewritten or "rewritten with the flags, temporary", "versions": versions(),
+                    "result": result}
+        write_text_files({args.json: ("JSON report", json.dumps(document, indent=2, default=json_default) + "\n")},
+                         inputs)
+        say(f"wrote {args.json}")
+    if code == EXIT_OVER_BUDGET:
+        print("quality: over the given budget", file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
     from .text import tokenizer_read
@@ -145,6 +219,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.text:
         inputs.add(tokenizer_read(args.model, args.tokenizer), "the tokenizer")
     check_outputs([(args.json, "JSON report")], inputs)  # before the long run
+    if args.prefix is not None:
+        return run_answer_quality(args, parser, inputs, say)
     if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")
     try:
