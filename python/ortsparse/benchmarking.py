@@ -184,6 +184,17 @@ def kernel_bench_shapes(args, default: list[tuple[int, int]]) -> list[tuple[int,
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes]
 
 
+def plot_skipped() -> str | None:
+    """None when matplotlib can draw a report's PNG (its file backend chosen), else the note a
+    command prints and reports instead: the plot is optional (the ``plot`` extra), the reports are not."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install 'ortsparse[plot]')"
+    matplotlib.use("Agg")
+    return None
+
+
 def versions() -> dict[str, str]:
     """Versions a report records (quality, validate)."""
     return {"ortsparse": __version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__,

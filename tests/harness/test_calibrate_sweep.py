@@ -162,3 +162,35 @@ def test_calibrate_bench_measures_on_the_users_text(tmp_path, tokens, monkeypatc
     assert main(["calibrate", str(GENAI), "-o", str(tmp_path / "short.json"), "--tokens", str(corpus), *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--bench runs the decode loop" in err[0] and "needs 129 tokens, the text has 100" in err[0]
+
+
+def test_sweep_without_matplotlib_writes_its_reports_and_says_why_no_plot(tmp_path, tokens):
+    """Without matplotlib (the plot extra) sweep says so before the grid and still writes the JSON and
+    markdown reports; it ran the whole grid and then died writing the plot, with nothing written."""
+    import json
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "tokens.npy"
+    np.save(corpus, tokens)
+    stem = tmp_path / "sweep"
+    script = (
+        "import sys\n"
+        "class NoMatplotlib:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ModuleNotFoundError(f\"No module named '{name}'\", name=name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, NoMatplotlib())\n"
+        "from ortsparse.cli import main\n"
+        f"sys.exit(main(['sweep', '--full', {str(FULL)!r}, '--kv', {str(KV)!r}, '--tokens', {str(corpus)!r}, "
+        "'--scopes', 'mlp', '--keeps', '0.5', '--blocks', '1', '--windows', '1', '--window-len', '32', "
+        f"'--context', '8', '--steps', '2', '-o', {str(stem)!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout.strip().splitlines()
+    assert said[0] == "sweep: plot skipped: matplotlib is not installed (pip install 'ortsparse[plot]')"
+    assert said[-1] == f"wrote {stem}.json {stem}.md"
+    assert not stem.with_suffix(".png").exists()
+    assert json.loads(stem.with_suffix(".json").read_text())["plot"].startswith("plot skipped")
+    assert "plot skipped" in stem.with_suffix(".md").read_text()

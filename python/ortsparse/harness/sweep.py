@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import flag_types
-from ..benchmarking import check_report, machine_info
+from ..benchmarking import check_report, machine_info, plot_skipped
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..runtime import load_proto
 from ..graph_rewrite.output_paths import Inputs, resolve_report_stem, write_files
@@ -68,7 +68,8 @@ def run_sweep(full_model, kv_model, tokens: np.ndarray, points: list[dict[str, A
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib  # the plot extra, heavy: only when a PNG is drawn
+    """The PNG (matplotlib, the plot extra: :func:`ortsparse.benchmarking.plot_skipped` says when it is missing)."""
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,8 +101,10 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def markdown(results, command: str, png: str) -> str:
-    lines = ["# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", f"![sweep]({Path(png).name})", "",
+def markdown(results, command: str, png: str | None, plot_note: str | None = None) -> str:
+    """The table; ``png``: the plot beside it, or None (``plot_note`` says why there is none)."""
+    figure = f"![sweep]({Path(png).name})" if png else f"({plot_note})"
+    lines = ["# KwtaBlockMatMul sweep", "", f"Command: `{command}`", "", figure, "",
              "| scope | keep | block | score | dppl | top-1 agree | mean keep | decode tok/s | dense tok/s | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["target"], r["block"], r["score"], -r["k_frac"])):
@@ -138,18 +141,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               .add(args.tokens, "the tokens"))  # never overwritten by the report
     args.output = resolve_report_stem(args.output, "sweep")  # -o reports/: reports/sweep.json
     check_report(args.output, inputs, ".png")
+    plot_note = plot_skipped()  # said before the grid runs; the JSON and markdown reports are written all the same
+    if plot_note:
+        print(f"sweep: {plot_note}")
     full_model, kv_model = load_proto(full_path, load_weights=True), load_proto(kv_path, load_weights=True)
     tokens = load_corpus_tokens(args.tokens, vocabulary_of(full_model, kv_model))
     points = grid(args.scopes, args.keeps, args.blocks, args.scores)
     results = run_sweep(full_model, kv_model, tokens, points, windows=args.windows, window_len=args.window_len,
                         context=args.context, steps=args.steps)
     command = getattr(args, "command_line", None) or "ortsparse sweep"
-    png = args.output + ".png"
+    png = None if plot_note else args.output + ".png"
     title = f"KwtaBlockMatMul on {full_path.parent.name}: {args.windows}x{args.window_len} tokens, decode ctx {args.context}"
-    payload = json.dumps(dict(machine=machine_info(), command=command, results=results), indent=1)
-    text = markdown(results, command, png)
-    write_files({args.output + ".json": ("JSON report", lambda staged: staged.write_text(payload, encoding="utf-8")),
-                 args.output + ".md": ("markdown report", lambda staged: staged.write_text(text, encoding="utf-8")),
-                 png: ("plot", lambda staged: plot(results, staged, title))}, inputs, create_dirs=True)  # together
-    print("wrote", args.output + ".json", args.output + ".md", png)
+    payload = json.dumps(dict(machine=machine_info(), command=command, results=results, plot=plot_note), indent=1)
+    text = markdown(results, command, png, plot_note)
+    files = {args.output + ".json": ("JSON report", lambda staged: staged.write_text(payload, encoding="utf-8")),
+             args.output + ".md": ("markdown report", lambda staged: staged.write_text(text, encoding="utf-8"))}
+    if png:
+        files[png] = ("plot", lambda staged: plot(results, staged, title))
+    write_files(files, inputs, create_dirs=True)  # together
+    print("wrote", *files)
     return 0

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..benchmarking import plot_skipped
+
 
 def _pct(value: float) -> str:
     return f"{100 * value:+.2f}%"
@@ -128,13 +130,10 @@ def _layer_speed_lines(report: dict[str, Any]) -> list[str]:
 def write_plot(report: dict[str, Any], write: Callable[[Callable[[Path], None]], None]) -> str | None:
     """Draws the plot through ``write(draw)`` (``draw(path)`` saves the PNG); without matplotlib
     nothing is written and the note returned says so."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install 'ortsparse[plot]')"
-    matplotlib.use("Agg")
-    write(lambda path: _draw(report, path))
-    return None
+    note = plot_skipped()
+    if note is None:
+        write(lambda path: _draw(report, path))
+    return note
 
 
 def _draw(report: dict[str, Any], path: Path) -> None:
