@@ -92,3 +92,21 @@ def test_quality_command_refuses_windows_past_the_text_in_one_line(tmp_path, cap
     assert main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs 49" in err[0]
+
+
+def test_the_frontier_script_reports_every_setting_at_every_prefix(tmp_path):
+    import importlib.util
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "answer_quality_frontier.py"
+    spec = importlib.util.spec_from_file_location("answer_quality_frontier", script)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    stem = tmp_path / "frontier"
+    assert frontier.main([str(GENAI), "--settings", "exact=--attn=none", "gated=--kwta-k 0.3 --kwta-target all",
+                          "--prefixes", "30", "40", "--windows", "2", "--answer", "6", "-o", str(stem)]) == 0
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [(r["prefix"], r["setting"]) for r in rows] == [(30, "exact"), (30, "gated"), (40, "exact"), (40, "gated")]
+    exact = [r for r in rows if r["setting"] == "exact"]
+    assert all(r["top1_agreement"] == 1.0 and abs(r["dppl"]) < 1e-3 for r in exact)  # exact attention in our op
+    assert any(r["dppl"] != 0.0 for r in rows if r["setting"] == "gated")

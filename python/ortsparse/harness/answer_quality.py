@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,28 +82,40 @@ def summarize(per_window: Sequence[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-def answer_quality(reference: Stepper, candidate: Stepper, tokens: np.ndarray | Sequence[int], windows: AnswerWindows,
-                   *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Both models read each window's prompt in one call and decode its answer teacher-forced
-    (:func:`ortsparse.harness.decode.decode_loop`, the models taking turns step by step); returns
-    :func:`summarize`'s figures plus ``per_window`` rows and the plan."""
+def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tokens: np.ndarray | Sequence[int],
+                      windows: AnswerWindows, *, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Every candidate against one reference, window by window: each model reads the window's
+    prompt in one call and decodes its answer teacher-forced
+    (:func:`ortsparse.harness.decode.decode_loop`, the models taking turns step by step, so the
+    reference runs once for all candidates). Per candidate name: :func:`summarize`'s figures plus
+    ``per_window`` rows and the plan."""
+    if "reference" in candidates:
+        raise ValueError("a candidate may not be named 'reference'")
     say = log or (lambda text: None)
     tokens = np.asarray(tokens).reshape(-1)
-    per_window = []
+    per_window: dict[str, list[dict[str, float]]] = {name: [] for name in candidates}
     for number, offset in enumerate(windows.offsets, 1):
         loop = LoopPlan(offset=offset, prompt=windows.prefix, warmup=0, steps=windows.answer)
-        result = decode_loop({"reference": reference, "candidate": candidate}, tokens, loop,
-                             prefill_chunk=windows.prefix, reference="reference", measure_metrics=False)
-        row = {"offset": offset, "nll_reference": result["reference"]["mean_nll"],
-               "nll_candidate": result["candidate"]["mean_nll"],
-               "dppl": result["candidate"]["dppl_vs_reference"], "top1": result["candidate"]["top1_agreement"]}
-        per_window.append(row)
-        say(f"  window {number}/{len(windows.offsets)} (tokens {offset}..{offset + windows.span - 1}): "
-            f"dppl {row['dppl']:+.2%}, top-1 {row['top1']:.3f}")
-    return {**summarize(per_window), "per_window": per_window, "prefix": windows.prefix, "answer": windows.answer,
-            "offsets": list(windows.offsets), "overlapping": windows.overlapping,
+        result = decode_loop({"reference": reference, **candidates}, tokens, loop, prefill_chunk=windows.prefix,
+                             reference="reference", measure_metrics=False)
+        for name in candidates:
+            row = {"offset": offset, "nll_reference": result["reference"]["mean_nll"],
+                   "nll_candidate": result[name]["mean_nll"],
+                   "dppl": result[name]["dppl_vs_reference"], "top1": result[name]["top1_agreement"]}
+            per_window[name].append(row)
+        say(f"  window {number}/{len(windows.offsets)} (tokens {offset}..{offset + windows.span - 1}): " + "; ".join(
+            f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}" for name, rows in per_window.items()))
+    plan = {"prefix": windows.prefix, "answer": windows.answer, "offsets": list(windows.offsets),
+            "overlapping": windows.overlapping,
             "scored": f"the {windows.answer} answer steps after each {windows.prefix}-token prompt (positions "
                       f"{windows.prefix}..{windows.prefix + windows.answer - 1}); no prompt position is averaged in"}
+    return {name: {**summarize(rows), "per_window": rows, **plan} for name, rows in per_window.items()}
+
+
+def answer_quality(reference: Stepper, candidate: Stepper, tokens: np.ndarray | Sequence[int], windows: AnswerWindows,
+                   *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """:func:`answer_quality_of` for one candidate."""
+    return answer_quality_of(reference, {"candidate": candidate}, tokens, windows, log=log)["candidate"]
 
 
 def describe(result: dict[str, Any]) -> str:
