@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -54,12 +55,17 @@ def _run(command: Sequence[str], log: Callable[[str], None], what: str, timeout:
 
 
 def _safe_extract(archive: Path, target: Path) -> None:
-    """Unpack with tarfile's ``data`` filter: no absolute paths, no member or link leaving ``target``."""
-    with tarfile.open(archive) as tar:
-        try:
+    """Unpack with tarfile's ``data`` filter: no absolute paths, no member or link leaving ``target``.
+    An archive that cannot be unpacked (not a tar, cut short, damaged) is a :class:`PeerUnavailable`
+    naming it."""
+    try:
+        with tarfile.open(archive) as tar:
             tar.extractall(target, filter="data")
-        except tarfile.FilterError as error:
-            raise PeerUnavailable(f"{archive.name}: {error}") from None
+    except tarfile.FilterError as error:
+        raise PeerUnavailable(f"{archive.name}: {error}") from None
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise PeerUnavailable(f"{archive} cannot be unpacked ({reason}); delete it to download it again") from None
 
 
 def source_tree(log: Callable[[str], None] = print) -> Path:
@@ -81,10 +87,19 @@ def source_tree(log: Callable[[str], None] = print) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _safe_extract(archives[-1], staging)
-    (base / "src").mkdir(exist_ok=True)
-    for entry in staging.iterdir():
-        os.replace(entry, base / "src" / entry.name)
-    staging.rmdir()
+    try:
+        (base / "src").mkdir(exist_ok=True)
+        for entry in staging.iterdir():
+            # What an earlier unpack left under this name held no source tree (else it was found above).
+            previous = base / "src" / entry.name
+            if previous.is_dir() and not previous.is_symlink():
+                shutil.rmtree(previous)
+            elif previous.exists() or previous.is_symlink():
+                previous.unlink()
+            os.replace(entry, previous)
+        staging.rmdir()
+    except OSError as error:
+        raise PeerUnavailable(f"cannot unpack {archives[-1].name} into {base / 'src'}: {error}") from None
     found = sorted(base.glob("src/*/llama.cpp/CMakeLists.txt"))
     if not found:
         raise PeerUnavailable(f"{archives[-1].name} holds no llama.cpp/CMakeLists.txt")
@@ -160,11 +175,14 @@ def parse_bench_json(text: str) -> list[dict]:
         raise PeerUnavailable(f"llama-bench printed no JSON: {error}") from None
     rows = []
     for record in records if isinstance(records, list) else []:
-        generated, prompt = int(record.get("n_gen", 0)), int(record.get("n_prompt", 0))
-        rows.append({"kind": "decode" if generated else "prompt", "tokens": generated or prompt,
-                     "depth": int(record.get("n_depth", 0)), "threads": int(record.get("n_threads", 0)),
-                     "tokens_per_s": float(record["avg_ts"]), "stddev": float(record.get("stddev_ts", 0.0)),
-                     "type": record.get("model_type", "")})
+        try:
+            generated, prompt = int(record.get("n_gen", 0)), int(record.get("n_prompt", 0))
+            rows.append({"kind": "decode" if generated else "prompt", "tokens": generated or prompt,
+                         "depth": int(record.get("n_depth", 0)), "threads": int(record.get("n_threads", 0)),
+                         "tokens_per_s": float(record["avg_ts"]), "stddev": float(record.get("stddev_ts", 0.0)),
+                         "type": record.get("model_type", "")})
+        except (AttributeError, KeyError, TypeError, ValueError):  # another llama-bench version's layout
+            raise PeerUnavailable(f"llama-bench printed an unexpected record: {json.dumps(record)[:200]}") from None
     if not rows:
         raise PeerUnavailable("llama-bench printed no result")
     return rows
@@ -187,12 +205,13 @@ def run_bench(binary: Path, model: Path, *, threads: int = 1, depths: Sequence[i
 def peer_report(hf_folder: Path, *, threads: Sequence[int] = (1,), log: Callable[[str], None] = print,
                 **bench_options) -> dict:
     """The optional peer section of a baselines report: ``{"rows": [...], "model": ..., "binary": ...}``,
-    or ``{"skipped": reason}`` when llama.cpp cannot be built or run here."""
+    or ``{"skipped": reason}`` when llama.cpp cannot be built or run here (its cache folder unwritable
+    too): it runs after the other rows, whose report must not be lost to it."""
     try:
         binary = bench_binary(log)
         model = q8_model(hf_folder, log=log)
         rows = [row for n in threads for row in run_bench(binary, model, threads=n, log=log, **bench_options)]
-    except PeerUnavailable as error:
+    except (PeerUnavailable, OSError) as error:
         log(f"llama.cpp row skipped: {error}")
         return {"skipped": str(error)}
     return {"rows": rows, "model": str(model), "binary": str(binary), "quant": QUANT,
