@@ -6,18 +6,24 @@ from the embedding Gather they feed; ``*mask*`` inputs all ones; ``*position*`` 
 ``token_type_ids`` zeros; float inputs standard normal. Dynamic dims resolve to small sizes
 (batch 1, past lengths 4, anything else 8), overridable per dim name (``sequence=16``) or per
 input (``input_ids=1x16``).
+
+Window-sized KV buffers (a sliding-window layer's GroupQueryAttention with ``sliding_window_cache=1``,
+onnxruntime-genai's builder default, e.g. Gemma-3) get the rows onnxruntime-genai's Generator gives
+them (the window plus its slack: a shorter buffer cannot run); of their present outputs only the rows
+the call leaves resident are compared (onnxruntime leaves the rest of the buffer uninitialised).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .runtime import load_proto, open_session
+from .runtime import load_proto, open_session, window_capacities
 
 DEFAULT_BUDGET = 0.5  # relative L2 error allowed when layers are approximate
 EXACT_BUDGET = 1e-4  # relative L2 error allowed when every rewritten layer is exact
@@ -134,9 +140,14 @@ def _is_expression(symbol: str) -> bool:
     return any(c in symbol for c in "+-*/ ")
 
 
-def resolve_dims(input_specs: Sequence[Any], overrides: Mapping[str, Any]) -> dict[str, int]:
+def resolve_dims(input_specs: Sequence[Any], overrides: Mapping[str, Any],
+                 window_sizes: Mapping[str, int] | None = None) -> dict[str, int]:
     """A size for every symbolic dim: overrides first, then defaults; ``total*`` dims are
-    past + sequence (KV-cache masks); expressions (``past_seq + 1``) are evaluated last."""
+    past + sequence (KV-cache masks); expressions (``past_seq + 1``) are evaluated last.
+    ``window_sizes``: the lengths of window-sized KV buffers -> their rows (unless overridden); never
+    the past a total counts (the positions seen are the growing buffers' past)."""
+    windowed = dict(window_sizes or {})
+    overrides = {**windowed, **overrides}
     symbols = []
     for spec in input_specs:
         symbols.extend(d for d in spec.shape if isinstance(d, str) and d not in symbols)
@@ -154,7 +165,7 @@ def resolve_dims(input_specs: Sequence[Any], overrides: Mapping[str, Any]) -> di
             sizes[symbol] = overrides[symbol]
         elif not _is_expression(symbol) and "total" not in symbol.lower():
             sizes[symbol] = _default_dim(symbol)
-    past = next((v for k, v in sizes.items() if "past" in k.lower()), None)
+    past = next((v for k, v in sizes.items() if "past" in k.lower() and k not in windowed), None)
     sequence = next((v for k, v in sizes.items() if "seq" in k.lower() and "past" not in k.lower()), None)
     for symbol in symbols:
         if symbol in sizes:
@@ -218,9 +229,10 @@ def _embedding_sizes(model_source: Any) -> dict[str, int]:
 
 
 def make_inputs(input_specs: Sequence[Any], vocab: Mapping[str, int], overrides: Mapping[str, Any],
-                rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """One set of inputs for ``session.get_inputs()``-like specs (name, type, shape)."""
-    sizes = resolve_dims(input_specs, overrides)
+                rng: np.random.Generator, window_sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """One set of inputs for ``session.get_inputs()``-like specs (name, type, shape);
+    ``window_sizes`` as :func:`resolve_dims`."""
+    sizes = resolve_dims(input_specs, overrides, window_sizes)
     feeds = {}
     for spec in input_specs:
         dtype = _ORT_NUMPY_TYPES.get(spec.type)
@@ -242,6 +254,61 @@ def make_inputs(input_specs: Sequence[Any], vocab: Mapping[str, int], overrides:
         else:
             feeds[spec.name] = np.zeros(shape, dtype=dtype)
     return feeds
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowBuffer:
+    """A window-sized KV buffer: the past input a present output continues, the layer's window, and
+    the rows to generate for the past (the window plus the Generator's slack)."""
+
+    past: str
+    window: int
+    capacity: int
+
+
+def window_buffers(model_source: Any) -> dict[str, WindowBuffer]:
+    """Present outputs of window-sized KV buffers (GroupQueryAttention with ``sliding_window_cache=1``)
+    -> their :class:`WindowBuffer`; rows as :func:`ortsparse.runtime.window_capacities` gives them."""
+    capacities = window_capacities(model_source)
+    buffers = {}
+    for node in load_proto(model_source).graph.node:
+        if node.op_type not in ("GroupQueryAttention", "PopcountGroupQueryAttention"):
+            continue
+        window = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+        for past, present in zip(node.input[3:5], node.output[1:3]):
+            if past in capacities and present:
+                buffers[present] = WindowBuffer(past, window, capacities[past])
+    return buffers
+
+
+def window_lengths(input_specs: Sequence[Any], buffers: Mapping[str, WindowBuffer]) -> dict[str, int]:
+    """The symbolic lengths of the window-sized past inputs -> their rows (for :func:`make_inputs`)."""
+    rows = {buffer.past: buffer.capacity for buffer in buffers.values()}
+    return {spec.shape[2]: rows[spec.name] for spec in input_specs
+            if spec.name in rows and len(spec.shape) == 4 and isinstance(spec.shape[2], str)}
+
+
+def resident_rows(positions: int, capacity: int, window: int) -> int:
+    """Rows of a window-sized buffer of ``capacity`` rows that hold positions after ``positions`` of
+    them were seen: all up to the capacity, then the buffer drops ``capacity - window + 1`` rows at
+    once (onnxruntime's layout; ops/attention/gqa_window.cc ``window_resident_rows``)."""
+    if positions <= capacity:
+        return positions
+    evict_block = capacity - window + 1
+    return positions - evict_block * math.ceil((positions - capacity) / evict_block)
+
+
+def resident_part(name: str, value: np.ndarray, buffers: Mapping[str, WindowBuffer],
+                  feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``value`` of output ``name`` as far as it is defined: a window-sized present only up to the
+    rows the call leaves resident (positions seen: the mask's length; generated masks are all ones);
+    any other output whole."""
+    buffer = buffers.get(name)
+    mask = next((v for k, v in feeds.items() if "mask" in k.lower() and np.ndim(v) == 2), None)
+    if buffer is None or mask is None or np.ndim(value) != 4:
+        return value
+    rows = resident_rows(int(mask.shape[-1]), value.shape[2], buffer.window)
+    return value[:, :, :rows]
 
 
 def compare(expected: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
@@ -283,6 +350,8 @@ def verify_models(
     candidate = open_session(rewritten)
     overrides = dict(shapes or {})
     vocab = _embedding_sizes(original)
+    buffers = window_buffers(original)
+    window_sizes = window_lengths(reference.get_inputs(), buffers)
     output_names = [o.name for o in reference.get_outputs()]
     missing = sorted(set(output_names) - {o.name for o in candidate.get_outputs()})
     if missing:
@@ -291,11 +360,12 @@ def verify_models(
     worst: dict[str, OutputError] = {}
     input_shapes: dict[str, tuple[int, ...]] = {}
     for _ in tqdm(range(runs), desc="verify", unit="run", disable=not progress, leave=False):
-        feeds = make_inputs(reference.get_inputs(), vocab, overrides, rng)
+        feeds = make_inputs(reference.get_inputs(), vocab, overrides, rng, window_sizes)
         input_shapes = {k: tuple(v.shape) for k, v in feeds.items()}
         expected = reference.run(output_names, feeds)
         actual = candidate.run(output_names, feeds)
         for name, e, a in zip(output_names, expected, actual):
+            e, a = (resident_part(name, value, buffers, feeds) for value in (e, a))
             max_abs, rel = compare(e, a)
             top1 = top1_agreement(e, a) if "logits" in name else None
             previous = worst.get(name)

@@ -158,7 +158,8 @@ def test_calibrate_bench_measures_on_the_users_text(tmp_path, tokens, monkeypatc
     main(["calibrate", str(GENAI), "-o", str(tmp_path / "layers.json"), "--tokens", str(corpus), *common])
     assert len(fed) == len(calibrate.BENCH_CONTEXTS) and all(np.array_equal(text, tokens) for text in fed)
     np.save(corpus, tokens[:100])  # the loop at GENAI's 128 positions needs 129
-    monkeypatch.setattr(calibrate, "gating_search", lambda *a, **k: pytest.fail("calibrated for a loop that cannot run"))
+    monkeypatch.setattr(calibrate, "gating_search",
+                        lambda *a, **k: pytest.fail("calibrated for a loop that cannot run"))
     assert main(["calibrate", str(GENAI), "-o", str(tmp_path / "short.json"), "--tokens", str(corpus), *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--bench runs the decode loop" in err[0] and "needs 129 tokens, the text has 100" in err[0]

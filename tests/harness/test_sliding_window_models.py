@@ -122,6 +122,64 @@ def test_attn_rewrites_every_layer_and_decodes_as_the_input(attn, greedy, tmp_pa
     assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
 
 
+@pytest.mark.parametrize("flags", [["--kwta", "on", "--kwta-k", "1"], ["--attn=none"]])
+def test_verify_passes_an_exact_rewrite_of_the_folder(flags, tmp_path, capsys):
+    """--verify generates window-sized pasts of the Generator's rows (4 rows, the default past, are
+    fewer than the window: the source model cannot run) and compares the present rows the call leaves
+    resident (ours zeroes the rest of the buffer, onnxruntime leaves it uninitialised)."""
+    assert main(["rewrite", str(GEMMA), "-o", str(tmp_path / "out"), *flags, "--verify", "2"]) == 0
+    said = capsys.readouterr().out
+    assert "verify: PASSED" in said and f"past_key_values.0.key [1, 2, {CAPACITY}, 16]" in said
+    assert "past_key_values.3.key [1, 2, 4, 16]" in said and "attention_mask [1, 12]" in said
+
+
+def test_verify_compares_only_the_rows_a_window_buffer_holds(monkeypatch):
+    """Whatever a call leaves in the window buffers' rows past the resident ones (here NaN, in the
+    second model only) is not compared; the resident rows are."""
+    from ortsparse import verify
+
+    real_open = verify.open_session
+    sizes = {"kv_cache_dim": 16, "past_sequence_length": 4, "sequence_length": 8, "total_sequence_length": 12}
+
+    class Garbage:
+        """A session whose window buffers' rows from ``first`` on are NaN after each run."""
+
+        def __init__(self, session, first):
+            self.session, self.first = session, first
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+        def run(self, names, feeds):
+            values = self.session.run(names, feeds)
+            for name, value in zip(names, values):
+                if name.split(".")[:2] in (["present", "0"], ["present", "1"], ["present", "2"]):
+                    value[:, :, self.first:] = np.nan
+            return values
+
+    def verify_with_garbage_from(first):
+        opened = []
+
+        def open_session(model, *args, **kwargs):
+            opened.append(real_open(model, *args, **kwargs))
+            return Garbage(opened[-1], first) if len(opened) == 2 else opened[-1]
+
+        monkeypatch.setattr(verify, "open_session", open_session)
+        return verify.verify_models(GEMMA / "model.onnx", GEMMA / "model.onnx", runs=1, shapes=sizes)
+
+    result = verify_with_garbage_from(12)  # 4 past + 8 new positions resident: rows 12.. are not
+    assert result.passed and all(o.max_abs == 0 for o in result.outputs)
+    assert {o.name: o.shape for o in result.outputs}["present.0.key"] == (1, 2, 12, 16)
+    assert not verify_with_garbage_from(11).passed  # a resident row differs: seen
+
+
+def test_resident_rows_follow_the_buffer():
+    from ortsparse.verify import resident_rows
+
+    assert [resident_rows(t, 24, 8) for t in (4, 12, 24, 25, 41, 42)] == [4, 12, 24, 8, 24, 8]
+    assert [resident_rows(t, 8, 8) for t in (8, 9, 12)] == [8, 8, 8]
+
+
 @pytest.mark.slow
 def test_the_folder_rebuilds_from_transformers_and_matches_torch(tmp_path):
     """build_tiny_gemma3 (transformers' Gemma3 classes, random weights, the builder) writes a folder
