@@ -164,7 +164,9 @@ def test_a_tiny_shape_entry_builds_int8_and_int4_folders_with_a_manifest(cache_r
 @pytest.mark.parametrize("name", ["llama3.2-1b", "gemma3-1b"])
 def test_tiny_llama3_and_gemma3_shapes_build(tmp_path, name):
     """Llama-3.2's llama3 rope scaling and Gemma-3's per-layer-type rope settings (the flattening
-    builder path, at int4 with the quantized options) go through the builder."""
+    builder path, at int4 with the quantized options) go through the builder; the Generator's check
+    runs with a sliding window (64) longer than its prompt and steps (the Generator's buffers must hold
+    the window)."""
     _models_extra()
     shape = export_shapes.tiny(SHAPES[name])
     info = export_shapes.build(shape, {"int4": tmp_path / "int4"}, tmp_path / "tmp", lambda _: None)

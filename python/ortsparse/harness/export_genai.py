@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..benchmarking import python_command
 from ..digest import sha256
+from ..runtime.genai_config import genai_decoder
 from .cache import ModelBuildError
 from .export_smollm2 import GREEDY_TOKENS, PROMPT, load, torch_greedy
 
@@ -235,19 +236,29 @@ def generator_greedy(folder: Path, prompt: str = PROMPT, tokens: int = GREEDY_TO
     tokenizer = og.Tokenizer(model)
     if prompt_ids is None:
         prompt_ids = tokenizer.encode(prompt)
-    out = greedy_ids(model, prompt_ids, tokens)
+    out = greedy_ids(model, prompt_ids, tokens, capacity=generator_capacity(folder, len(prompt_ids) + tokens))
     return {"prompt": prompt, "prompt_ids": [int(i) for i in prompt_ids], "tokens": out, "text": tokenizer.decode(out)}
 
 
-def greedy_ids(model: Any, prompt_ids: Sequence[int], tokens: int) -> list[int]:
+def generator_capacity(folder: Path, positions: int) -> int:
+    """The Generator's ``max_length`` (its KV buffers' positions) for ``positions`` positions in the genai
+    folder: at least the sliding window, since GroupQueryAttention refuses window-sized buffers
+    shorter than their window (Gemma-3-270M: 512)."""
+    window = genai_decoder(folder).config["model"]["decoder"].get("sliding_window")
+    return max(positions, int(window.get("window_size") or 0) if isinstance(window, dict) else 0)
+
+
+def greedy_ids(model: Any, prompt_ids: Sequence[int], tokens: int, *, capacity: int = 0) -> list[int]:
     """Up to ``tokens`` greedy token ids after ``prompt_ids`` from an ``onnxruntime_genai.Model``
-    (or its folder), through the Generator."""
+    (or its folder), through the Generator; ``capacity``: its ``max_length`` when larger than the
+    positions needed (a folder's is :func:`generator_capacity`)."""
     import onnxruntime_genai as og  # the models extra
 
     if not isinstance(model, og.Model):
+        capacity = max(capacity, generator_capacity(Path(model), len(prompt_ids) + tokens))
         model = og.Model(str(model))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False)
+    params.set_search_options(max_length=max(capacity, len(prompt_ids) + tokens), do_sample=False)
     generator = og.Generator(model, params)
     generator.append_tokens(list(prompt_ids))
     out: list[int] = []
