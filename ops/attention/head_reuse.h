@@ -8,9 +8,12 @@
 // and the best unchosen one's. A page bound moves by at most scale · sum_d |Δq_d| · max|k| when
 // the query moves by Δq, so with gap > 2 · scale · |q - q_ref|_1 · max|k| (+ rounding slack) every
 // chosen page still outranks every unchosen one: the selector would choose the same pages of the
-// keys it ranked then. Such a reuse is *certified*. Beyond the certificate a budget decides:
-// of the heads the certificate does not cover, the fraction `topk` with the largest relative
-// query change re-ranks its pages, the others reuse uncertified. A head re-ranks after `age_max`
+// keys it ranked then. Such a reuse is *certified* — while the query's range (a local window
+// slides) still holds the chosen pages: once it moved past one, the full ranking may fill its place
+// with a page ranked below it then, which a reuse does not bound, so the head ranks. Beyond the
+// certificate a budget decides: of the heads the certificate does not cover, the fraction `topk`
+// with the largest relative query change re-ranks its pages, the others reuse uncertified (which
+// fills a dropped page's place from the fresh pages). A head re-ranks after `age_max`
 // reuses in a row (staleness). Every `gap_every` steps the uncertified reuses are also computed
 // fresh and compared; a relative L2 gap above `gap_tol` disables reuse for the kernel's life.
 // See docs/ops.md#event-driven-attention.
@@ -52,7 +55,8 @@ struct HeadMemory {
   std::vector<int32_t> pages;  // chosen pages (absolute page indices in the head's keys)
   float gap = 0.0f;            // worst chosen page bound - best unchosen one (score space)
   float absmax = 0.0f;         // max |k| over the pages ranked then
-  size_t ranked_hi = 0;        // keys [.., ranked_hi) were ranked; later ones are always scored
+  size_t ranked_lo = 0;        // the pages of keys [ranked_lo, ranked_hi) were ranked; later keys
+  size_t ranked_hi = 0;        // are always scored
   uint32_t age = 0;            // reuses since
 };
 

@@ -60,6 +60,8 @@ struct Scratch {
   std::vector<float> qsplit, bounds, heap_scores;
   std::vector<int32_t> page_order, heap_rows;
   uint64_t keys_total = 0, keys_exact = 0, pages_total = 0, pages_visited = 0, rows_paged = 0, rows_certified = 0;
+  // event-driven attention: heads planned to reuse (certified, budget) that ranked their pages instead
+  uint64_t certified_ranked = 0, budget_ranked = 0;
   // event-driven attention's gap check: a reused output, and the largest gap seen (-1: none)
   std::vector<float> check;
   float gap_max = -1.0f;
@@ -319,6 +321,7 @@ bool choose_budget_pages(const CallPlan& p, size_t hk, const float* q, const flo
     for (size_t t = 0; t < npg; ++t) top_absmax = std::max(top_absmax, absmax[t]);
     record->gap = rest == kNegInf ? kPosInf : worst_chosen - rest;
     record->absmax = top_absmax;
+    record->ranked_lo = pages.mid_lo;
     record->ranked_hi = pages.mid_hi;
     record->q_ref.assign(q, q + p.call->dims.d);
     record->age = 0;
@@ -417,15 +420,16 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
 // Event-driven attention (head_reuse.h): a pages row (budget mode, no mask) that bounds only the
 // pages `mem` chose at its reference step and the pages holding keys that arrived since (the page
 // that was partly filled then included), and keeps the budget's best of those. When the
-// certificate holds, every other page still bounds below every page chosen then, so this is the
-// choice the full ranking makes. Returns kReuseDone, kReuseExact (a non-finite value: the caller
-// computes exact attention, as attend_row_pages) or kReuseRank (the candidates cannot fill the
-// budget, e.g. a local window dropped chosen pages: rank instead).
+// certificate holds, every page the reference ranked and left out still bounds below every page it
+// chose, so this is the choice the full ranking makes — as long as the row's range still holds
+// enough of the chosen pages (`certified`: checked below). Returns kReuseDone, kReuseExact (a
+// non-finite value: the caller computes exact attention, as attend_row_pages) or kReuseRank (the
+// candidates cannot fill the budget, or a certified choice no longer covers the range: rank).
 enum ReuseResult { kReuseDone, kReuseExact, kReuseRank };
 
 ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, const float* khead, size_t ldk,
                               const float* vhead, size_t ldv, const KeyRange& r, const MaskRow& m, float sink,
-                              float* y, Scratch& s, const HeadMemory& mem) {
+                              float* y, Scratch& s, const HeadMemory& mem, bool certified) {
   const PopcountAttentionConfig& cfg = *p.config;
   const kernels::KernelSet& ks = *p.kernels;
   const KeyCache& kc = *p.keys;
@@ -444,10 +448,19 @@ ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, cons
   int32_t* cand = s.page_order.data();
   size_t count = 0;
   const size_t fresh_from = std::max(pg0, mem.ranked_hi / page);
+  const size_t ranked_end = std::min(fresh_from, pg1);
   for (const int32_t pg : mem.pages)
-    if (static_cast<size_t>(pg) >= pg0 && static_cast<size_t>(pg) < std::min(fresh_from, pg1)) cand[count++] = pg;
+    if (static_cast<size_t>(pg) >= pg0 && static_cast<size_t>(pg) < ranked_end) cand[count++] = pg;
+  const size_t still_chosen = count;
   for (size_t pg = fresh_from; pg < pg1; ++pg) cand[count++] = static_cast<int32_t>(pg);
   if (count < chosen) return kReuseRank;
+  // The certificate orders the pages the reference ranked, nothing else. The full ranking's choice
+  // is still among the candidates only if the range starts no earlier than the ranked pages (a
+  // rewound window: pages never ranked) and, when it holds ranked pages the reference left out,
+  // still holds `chosen` of the pages it chose: a local window that moved past a chosen page lets
+  // the best of the rest take its place, and the left-out pages, not bounded here, may be that.
+  if (certified && (pg0 < mem.ranked_lo / page || (ranked_end - pg0 > still_chosen && still_chosen < chosen)))
+    return kReuseRank;
   const float slack = bound_slack(d, q_abs);
   const ScoreParams& sp = p.score;
   float* bound = s.bounds.data();  // by candidate
@@ -515,14 +528,16 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     if (n - protected_keys > topk) {
       ReuseResult reused = kReuseRank;
       if (action == HeadAction::kReuseCertified || action == HeadAction::kReuseBudget) {
-        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, *mem);
+        const bool certified = action == HeadAction::kReuseCertified;
+        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, *mem, certified);
         done = reused == kReuseDone;
         if (done) ++mem->age;
+        if (reused == kReuseRank) ++(certified ? s.certified_ranked : s.budget_ranked);
       }
       if (action == HeadAction::kRankChecked) {
         // The reuse the budget chose, beside the ranked row it stands for: their relative L2 gap.
         if (s.check.size() < dd.dv) s.check.resize(dd.dv);
-        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, s.check.data(), s, *mem);
+        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, s.check.data(), s, *mem, false);
         done = attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, mem);
         if (reused == kReuseDone && done) {
           double diff = 0.0, norm = 0.0;
@@ -843,37 +858,42 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     }
   }
   stats.packed = plan.keys != nullptr;
+  // A prompt (a call of at least prefill_rows query rows) is computed exactly, every row, with the
+  // tiled kernel: key selection is for decode steps, where one row reads the whole cache; a prompt
+  // reads it once per query block and selecting row by row would cost more than it saves. The key
+  // cache is still built (above), so the decode steps after the prompt can select. Selecting
+  // prompts row by row (what teacher-forced quality measurement needs to see decode's numerics on
+  // every row) is prefill_rows = 0.
+  const bool prompt = config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows);
   // Event-driven attention: a decode step of the budgeted page selector, without a mask, whose
   // caller says which key rows are unchanged.
   const uint64_t call_number = reuse_ ? reuse_->call_number() : 0;
   HeadReuse::Lease lease;
   std::vector<HeadAction> actions;
   KeyProvenance by_hash;  // without the caller's facts: the rows the key cache found unchanged by hash
-  if (reuse_ && plan.keys != nullptr && config_.select == Selector::kPages && config_.candidates > 0.0f &&
+  if (reuse_ && plan.keys != nullptr && !prompt && config_.select == Selector::kPages && config_.candidates > 0.0f &&
       dims.sq == 1 && call.mask.keep == nullptr && call.mask.add == nullptr) {
-    if (provenance == nullptr) {
+    // The rows left unchanged since the last call are what the key cache decided its reuse by: the
+    // caller's facts, or (no facts, or verify_keys: an app may rewrite rows in place) the row hashes.
+    const bool hashed = provenance == nullptr || config_.verify_keys;
+    if (hashed) {
       by_hash.unchanged.assign(dims.b, std::numeric_limits<size_t>::max());
       for (size_t hk = 0; hk < keys->heads; ++hk)
         by_hash.unchanged[hk / dims.hkv] = std::min(by_hash.unchanged[hk / dims.hkv], keys->reused[hk]);
     }
     lease = reuse_->lease();
     if (lease) {
-      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, provenance ? provenance : &by_hash,
+      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, hashed ? &by_hash : provenance,
                              [&call](size_t b, size_t h) { return call.q + call.q_rows.at(b, h, 0); }, stats.event);
       plan.reuse = reuse_.get();
       plan.actions = &actions;
     }
   }
-  // A prompt (a call of at least prefill_rows query rows) is computed exactly, every row, with the
-  // tiled kernel: key selection is for decode steps, where one row reads the whole cache; a prompt
-  // reads it once per query block and selecting row by row would cost more than it saves. The key
-  // cache is still built (plan.keys), so the decode steps after the prompt can select. Selecting
-  // prompts row by row (what teacher-forced quality measurement needs to see decode's numerics on
-  // every row) is prefill_rows = 0.
-  const bool prompt = config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows);
-  const size_t exact_below = std::numeric_limits<size_t>::max();
-  bool tiled = false;
+  std::vector<char> tiled_rows;  // a prompt's rows the tiled kernel computed, (b·H + h)·Sq + i
   if (prompt) {
+    // The rows it leaves (they read a non-finite input) are computed exactly by the row path below.
+    plan.keys = nullptr;
+    tiled_rows.assign(rows_total, 0);
     TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
                        config_.smooth_softmax};
     params.select = config_.prefill_select;
@@ -883,14 +903,14 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     params.recent_keys = std::max(static_cast<size_t>(config_.keep_recent), kernels::kFlashKeys);
     params.min_keys = static_cast<size_t>(config_.min_keys);
     TiledStats tiled_stats;
-    // Non-finite inputs or outputs: the row path below, which defines what they give.
-    tiled = tiled_attention(call, *kernels_, params, exact_below, runner, &tiled_stats);
-    if (tiled) {
+    if (tiled_attention(call, *kernels_, params, runner, tiled_rows, &tiled_stats)) {
       stats.keys_total = tiled_stats.keys_total;
       stats.keys_exact = tiled_stats.keys_total - tiled_stats.keys_skipped;
       stats.prefill_tiles = tiled_stats.tiles;
       stats.prefill_tiles_skipped = tiled_stats.tiles_skipped;
-      if (plan.keys == nullptr) return stats;
+      // A NaN / Inf in V also reaches the columns of rows that do not attend its key (the pass
+      // after the row path), as in any exact call.
+      if (tiled_stats.rows_left == 0 && !tiled_stats.values_nonfinite) return stats;
     }
   }
 
@@ -919,11 +939,13 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   for (size_t t = 0; t < n_tasks; ++t) {
     scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
     scratch[t].rows_paged = scratch[t].rows_certified = 0;
+    scratch[t].certified_ranked = scratch[t].budget_ranked = 0;
     scratch[t].gap_max = -1.0f;
     scratch[t].reserve(max_keys, packed_dim);
   }
   Scratch* scratch_p = scratch.data();
   const CallPlan* pp = &plan;
+  const char* tiled_p = tiled_rows.empty() ? nullptr : tiled_rows.data();  // rows already computed
   if (grouped) {
     // Per (item, query of the group): the part's unnormalised output [dv], max and sum.
     const size_t dv = dims.dv;
@@ -943,15 +965,18 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
         float* out = outs_p + item * G * dv;
         float* mx = maxes_p + item * G;
         double* sm = sums_p + item * G;
-        if (a == e) {
+        size_t rows_left = G;
+        if (tiled_p != nullptr)
+          for (size_t g = 0; g < G; ++g) rows_left -= tiled_p[(b * dd.h + hk * G + g) * dd.sq + i];
+        if (a == e || rows_left == 0) {
           std::fill(mx, mx + G, kNegInf);
           std::fill(sm, sm + G, 0.0);
         } else {
           exact_group_part(*pp, b, hk, i, a, e, out, sm, mx, scratch_p[task]);
         }
         if (part == 0) {
-          scratch_p[task].keys_total += G * n;
-          scratch_p[task].keys_exact += G * n;
+          scratch_p[task].keys_total += rows_left * n;
+          scratch_p[task].keys_exact += rows_left * n;
         }
       }
     });
@@ -964,6 +989,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
         const size_t group = row / G, g = row % G;
         const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
         const size_t h = hk * G + g;
+        if (tiled_p != nullptr && tiled_p[(b * dd.h + h) * dd.sq + i]) continue;
         const float sink = c.head_sink ? c.head_sink[h] : pp->config->smooth_softmax ? 0.0f : kNegInf;
         const size_t first = group * parts;
         merge_parts(parts, maxes_p + first * G + g, sums_p + first * G + g, G, outs_p + first * G * dv + g * dv,
@@ -976,10 +1002,7 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
       const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
       for (size_t r = begin; r < end; ++r) {
         const size_t b = r / (dd.sq * dd.h), h = (r / dd.sq) % dd.h, i = r % dd.sq;
-        if (tiled) {
-          const KeyRange range = key_range(*pp, b, i);
-          if (range.hi - range.lo < exact_below) continue;  // done by the tiled path
-        }
+        if (tiled_p != nullptr && tiled_p[r]) continue;
         attend_row(*pp, b, h, i, scratch_p[task]);
       }
     });
@@ -992,6 +1015,9 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
     stats.pages_visited += scratch[t].pages_visited;
     stats.rows_paged += scratch[t].rows_paged;
     stats.rows_certified += scratch[t].rows_certified;
+    stats.event.reused_certified -= scratch[t].certified_ranked;
+    stats.event.reused_budget -= scratch[t].budget_ranked;
+    stats.event.ranked += scratch[t].certified_ranked + scratch[t].budget_ranked;
     if (plan.reuse != nullptr && scratch[t].gap_max != -1.0f) plan.reuse->report_gap(scratch[t].gap_max, stats.event);
   }
   {

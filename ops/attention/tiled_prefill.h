@@ -6,6 +6,13 @@
 // (scale, soft-cap, mask / attention_bias, head sink or smooth softmax; a row with no attendable
 // key gets y = 0). Tasks over (batch, kv head, query block) on the caller's TaskRunner.
 //
+// Non-finite inputs: a query row is computed here only if every value it reads is finite — its q
+// row, the K and V rows of its key range, its mask values there — and its output comes out finite;
+// the other rows are left to the caller's row path, which owns the NaN / Inf semantics. A
+// non-finite K or V row is seen as zeros by the rows that do not attend it (a tile's unattended
+// keys get weight 0, and 0·NaN would leak), so a NaN moves exactly the rows that read it and every
+// other row gives the bits it gives without the NaN.
+//
 // Selective prefill (select != kExact): a block also skips key tiles that cannot matter much. The
 // tiles holding the first keys (attention sinks), each row's last keys (local context) and the
 // diagonal (tiles some row attends only in part) are always computed; every other tile gets an
@@ -22,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attention/attention_call.h"
 #include "common/task_runner.h"
@@ -50,17 +58,19 @@ struct TiledParams {
 };
 
 struct TiledStats {
-  uint64_t keys_total = 0;     // keys attended by the rows computed, summed over the rows
-  uint64_t keys_skipped = 0;   // of them, in tiles selective prefill skipped
-  uint64_t tiles = 0;          // (query block, key tile) pairs in the blocks' key ranges
-  uint64_t tiles_skipped = 0;  // of them, skipped by selective prefill
+  uint64_t keys_total = 0;         // keys attended by the rows computed, summed over the rows
+  uint64_t keys_skipped = 0;       // of them, in tiles selective prefill skipped
+  uint64_t tiles = 0;              // (query block, key tile) pairs in the blocks' key ranges
+  uint64_t tiles_skipped = 0;      // of them, skipped by selective prefill
+  size_t rows_left = 0;            // query rows not computed (a non-finite input read, or output)
+  bool values_nonfinite = false;   // some V row in [0, keys) holds a NaN / Inf
 };
 
-// Computes y for the query rows with fewer than `keys_below` attendable keys (SIZE_MAX: every
-// row; the other rows are not touched) if every input it reads is finite and every output comes
-// out finite; returns false otherwise (y may then hold partial results: the caller runs its row
-// path, which owns the semantics of NaN / Inf inputs). *stats: what was computed (set on success).
+// Computes y for the query rows described above and sets done[(b·H + h)·Sq + i] = 1 for each (done:
+// B·H·Sq entries, all 0 on entry); the other rows' y may hold partial results. Returns false, having
+// computed nothing, for a call the kernel cannot tile (H not a multiple of Hkv, D = 0). *stats: what
+// was computed.
 bool tiled_attention(const AttentionCall& call, const kernels::KernelSet& kernels, const TiledParams& params,
-                     size_t keys_below, const TaskRunner& runner, TiledStats* stats);
+                     const TaskRunner& runner, std::vector<char>& done, TiledStats* stats);
 
 }  // namespace ortsparse::attention

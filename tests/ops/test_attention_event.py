@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ortsparse
 
@@ -26,16 +28,18 @@ BUFFER = 128
 
 
 class Twin:
-    """The op with event-driven reuse and without, fed the same calls."""
+    """The op with event-driven reuse and without, fed the same calls (``buffer``: KV rows per head;
+    ``both``: attributes of both ops, e.g. sliding_window_cache or verify_keys)."""
 
-    def __init__(self, rng, cfg=CFG, *, batch=2, shared=True, name="event", select=None, **event):
+    def __init__(self, rng, cfg=CFG, *, batch=2, shared=True, name="event", select=None, buffer=BUFFER, both=None,
+                 **event):
         self.rng, self.cfg, self.batch = rng, cfg, batch
-        select = select or SELECT
-        cos, sin = G.rotary_tables(rng, BUFFER, cfg.half) if cfg.rotary else (None, None)
+        select = {**(select or SELECT), **(both or {})}
+        cos, sin = G.rotary_tables(rng, buffer, cfg.half) if cfg.rotary else (None, None)
         self.name = name
         self.event_session = G.session(cfg, ours=True, node_name=name, event=1, **select, **event)
         self.plain_session = G.session(cfg, ours=True, node_name=name + "_plain", **select)
-        make = lambda sess: G.Stepper(sess, cfg, batch=batch, buffer=BUFFER, shared=shared, cos=cos, sin=sin)
+        make = lambda sess: G.Stepper(sess, cfg, batch=batch, buffer=buffer, shared=shared, cos=cos, sin=sin)
         self.event, self.plain = make(self.event_session), make(self.plain_session)
         self.lengths = [0] * batch
 
@@ -64,6 +68,11 @@ class Twin:
 
     def metrics(self):
         return ortsparse.metrics()[f"PopcountGroupQueryAttention/{self.name}"]
+
+    def edit_key(self, b, head, row, values):
+        """The app rewrites past K row `row` of KV head `head` in place, in both ops' buffers."""
+        for stepper in (self.event, self.plain):
+            stepper.k[b, head, row] = values
 
 
 def drifting_queries(rng, batch, hidden, steps, drift):
@@ -109,6 +118,99 @@ def test_certified_reuse_with_rotary_and_a_local_window(rng):
     for q in drifting_queries(rng, 2, cfg.hidden, 60, 0.0):
         a, b = twin.step(q)
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("window_cache", [False, True], ids=["full_buffer", "window_buffer"])
+def test_certified_reuse_stays_exact_while_a_local_window_slides(rng, window_cache):
+    """Window 64, 300 decode steps of a slowly drifting query (issue 36): once the window moves past
+    a page the reference chose, the full ranking fills its place with the best page of the rest —
+    possibly one the reference ranked below its choice, which a reuse never bounds; that head ranks.
+    The same with onnxruntime-genai's window-sized buffers (sliding_window_cache=1)."""
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, local_window=64)
+    steps = 300
+    twin = Twin(rng, cfg, batch=1, name=f"slide{window_cache}", buffer=64 + 16 if window_cache else 100 + steps,
+                both={"sliding_window_cache": 1} if window_cache else None, event_topk=1.0, event_age_max=1000)
+    ortsparse.reset_metrics()
+    twin.prompt(100)
+    for step, q in enumerate(drifting_queries(rng, 1, cfg.hidden, steps, 1e-3)):
+        a, b = twin.step(q)
+        assert np.array_equal(a, b), f"step {step}: {np.abs(a - b).max()}"
+    m = twin.metrics()
+    assert m["event.heads_ranked"] + m["event.reused_certified"] == steps * cfg.num_heads
+    assert m["event.reused_certified"] > steps * cfg.num_heads // 2  # the window does not stop reuse
+
+
+def test_certified_reuse_with_verify_keys_sees_rows_edited_in_place(rng):
+    """verify_keys=1 (an app that rewrites past K rows in place, issue 36): which rows are unchanged
+    comes from the key cache's row hashes, not from the buffer lengths, so a head whose ranked pages
+    hold an edited row ranks again."""
+    steps = 250
+    twin = Twin(rng, batch=1, name="edited", buffer=60 + steps, both={"verify_keys": 1}, event_topk=1.0,
+                event_age_max=1000)
+    ortsparse.reset_metrics()
+    twin.prompt(60)
+    for step, q in enumerate(drifting_queries(rng, 1, CFG.hidden, steps, 1e-3)):
+        if step % 3 == 0:
+            row, head = int(rng.integers(1, twin.lengths[0] - 3)), int(rng.integers(CFG.kv_num_heads))
+            twin.edit_key(0, head, row, 3 * rng.standard_normal(CFG.head_size, dtype=np.float32))
+        a, b = twin.step(q)
+        assert np.array_equal(a, b), f"step {step}: {np.abs(a - b).max()}"
+    assert twin.metrics()["event.reused_certified"] > 0
+
+
+# Property tests: any local window, page layout, protected keys and query drift (with window-sized
+# buffers or not), and any in-place edits under verify_keys=1, over many decode steps: certified
+# reuse gives the bits of the op without `event`. Bounded, derandomized: the same cases every run.
+PROPERTY = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(window=st.integers(6, 90), page=st.sampled_from([2, 4, 8, 16]), topk=st.integers(2, 16),
+       candidates=st.sampled_from([1.0, 1.5, 2.0, 4.0]), keep_first=st.integers(0, 4), keep_recent=st.integers(0, 12),
+       drift=st.sampled_from([0.0, 1e-4, 1e-3, 1e-2]), window_cache=st.booleans(), slack=st.integers(0, 24),
+       shared=st.booleans(), prompt=st.integers(1, 120), seed=st.integers(0, 2**31))
+def test_property_certified_reuse_is_the_full_ranking_under_local_windows(window, page, topk, candidates, keep_first,
+                                                                         keep_recent, drift, window_cache, slack,
+                                                                         shared, prompt, seed):
+    rng = np.random.default_rng(seed)
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, local_window=window)
+    select = dict(select="pages", topk=topk, page_size=page, candidates=candidates, min_keys=0,
+                  keep_first=keep_first, keep_recent=keep_recent)
+    steps = 120
+    twin = Twin(rng, cfg, batch=1, name="property_window", select=select, shared=shared or window_cache,
+                buffer=window + slack if window_cache else prompt + steps,
+                both={"sliding_window_cache": 1} if window_cache else None, event_topk=1.0, event_age_max=1000)
+    twin.prompt(prompt)
+    for step, q in enumerate(drifting_queries(rng, 1, cfg.hidden, steps, drift)):
+        a, b = twin.step(q)
+        assert np.array_equal(a, b), f"step {step}: {np.abs(a - b).max()}"
+
+
+@PROPERTY
+@given(page=st.sampled_from([2, 4, 8]), topk=st.integers(2, 12), candidates=st.sampled_from([1.0, 2.0, 3.0]),
+       drift=st.sampled_from([0.0, 1e-4, 1e-3]), window=st.sampled_from([-1, 24, 48]), edit=st.floats(0.05, 0.8),
+       same=st.floats(0.0, 0.5), prompt=st.integers(8, 80), seed=st.integers(0, 2**31))
+def test_property_certified_reuse_with_verify_keys_after_any_in_place_edits(page, topk, candidates, drift, window, edit,
+                                                                           same, prompt, seed):
+    """Before a step, with probability `edit`, the app rewrites a past K row (with probability `same`
+    writing the values it holds: not a change)."""
+    rng = np.random.default_rng(seed)
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, local_window=window)
+    select = dict(select="pages", topk=topk, page_size=page, candidates=candidates, min_keys=0, keep_first=1,
+                  keep_recent=2)
+    steps = 100
+    twin = Twin(rng, cfg, batch=2, name="property_edits", select=select, buffer=prompt + steps,
+                both={"verify_keys": 1}, event_topk=1.0, event_age_max=1000)
+    twin.prompt(prompt)
+    for step, q in enumerate(drifting_queries(rng, 2, cfg.hidden, steps, drift)):
+        if rng.random() < edit:
+            entry, head = int(rng.integers(2)), int(rng.integers(cfg.kv_num_heads))
+            row = int(rng.integers(twin.lengths[entry]))
+            held = twin.event.k[entry, head, row].copy()
+            twin.edit_key(entry, head, row, held if rng.random() < same else rng.standard_normal(16, dtype=np.float32))
+        a, b = twin.step(q)
+        assert np.array_equal(a, b), f"step {step}: {np.abs(a - b).max()}"
 
 
 def test_budget_reuse_respects_staleness(rng):

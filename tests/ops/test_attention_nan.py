@@ -25,6 +25,8 @@ import functools
 import numpy as np
 import onnxruntime as ort
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 import ortsparse
@@ -164,6 +166,198 @@ def test_gqa_nan_key_summarised_in_an_earlier_call_stays_visible(select, shared)
     for step, (theirs, ours) in enumerate(zip(*runs)):
         assert_same_nonfinite(ours, theirs, f"{select} step {step}", finite_values=select == "none")
         assert np.isnan(theirs.reshape(theirs.shape[0], theirs.shape[1], H, D)[:, -1, 2:]).all()
+
+
+# ---------------------------------------------------------------- prompts (the tiled path)
+# A prompt (>= prefill_rows query rows) is computed exactly whatever `select` says. A NaN / Inf moves
+# only the rows that read it to the row path: every other row, head and batch entry is computed as
+# without it, bit for bit, and the rows that read it get what exact attention gives (issue 36: one
+# NaN used to send the whole call row by row, where rows with >= min_keys keys selected).
+
+def sink_reference(cfg: G.Gqa, feeds: dict) -> np.ndarray:
+    """onnxruntime's GroupQueryAttention through its sink path (head_sink = -inf adds exp(-inf) = 0),
+    whose NaN handling is the op's contract (see the test at the end of the file)."""
+    theirs_cfg = dataclasses.replace(cfg, extra=cfg.extra + ("head_sink",))
+    sink = {"head_sink": np.full(cfg.num_heads, -np.inf, np.float32)}
+    return G.session(theirs_cfg, ours=False).run(None, {**feeds, **sink})[0]
+
+
+def untouched_rows_equal(ours: np.ndarray, clean: np.ndarray, heads: int, what: str) -> None:
+    """Every (entry, position, head) output row holding no NaN / Inf is bit for bit the NaN-free call's."""
+    rows = ours.reshape(ours.shape[0], ours.shape[1], heads, -1)
+    untouched = np.isfinite(rows).all(axis=-1)
+    same = rows[untouched] == clean.reshape(rows.shape)[untouched]
+    assert same.all(), f"{what}: rows the non-finite input does not reach changed ({(~same.all(axis=-1)).sum()} rows)"
+
+
+def test_one_nan_in_a_long_prompt_changes_no_other_row():
+    """The reported case: PopcountGroupQueryAttention with its defaults (select=pages, min_keys 2048),
+    a 2600-token prompt, NaN in one element of the last key: only the last row of that key's KV
+    group is NaN; rows 2047.. of every head used to differ from GroupQueryAttention by up to 0.26."""
+    cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, past=False)
+    s = 2600
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, s, w), dtype=np.float32) for w in (cfg.hidden, cfg.kv_hidden, cfg.kv_hidden))
+    sess = G.session(cfg, ours=True)
+    feeds = {"query": q, "key": k, "value": v, "seqlens_k": np.array([s - 1], np.int32),
+             "total_sequence_length": np.array([s], np.int32)}
+    clean = sess.run(None, feeds)[0]
+    k = k.copy()
+    k[0, s - 1, 16 + 3] = np.nan  # KV head 1: query heads 2, 3
+    feeds["key"] = k
+    ours = sess.run(None, feeds)[0]
+    assert_same_nonfinite(ours, sink_reference(cfg, feeds), "defaults, 2600-token prompt")
+    assert np.isnan(ours.reshape(s, 4, 16)[s - 1, 2:]).all()
+    untouched_rows_equal(ours, clean, cfg.num_heads, "defaults, 2600-token prompt")
+
+
+def test_one_nan_in_a_long_4d_prompt_changes_no_other_row():
+    """The same on PopcountAttention with its defaults (select=popcount, min_keys 1024, topk 256),
+    causal, 1300 query rows over 1300 keys, against the float64 reference."""
+    from . import attention_reference as ref
+    h, hkv, s, d = 4, 2, 1300, 16
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, h, s, d), dtype=np.float32)
+    k = rng.standard_normal((1, hkv, s, d), dtype=np.float32)
+    v = rng.standard_normal((1, hkv, s, d), dtype=np.float32)
+    sess = ortsparse.inference_session(ref.attention_model(is_causal=1))
+    clean = sess.run(None, {"Q": q, "K": k, "V": v})[0]
+    k[0, 1, s - 1, 3] = np.nan
+    ours = sess.run(None, {"Q": q, "K": k, "V": v})[0]
+    assert_same_nonfinite(ours, ref.attention(q, k, v, causal=True).astype(np.float32), "4-D defaults")
+    assert np.isnan(ours[0, 2:, s - 1]).all()
+    untouched_rows_equal(ours.transpose(0, 2, 1, 3), clean.transpose(0, 2, 1, 3), h, "4-D defaults")
+
+
+PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+# Selectors that would select rows past 16 keys, if a prompt row were not exact.
+PROMPT_SELECT = {
+    "pages": {"select": "pages", "topk": 4, "candidates": 2.0, "page_size": 4, "min_keys": 16, "keep_first": 1,
+              "keep_recent": 2},
+    "pages_certified": {"select": "pages", "topk": 4, "candidates": 0.0, "page_size": 4, "min_keys": 16},
+    "popcount": {"select": "popcount", "topk": 4, "candidates": 2.0, "min_keys": 16, "keep_first": 1,
+                 "keep_recent": 2},
+    "energy": {"select": "energy", "topk": 4, "min_keys": 16},
+    "none": {"select": "none"},
+}
+
+
+@st.composite
+def poisoned_prompt(draw):
+    """A GroupQueryAttention prompt call (a first prompt, or a later chunk over a past) with one to
+    three non-finite entries at random places of query, key, value, past_key, past_value or
+    attention_bias."""
+    heads, kv_heads = draw(st.sampled_from([(4, 2), (4, 1), (2, 2), (6, 3)]))
+    head_size = draw(st.sampled_from([8, 16]))
+    window = draw(st.sampled_from([-1, -1, 3, 17, 70]))
+    bias = draw(st.booleans())
+    cfg = G.Gqa(num_heads=heads, kv_num_heads=kv_heads, head_size=head_size, local_window=window,
+                extra=("attention_bias",) if bias else ())
+    s = draw(st.integers(16, 150))
+    past = draw(st.sampled_from([0, 0, 1, 40, 100]))
+    sites = []
+    names = ["query", "key", "value"] + (["past_key", "past_value"] if past else []) + (["attention_bias"] if bias else [])
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(names))
+        shape = {"query": (1, s, cfg.hidden), "key": (1, s, cfg.kv_hidden), "value": (1, s, cfg.kv_hidden),
+                 "past_key": (1, kv_heads, past, head_size), "past_value": (1, kv_heads, past, head_size),
+                 "attention_bias": (1, heads, s, past + s)}[name]
+        index = tuple(draw(st.integers(0, n - 1)) for n in shape)
+        sites.append((name, index, draw(st.sampled_from([np.nan, np.inf, -np.inf]))))
+    return cfg, s, past, sites, draw(st.sampled_from(sorted(PROMPT_SELECT))), draw(st.integers(0, 2**31))
+
+
+@functools.lru_cache(maxsize=None)
+def prompt_session(cfg: G.Gqa, select: str) -> ort.InferenceSession:
+    return G.session(cfg, ours=True, pack_cache=0, **PROMPT_SELECT[select])
+
+
+def gqa_reference(cfg: G.Gqa, feeds: dict) -> np.ndarray:
+    """GroupQueryAttention's output by the float64 reference of the 4-D op (attention_reference.py;
+    its NaN / Inf semantics are the contract's): one entry, past rows then the new ones, causal,
+    the local window as the keys kept, attention_bias added."""
+    from . import attention_reference as ref
+    _, s, _ = feeds["query"].shape
+    h, hkv, d = cfg.num_heads, cfg.kv_num_heads, cfg.head_size
+    past = feeds["past_key"].shape[2]
+    q = feeds["query"].reshape(1, s, h, d).transpose(0, 2, 1, 3)
+    k, v = (np.concatenate([feeds[f"past_{n}"], feeds[n].reshape(1, s, hkv, d).transpose(0, 2, 1, 3)], axis=2)
+            for n in ("key", "value"))
+    keep = None
+    if cfg.local_window >= 0:
+        first = past + np.arange(s)[:, None] - cfg.local_window + 1
+        keep = np.broadcast_to(np.arange(past + s)[None, :] >= first, (1, h, s, past + s))
+    with np.errstate(invalid="ignore"):  # inf - inf in the reference: the NaN it is asked for
+        y = ref.attention(q, k, v, feeds.get("attention_bias"), causal=True, keep=keep)
+    return y.transpose(0, 2, 1, 3).reshape(1, s, h * d).astype(np.float32)
+
+
+@PROPERTY
+@given(poisoned_prompt())
+def test_property_nan_in_a_prompt_reaches_exactly_what_exact_attention_reaches(case):
+    cfg, s, past, sites, select, seed = case
+    rng = np.random.default_rng(seed)
+    total = past + s
+    feeds = {"query": rng.standard_normal((1, s, cfg.hidden), dtype=np.float32),
+             "key": rng.standard_normal((1, s, cfg.kv_hidden), dtype=np.float32),
+             "value": rng.standard_normal((1, s, cfg.kv_hidden), dtype=np.float32),
+             "past_key": rng.standard_normal((1, cfg.kv_num_heads, past, cfg.head_size), dtype=np.float32),
+             "past_value": rng.standard_normal((1, cfg.kv_num_heads, past, cfg.head_size), dtype=np.float32),
+             "seqlens_k": np.array([total - 1], np.int32), "total_sequence_length": np.array([total], np.int32)}
+    if cfg.extra:
+        feeds["attention_bias"] = rng.standard_normal((1, cfg.num_heads, s, total), dtype=np.float32)
+    sess = prompt_session(cfg, select)
+    clean = sess.run(None, feeds)[0]
+    for name, index, value in sites:
+        feeds[name] = feeds[name].copy()
+        feeds[name][index] = value
+    ours = sess.run(None, feeds)[0]
+    what = f"select={select} {cfg} S={s} past={past} sites={sites}"
+    assert_same_nonfinite(ours, gqa_reference(cfg, feeds), what)
+    if all(np.isnan(value) for _, _, value in sites):  # a NaN reaches every row that reads it
+        untouched_rows_equal(ours, clean, cfg.num_heads, what)
+
+
+@PROPERTY
+@given(h_hkv=st.sampled_from([(4, 2), (2, 1), (3, 3)]), sq=st.integers(16, 90), extra_keys=st.integers(0, 40),
+       causal=st.booleans(), mask=st.sampled_from([None, "float", "bool"]), select=st.sampled_from(sorted(PROMPT_SELECT)),
+       n_sites=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_property_nan_in_a_4d_prompt_reaches_exactly_what_exact_attention_reaches(h_hkv, sq, extra_keys, causal, mask,
+                                                                                  select, n_sites, seed):
+    """PopcountAttention: a prompt of sq >= 16 rows over sq + extra_keys keys, NaN / Inf at random
+    entries of Q, K, V (and a float mask), against the float64 reference."""
+    from . import attention_reference as ref
+    h, hkv = h_hkv
+    skv, d = sq + extra_keys, 8
+    rng = np.random.default_rng(seed)
+    feeds = {"Q": rng.standard_normal((1, h, sq, d), dtype=np.float32),
+             "K": rng.standard_normal((1, hkv, skv, d), dtype=np.float32),
+             "V": rng.standard_normal((1, hkv, skv, d), dtype=np.float32)}
+    mask_type = None
+    if mask == "float":
+        mask_type, feeds["attn_mask"] = TensorProto.FLOAT, rng.standard_normal((1, h, sq, skv), dtype=np.float32)
+    elif mask == "bool":
+        mask_type, feeds["attn_mask"] = TensorProto.BOOL, rng.random((1, 1, sq, skv)) < 0.8
+    attrs = {key: value for key, value in PROMPT_SELECT[select].items()}
+    sess = ortsparse.inference_session(ref.attention_model(mask_type=mask_type, is_causal=int(causal), **attrs))
+    clean = sess.run(None, feeds)[0]
+    names = ["Q", "K", "V"] + (["attn_mask"] if mask == "float" else [])
+    sites = []
+    for _ in range(n_sites):
+        name = names[int(rng.integers(len(names)))]
+        index = tuple(int(rng.integers(n)) for n in feeds[name].shape)
+        value = [np.nan, np.inf, -np.inf][int(rng.integers(3))]
+        feeds[name] = feeds[name].copy()
+        feeds[name][index] = value
+        sites.append((name, index, value))
+    ours = sess.run(None, feeds)[0]
+    with np.errstate(invalid="ignore"):  # inf - inf in the reference: the NaN it is asked for
+        want = ref.attention(feeds["Q"], feeds["K"], feeds["V"], feeds.get("attn_mask"), causal=causal)
+    what = f"select={select} causal={causal} mask={mask} sq={sq} skv={skv} sites={sites}"
+    assert_same_nonfinite(ours, want.astype(np.float32), what)
+    if all(np.isnan(value) for _, _, value in sites):  # a NaN reaches every row that reads it
+        untouched_rows_equal(ours.transpose(0, 2, 1, 3), clean.transpose(0, 2, 1, 3), h, what)
 
 
 # ---------------------------------------------------------------- PopcountAttention (4-D)

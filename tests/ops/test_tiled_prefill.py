@@ -11,6 +11,7 @@ import pytest
 from ortsparse import _kernels as K
 
 from . import gqa_graphs as G
+from .isa_runs import run_file_under_isa
 
 ISAS = K.supported_isas()
 TILE = K.FLASH_KEYS
@@ -150,10 +151,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tiled_prompt_matches_onnxruntime_and_the_row_path(isa, case, monkeypatch):
-    monkeypatch.setenv("ORTSPARSE_ISA", isa)
+def test_tiled_prompt_matches_onnxruntime_and_the_row_path(case):
     spec = dict(num_heads=9, kv_num_heads=3, head_size=32, past=False)
     spec.update(CASES[case])
     cfg = G.Gqa(**spec)
@@ -228,16 +227,23 @@ def test_tiled_prompt_batches_of_different_lengths_and_a_later_chunk():
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v", "bias"])
-def test_tiled_prompt_leaves_non_finite_inputs_to_the_row_path(where):
-    """NaN / Inf semantics belong to the row path: a call with a non-finite input gives exactly the
-    row path's output (prefill_rows=0)."""
+def test_tiled_prompt_leaves_only_the_rows_that_read_a_non_finite_input_to_the_row_path(where):
+    """NaN / Inf semantics belong to the row path, for the rows that read the NaN: NaN where the row
+    path (prefill_rows=0) has NaN, the finite entries within rounding of it — and every row whose
+    output holds no NaN is still the tiled kernel's, bit for bit what it gives without the NaN."""
     cfg = G.Gqa(num_heads=4, kv_num_heads=2, head_size=16, past=False, extra=("attention_bias",))
     s = 100
     q, k, v = gqa_prompt(cfg, s)
     bias = np.zeros((1, 1, s, s), np.float32)
+    _, clean, _ = run_three(cfg, q, k, v, [s - 1], s, {"attention_bias": bias})
     {"q": q, "k": k, "v": v}.get(where, bias.reshape(1, s, s))[0, 40, 3] = np.nan
     _, tiled, rows = run_three(cfg, q, k, v, [s - 1], s, {"attention_bias": bias})
-    np.testing.assert_array_equal(tiled, rows)  # NaN where the row path has NaN, same bits elsewhere
+    np.testing.assert_array_equal(np.isnan(tiled), np.isnan(rows))
+    np.testing.assert_allclose(tiled, rows, rtol=0, atol=1e-5 * np.abs(clean).max())
+    heads = tiled.reshape(s, cfg.num_heads, cfg.head_size)
+    untouched = ~np.isnan(heads).any(axis=-1)  # (position, head) rows the NaN does not reach
+    assert untouched.any() and not untouched.all()
+    np.testing.assert_array_equal(heads[untouched], clean.reshape(s, cfg.num_heads, cfg.head_size)[untouched])
 
 
 # --- the 4-D PopcountAttention ----------------------------------------------------------------------
@@ -295,3 +301,10 @@ def test_negative_prefill_rows_is_a_clear_error(ours_4d):
     else:
         with pytest.raises(Exception, match="prefill_rows=-1 must be >= 0"):
             G.session(G.Gqa(), ours=True, prefill_rows=-1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_computes_whole_calls_the_same_way(isa):
+    """The whole-call cases above under each ISA's kernels (ORTSPARSE_ISA is read once per process;
+    the flash_tile cases take the ISA as an argument)."""
+    run_file_under_isa(__file__, isa, deselect="every_isa or flash_tile")
