@@ -63,7 +63,10 @@ void dot_rows_avx2(const float* q, const float* k, size_t ldk, size_t d, const i
     const float* kr = row(i);
     __m256 a0 = _mm256_setzero_ps();
     for (size_t j = 0; j < full; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
-    float s = hsum(a0);
+    // Reduced in reduce4's order, so a row's dot does not depend on where it falls in the list: equal
+    // keys score equal (ties go to the lower key) and a page bound is the same bits alone or in a list.
+    const __m256 zero = _mm256_setzero_ps();
+    float s = _mm_cvtss_f32(reduce4(a0, zero, zero, zero));
     for (size_t j = full; j < d; ++j) s += q[j] * kr[j];
     out[i] = s;
   }

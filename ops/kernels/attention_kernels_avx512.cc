@@ -58,7 +58,10 @@ void dot_rows_avx512(const float* q, const float* k, size_t ldk, size_t d, const
       const __mmask16 m = d - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - j);
       a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + j), _mm512_maskz_loadu_ps(m, kr + j), a0);
     }
-    out[i] = _mm512_reduce_add_ps(a0);
+    // Reduced in reduce4's order, so a row's dot does not depend on where it falls in the list: equal
+    // keys score equal (ties go to the lower key) and a page bound is the same bits alone or in a list.
+    const __m512 zero = _mm512_setzero_ps();
+    out[i] = _mm_cvtss_f32(reduce4(a0, zero, zero, zero));
   }
 }
 
