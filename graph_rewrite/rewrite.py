@@ -151,7 +151,7 @@ def _attention(cores: list[AttentionCore], settings: AttentionSettings | None, w
         if settings is None:
             record.reason = why_off
             continue
-        op_type, form_settings, record.meaning = ATTENTION.build(core.form, settings)
+        op_type, form_settings, record.meaning = ATTENTION.build(core.form, settings, core.anchor_name)
         assert op_type == core.rule.new_op, (op_type, core.rule.new_op)  # the form's rule emits the technique's op
         form_settings = for_op(form_settings, op_type, event)
         record.decision, record.new_op, record.settings = REWRITTEN, op_type, form_settings

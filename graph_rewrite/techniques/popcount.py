@@ -234,9 +234,10 @@ ATTENTION_FLAGS = FlagGroup(
                   "(exact whatever writes the KV buffer, but reads all keys each step; default 0: reuse by "
                   "provenance, see docs/ops.md)"),
         Flag("--attn-event", field="event", type=int, choices=(0, 1), default=_D.event,
-             help="event-driven attention by heads: a decode step of the budgeted page selector (GroupQueryAttention "
-                  "cores) reuses a head's page choice while its query moves little (exact under its certificate; "
-                  "default 0)"),
+             help="event-driven attention by heads: a decode step of the budgeted page selector (--attn=pages with "
+                  "--attn-candidates > 0, or --attn=popcount alone on GroupQueryAttention cores; refused on cores "
+                  "that select otherwise) reuses a head's page choice while its query moves little (exact under its "
+                  "certificate; default 0)"),
         Flag("--attn-event-topk", field="event_topk", type=flag_types.unit_interval, default=_D.event_topk,
              metavar="FRAC",
              help="of the heads the certificate does not cover, the fraction (largest query change first) that "
@@ -334,15 +335,31 @@ class AttentionTechnique:
     def form(self, form: str) -> AttentionForm:
         return FORMS.get(form, OTHER_FORMS)
 
-    def build(self, form: str, settings: AttentionSettings) -> tuple[str, AttentionSettings, str]:
-        """(op type, settings, what they mean: "" when as given) for a core of ``form``."""
+    def build(self, form: str, settings: AttentionSettings, core: str = "") -> tuple[str, AttentionSettings, str]:
+        """(op type, settings, what they mean: "" when as given) for a core of ``form`` (named ``core``
+        in errors). Raises ConfigError when the settings ask for event-driven reuse the op would not do."""
         spec = self.form(form)
         event = {f: getattr(settings, f) for f in KEPT_FIELDS}  # reuse and the prompt path: kept as given
+        built = (spec.op_type, settings, "")
         if spec.plain_popcount is not None and dataclasses.replace(settings, **{f: getattr(_D, f) for f in KEPT_FIELDS}) == _PLAIN_POPCOUNT:
             chosen = dataclasses.replace(spec.plain_popcount, **event)
-            return (spec.op_type, chosen,
-                    f"{self.switch.name}=popcount on {form} cores means {spec.plain_popcount.short()}: {spec.why}")
-        return spec.op_type, settings, ""
+            built = (spec.op_type, chosen,
+                     f"{self.switch.name}=popcount on {form} cores means {spec.plain_popcount.short()}: {spec.why}")
+        _refuse_idle_event(built[1], form, core)
+        return built
+
+
+def _refuse_idle_event(settings: AttentionSettings, form: str, core: str) -> None:
+    """event=1 reuses the budgeted page selector's choice (select=pages, candidates > 0) and nothing
+    else: on a core that selects otherwise the op would carry the attribute and never act on it, so
+    the rewrite refuses it rather than write a setting that silently does nothing."""
+    if not settings.event or (settings.select == "pages" and settings.candidates > 0):
+        return
+    got = "select=pages with candidates=0" if settings.select == "pages" else f"select={settings.select}"
+    where = f"attention core '{core}' ({form})" if core else f"a {form} attention core"
+    raise ConfigError(f"{where}: --attn-event=1 reuses the budgeted page selector's choice, but this core gets {got}; "
+                      "use --attn=pages with --attn-candidates > 0 (or, on GroupQueryAttention cores, --attn=popcount "
+                      "alone), or drop --attn-event")
 
 
 ATTENTION = AttentionTechnique()

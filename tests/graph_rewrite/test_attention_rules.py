@@ -321,6 +321,26 @@ def test_a_config_made_in_code_is_checked_when_made():
     assert RewriteConfig(techniques=event, attention=AttentionSettings(select="popcount", topk=8)).attention.topk == 8
 
 
+@pytest.mark.parametrize("argv, got", [
+    (["--attn=popcount"], "select=popcount"), (["--attn=energy"], "select=energy"), (["--attn=none"], "select=none"),
+    (["--attn=pages", "--attn-candidates=0"], "select=pages with candidates=0")])
+def test_attn_event_where_the_op_would_not_reuse_is_refused_naming_the_core(argv, got, capsys, tmp_path):
+    """--attn-event=1 acts only on the budgeted page selector: on a 4-D core that selects otherwise
+    it used to be written and do nothing; now one line naming the core, exit 2, nothing written."""
+    from ortsparse.cli import main
+
+    path, out = tmp_path / "core.onnx", tmp_path / "out.onnx"
+    onnx.save(ag.eager_core(masks=("add",)), path)
+    for command in (["-o", str(out)], ["--list-layers"]):
+        assert main(["rewrite", str(path), *command, *argv, "--attn-event=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'/attn/MatMul_7' (eager)" in err[0] and "--attn-event=1" in err[0] and got in err[0]
+    assert not out.exists()
+    assert main(["rewrite", str(path), "-o", str(out), "--attn=pages", "--attn-event=1"]) == 0
+    (node,) = pop_nodes(onnx.load(out))
+    assert attrs(node)["event"] == 1 and attrs(node)["select"] == b"pages"
+
+
 def test_cli_list_rules_and_layers(capsys, tmp_path):
     from ortsparse.cli import main
 

@@ -203,6 +203,17 @@ def test_flags_give_the_node_its_settings(argv, expected):
     assert ("prefill_select" in a) == (expected.prefill_select != "exact")  # written only when not exact
 
 
+@pytest.mark.parametrize("argv", [["--attn=popcount", "--attn-topk=64"], ["--attn=pages", "--attn-candidates=0"],
+                                  ["--attn=energy"], ["--attn=none"]])
+def test_attn_event_without_the_budgeted_page_selector_is_refused(argv):
+    """--attn-event=1 on a core whose selection it cannot reuse: a ConfigError naming the core (it used
+    to be written and do nothing); --attn=popcount alone keeps meaning the recommended page setting."""
+    from ortsparse.graph_rewrite import ConfigError
+
+    with pytest.raises(ConfigError, match=r"attention core '.*' \(com\.microsoft\.GroupQueryAttention\): --attn-event=1"):
+        rewrite_model(genai_layer(), _config([*argv, "--attn-event=1"]))
+
+
 @pytest.mark.parametrize("argv, meaning", [
     (["--attn=popcount"], True), (["--attn=popcount", "--attn-topk=64"], False), (["--attn=pages"], False)])
 def test_the_report_says_what_the_flags_mean_on_this_form(argv, meaning):

@@ -326,7 +326,7 @@ REWRITES = [
     ("llama_tiny.dynamo.onnx", {"proc_sparse": "on", "kwta": "on"}),
     ("llama_tiny.dynamo.onnx", {"weights": "int4", "kwta": "on"}),
     ("bert_tiny.dynamo.onnx", {"event_driven": "on"}),
-    ("llama_tiny_sdpa.dynamo.onnx", {"attn": "popcount", "attn_event": 1}),
+    ("llama_tiny_sdpa.dynamo.onnx", {"attn": "pages", "attn_event": 1}),
     ("llama_tiny_genai/model.onnx", {"attn": "popcount"}),
 ]
 
