@@ -11,7 +11,7 @@ before (graph_rewrite/config.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -24,15 +24,17 @@ from .rewrite import rewrite_model
 from .techniques import TECHNIQUES, KwtaSettings, TechniqueChoice
 
 
-def selected_layers(model: onnx.ModelProto | ir.Model, technique: str = "kwta", target: str = "both"
-                    ) -> list[LinearLayer]:
+def selected_layers(model: onnx.ModelProto | ir.Model | None, technique: str = "kwta", target: str = "both",
+                    surveyed: Sequence[LinearLayer] | None = None) -> list[LinearLayer]:
     """The survey's linear layers (graph order) that ``technique`` on ``target`` would rewrite: a rule
-    fits and the decision takes them (what ``list_layers`` reports as rewritten for that config)."""
-    ir_model = ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model
+    fits and the decision takes them (what ``list_layers`` reports as rewritten for that config).
+    ``surveyed``: the survey's layers of ``model`` when the caller has them (it is then not surveyed
+    again; ``model`` may be None)."""
+    if surveyed is None:
+        surveyed = survey(ir.from_proto(model) if isinstance(model, onnx.ModelProto) else model).layers
     choice = TechniqueChoice(TECHNIQUES[technique].settings_type(), enabled=True, target=target)
     config = RewriteConfig(techniques={technique: choice})
-    return [layer for layer in survey(ir_model).layers
-            if layer.rule is not None and decide_layer(layer, config).op_type is not None]
+    return [layer for layer in surveyed if layer.rule is not None and decide_layer(layer, config).op_type is not None]
 
 
 def override_entries(technique: str, per_layer: Iterable[tuple[str, Mapping[str, Any]]],

@@ -197,7 +197,7 @@ def _resolve_shape(name: str, dims: Sequence[Any], overrides: Mapping[str, Any],
     return tuple(shape)
 
 
-def _embedding_sizes(model_source: Any) -> dict[str, int]:
+def embedding_sizes(model_source: Any) -> dict[str, int]:
     """Rows of the embedding table each integer graph input indexes (through Cast/Reshape...)."""
     proto = load_proto(model_source)
     graph = proto.graph
@@ -349,7 +349,7 @@ def verify_models(
     reference = open_session(original)  # the op library registered when the model uses it
     candidate = open_session(rewritten)
     overrides = dict(shapes or {})
-    vocab = _embedding_sizes(original)
+    vocab = embedding_sizes(original)
     buffers = window_buffers(original)
     window_sizes = window_lengths(reference.get_inputs(), buffers)
     output_names = [o.name for o in reference.get_outputs()]

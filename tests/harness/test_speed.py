@@ -232,13 +232,12 @@ def test_request_speed_gives_the_worst_round_ratio():
 
 
 def test_tune_verdict_reads_the_request_when_measured():
-    from ortsparse.tuning.tune import EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, _verdict
+    from ortsparse.tuning.results import SpeedCheck
+    from ortsparse.tuning.tune import EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, verdict
 
-    report = {"output": "OUT", "speed_context": 128, "held_out": {"dppl": 0.01},
-              "speed": {"input": {"tokens_per_s": 100.0}, "tuned": {"tokens_per_s": 130.0, "speedup": 1.2}},
-              "speed_request": {"input": {"speedup": 1.0}, "tuned": {"speedup": 0.93, "request": "3840+256"}}}
-    status, line = _verdict(report)
+    decode = {"input": {"tokens_per_s": 100.0}, "tuned": {"tokens_per_s": 130.0, "speedup": 1.2}}
+    request = {"input": {"speedup": 1.0}, "tuned": {"speedup": 0.93, "request": "3840+256"}}
+    status, line = verdict("OUT", 0.01, SpeedCheck(128, "ONNX Runtime session", decode, request))
     assert status == EXIT_WRITTEN_SLOWER and "0.93x request time (3840+256" in line and "SLOWER" in line
-    del report["speed_request"]
-    status, line = _verdict(report)
+    status, line = verdict("OUT", 0.01, SpeedCheck(128, "ONNX Runtime session", decode))
     assert status == EXIT_WRITTEN and "1.20x decode at context 128, worst round" in line

@@ -12,6 +12,8 @@ the harness: runtime, graph_rewrite, verify, benchmarking, rewrite_flags; pyproj
   ``decode_speed``), ``allocation``; ``request`` (whole requests);
 - measurements: ``perplexity``, ``embeddings``, ``output_error``, ``decode`` (the real decode loop),
   ``head_placement`` (where an ungated quantized LM head runs faster, timed on the machine);
+- ``source``: the model a command names, resolved once (:class:`~.source.ModelSource`: folder, decoder
+  file, graph, tokenizer, vocabulary, context length, KV layout, the rewriter's survey);
 - data: ``corpus`` (token windows, sentence sets), ``op_metrics`` (keep ratios from the counters),
   ``text`` (a text's token ids and the BOS its tokenizer adds), ``genai_overrides``;
 - ``models`` (``ortsparse models``: the registry of the cache's entries, ``model_path``, ``quantized_model``);

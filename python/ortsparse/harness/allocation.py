@@ -55,6 +55,7 @@ from .embeddings import compare_embeddings, mean_pool
 from .head_placement import DENSE_ON_OURS
 from .models import model_path
 from .perplexity import compare_lm, log_softmax_blocks, perplexity, score_logits
+from .source import ModelSource
 
 THRESHOLD_PREFIX = "ortsparse_probe_threshold/"
 SCORES = ("l2", "l2_weighted")
@@ -132,11 +133,15 @@ def _weight(model: onnx.ModelProto, layer: LinearLayer) -> tuple[np.ndarray, int
     return weight.matrix(), sum(stored[source.name].ByteSize() for source in weight.sources)
 
 
-def gated_layers(model: onnx.ModelProto, target: str = "both") -> list[GatedLayer]:
+def gated_layers(model: onnx.ModelProto | ModelSource, target: str = "both") -> list[GatedLayer]:
     """The linear layers KWTA's ``target`` selects (``both`` = attention + MLP, ``all`` = also the
-    head and other linears): the rewriter's own layer records, with their weights."""
+    head and other linears): the rewriter's own layer records, with their weights (a ModelSource's
+    survey, made once, is shared)."""
+    surveyed = None
+    if isinstance(model, ModelSource):
+        model, surveyed = model.weights, model.linear_layers
     layers = []
-    for layer in selected_layers(model, "kwta", target):
+    for layer in selected_layers(model, "kwta", target, surveyed):
         weight, stored_bytes = _weight(model, layer)
         layers.append(GatedLayer(layer.name, layer.role, layer.layer_class, _block_index(layer.name),
                                  layer.node.inputs[0].name, weight, stored_bytes))
@@ -571,7 +576,8 @@ class Allocation:
         }
 
 
-def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> list[str]:
+def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = (),
+                          surveyed: Sequence[LinearLayer] | None = None) -> list[str]:
     """The LM heads stored as MatMulNBits that are not gated: candidates for running dense on our
     quantized kernel. At one token the head is the widest layer (576 x 49152 in SmolLM2, a fifth of a
     decode step's weight bytes); whether our kernel streams it faster than MatMulNBits depends on the
@@ -580,8 +586,9 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = ()) -> 
     (:func:`ortsparse.harness.head_placement.place_heads`). They keep the MatMulNBits node's
     accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
-    faster (bench/bench_quant_op.py, 1536x576)."""
-    return [layer.name for layer in selected_layers(model, "kwta", "all")
+    faster (bench/bench_quant_op.py, 1536x576). ``surveyed``: the survey's layers of ``model``, when
+    the caller has them."""
+    return [layer.name for layer in selected_layers(model, "kwta", "all", surveyed)
             if layer.op_type.endswith("MatMulNBits") and layer.layer_class == "head" and layer.name not in set(gated)]
 
 
@@ -596,17 +603,20 @@ class Prepared:
     units: list[Unit]
     session: ProbeSession
     seconds: dict[str, float]
+    surveyed: Sequence[LinearLayer] | None = None  # the rewriter's survey of ``model``, when it was made
 
     def allocation(self, choice: Mapping[str, int], budget: float, calibration_loss: float,
                    history: list[dict[str, Any]]) -> Allocation:
         """The :class:`Allocation` of ``choice`` (unit input name -> grid index)."""
         return Allocation(self.score, list(self.layers), self.units, dict(choice), budget, calibration_loss, history,
-                          self.seconds, dense_quantized_heads(self.model, [layer.name for layer in self.layers]))
+                          self.seconds, dense_quantized_heads(self.model, [layer.name for layer in self.layers],
+                                                              self.surveyed))
 
 
 def prepare(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
             probe_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]], *,
-            level: float, max_rows: int, log: Callable[[str], None]) -> Prepared:
+            level: float, max_rows: int, log: Callable[[str], None],
+            surveyed: Sequence[LinearLayer] | None = None) -> Prepared:
     """Capture and curves (step 1) on ``capture_batches``, then one probe per unit (step 2)."""
     if not layers:
         raise ValueError("no linear layer to gate (the target selects none)")
@@ -625,7 +635,7 @@ def prepare(model: onnx.ModelProto, layers: list[GatedLayer], score: str, captur
     probe_units(units, layers, probe_loss, level=level,
                 progress=lambda i: log(f"allocation: probed {i + 1}/{len(units)}") if (i + 1) % 20 == 0 else None)
     seconds["probes"] = time.perf_counter() - clock
-    return Prepared(model, score, list(layers), units, session, seconds)
+    return Prepared(model, score, list(layers), units, session, seconds, surveyed)
 
 
 def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
@@ -646,11 +656,16 @@ def prepare_lm(model: Any, calibration_windows: np.ndarray, probe_window: np.nda
                score: str = "l2", level: float = 0.02, max_rows: int = 2048,
                log: Callable[[str], None] = print) -> Prepared:
     """Steps 1-2 for an LM: curves captured on ``calibration_windows`` (``[n, L]`` token ids), each
-    unit probed (KL vs dense) on ``probe_window`` (``[1, L]``)."""
-    model = load_proto(model, load_weights=True)
-    return prepare(model, gated_layers(model, target), score, list(np.asarray(calibration_windows)),
+    unit probed (KL vs dense) on ``probe_window`` (``[1, L]``). ``model``: a path, a proto, or a
+    ModelSource (its weighted graph and survey are used, not read again)."""
+    if isinstance(model, ModelSource):
+        layers, surveyed, model = gated_layers(model, target), model.linear_layers, model.weights
+    else:
+        model = load_proto(model, load_weights=True)
+        layers, surveyed = gated_layers(model, target), None
+    return prepare(model, layers, score, list(np.asarray(calibration_windows)),
                    lambda session: LmLoss(session, probe_window, keep_logprobs=True).kl,
-                   level=level, max_rows=max_rows, log=log)
+                   level=level, max_rows=max_rows, log=log, surveyed=surveyed)
 
 
 def price_for(units: Sequence[Unit], predicted: float, cap: float = 1.0, floor: float = 0.0) -> float:

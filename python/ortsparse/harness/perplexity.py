@@ -8,7 +8,8 @@ adds one (``bos``); each window is one sequence (batch 1, mask all ones, positio
 are the predictions of each window's text tokens but the first (context only); with a BOS, the BOS
 position's prediction is not scored (:func:`ortsparse.harness.corpus.first_scored`). ppl = exp(mean
 NLL over every scored token of every window). Top-1 agreement = fraction of scored positions where
-both models' argmax next token is the same. Models are paths, ``onnx.ModelProto`` or serialized bytes.
+both models' argmax next token is the same. Models are paths, ``onnx.ModelProto``, serialized bytes or
+a :class:`~ortsparse.harness.source.ModelSource` (opened once: its graph is not read again).
 
 Memory: the loss is computed a block of rows at a time (:func:`score_logits`), so the float64 work
 stays at ``CHUNK_BYTES`` whatever the vocabulary; only the model's own float32 logits output
@@ -26,9 +27,9 @@ from tqdm.auto import tqdm
 
 from .._library import reset_metrics
 from ..runtime import kv_layout, lm_feeds, open_session, uses_ortsparse
-from ..verify import _embedding_sizes
 from .corpus import first_scored, lm_windows, text_per_window
 from .op_metrics import snapshot
+from .source import ModelSource, token_vocabulary
 from .text import BosChoice, as_bos
 
 # Float64 work per block of logits rows (a 262,144-token vocabulary: 16 rows a block).
@@ -79,9 +80,7 @@ def score_logits(logits: np.ndarray, targets: np.ndarray,
 
 
 def _check_vocabulary(model: Any, batch: np.ndarray) -> None:
-    rows = _embedding_sizes(model)
-    token_inputs = [n for n in rows if "ids" in n.lower() and not any(w in n.lower() for w in ("position", "type"))]
-    vocab = min(rows[n] for n in token_inputs) if token_inputs else None
+    vocab = model.token_vocabulary if isinstance(model, ModelSource) else token_vocabulary(model)
     if vocab is not None and int(batch.max()) >= vocab:
         raise ValueError(f"token id {int(batch.max())} is outside the model's vocabulary of {vocab}")
 
@@ -98,10 +97,11 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
     bos = as_bos(bos)
     batch = lm_windows(token_ids, windows, window_len, offset, bos=bos.id)
     first = first_scored(bos.id)
-    session = session or open_session(model_path_or_proto, session_options)
+    source = model_path_or_proto if isinstance(model_path_or_proto, ModelSource) else None
+    session = session or open_session(source.decoder if source else model_path_or_proto, session_options)
     output = _logits_name(session)
     inputs = session.get_inputs()
-    kv = kv_layout(session, model_path_or_proto)
+    kv = source.kv_layout(session) if source else kv_layout(session, model_path_or_proto)
     _check_vocabulary(model_path_or_proto, batch)
     window_nll = np.empty(windows, dtype=np.float64)
     predictions = np.empty((windows, window_len - 1 - first), dtype=np.int32)

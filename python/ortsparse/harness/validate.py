@@ -55,7 +55,7 @@ from ..graph_rewrite.genai import generated_input_sizes
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_folder, open_session
-from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, _embedding_sizes, compare, make_inputs,
+from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, embedding_sizes, compare, make_inputs,
                       parse_shape_overrides)
 from .models import real_model_path
 
@@ -393,7 +393,7 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
     if missing:
         result.fail("run", f"the rewritten model lacks output(s) {', '.join(missing)}")
         return
-    vocab = _embedding_sizes(source)
+    vocab = embedding_sizes(source)
     rng = np.random.default_rng(seed)
     worst: dict[str, OutputError] = {}
     first_feeds = None

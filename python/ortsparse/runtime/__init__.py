@@ -29,7 +29,7 @@ One place for what every measurement, benchmark and offline builder needs:
 from __future__ import annotations
 
 from .model_files import (ModelFileUnreadable, check_external_bytes, check_model_file, external_data_file, load_proto,
-                          is_onnx_file, opset_domains, uses_ortsparse, with_outputs)
+                          is_onnx_file, opset_domains, uses_ortsparse, with_outputs, with_weights)
 from .sessions import thread_options, options_for, open_session
 from .genai_config import GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_folder, genai_decoder, context_length
 from .kv_cache import past_inputs, KVLayout, GENAI_CPU_WINDOW_SLACK, window_capacities, kv_layout, KVDecoder
@@ -41,5 +41,5 @@ __all__ = [
     "external_data_file", "empty_past", "genai_decoder", "genai_folder", "is_onnx_file",
     "kv_layout", "kv_step_feeds", "lm_feeds", "load_proto", "named_feeds", "open_session", "opset_domains",
     "options_for", "past_inputs", "thread_options", "uses_ortsparse", "vocab_size", "window_capacities",
-    "with_outputs",
+    "with_outputs", "with_weights",
 ]

@@ -164,6 +164,16 @@ def load_proto(model: Any, load_weights: bool = False) -> onnx.ModelProto:
     return proto
 
 
+def with_weights(proto: onnx.ModelProto, path: str | os.PathLike) -> onnx.ModelProto:
+    """A copy of ``proto`` — :func:`load_proto` of ``path`` without its weights — with its external
+    weights read in (what ``load_proto(path, load_weights=True)`` returns, without parsing the file
+    again)."""
+    loaded = onnx.ModelProto()
+    loaded.CopyFrom(proto)
+    _read_external_data(loaded, os.fspath(path), load_weights=True)
+    return loaded
+
+
 def check_model_file(path: str | os.PathLike) -> None:
     """A model file a command was given, checked before any session opens it: it parses as an ONNX
     model and its external data is present, in bounds and inside its folder (the weights are not

@@ -11,9 +11,8 @@ import argparse
 from pathlib import Path
 
 from .. import flag_types
-from ..graph_rewrite.genai import model_input
-from ..harness.text import find_tokenizer, resolve_bos, text_tokens
-from ..runtime import vocab_size
+from ..harness.source import open_model
+from ..harness.text import check_vocabulary, resolve_bos, tokenize_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,22 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .tune import tune, tune_outputs
 
-    if not (0 < args.max_dppl < 10):
-        parser.error(f"--max-dppl {args.max_dppl}: give a fraction such as 0.02")
-    if args.margin is not None and not (0 < args.margin <= 1):
-        parser.error(f"--margin {args.margin} must be in (0, 1]")
-    if args.windows is not None and not 1 <= args.windows <= 256:
-        parser.error(f"--windows {args.windows} must be in 1..256")
     if not Path(args.model).exists():
         parser.error(f"model {args.model} does not exist")
-    decoder = model_input(args.model)
-    tokenizer = find_tokenizer(args.model, args.tokenizer)
-    protected = {Path(args.text): "the text", tokenizer: "the tokenizer"}
+    source = open_model(args.model, args.tokenizer)
+    protected = {Path(args.text): "the text", source.tokenizer: "the tokenizer"}
     tune_outputs(args.model, args.output, args.report, protected, args.reference)  # before reading the text
-    tokens = text_tokens(args.text, args.model, args.tokenizer, vocab_size(decoder, default=None))
-    bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(decoder, default=None))
-    report = tune(args.model, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
+    tokens = tokenize_file(args.text, source.tokenizer)
+    check_vocabulary(tokens, source.vocabulary, tokenizer=source.tokenizer)
+    bos = resolve_bos(args.bos, args.model, args.tokenizer, source.vocabulary)
+    result = tune(source, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, reference=args.reference, method=args.method,
                   windows=args.windows, command=getattr(args, "command_line", None), bos=bos, protected=protected,
                   speed_aware=args.speed_aware)
-    return report["exit_status"]
+    return result.exit_status

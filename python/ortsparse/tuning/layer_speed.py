@@ -53,6 +53,7 @@ from onnx import helper, numpy_helper
 from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
 from ..graph_rewrite.layer_settings import override_entries, rewritten_with
 from ..harness.allocation import Unit, gated_layers, units_of
+from ..harness.source import ModelSource
 from ..runtime import open_session, thread_options
 
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
@@ -311,11 +312,12 @@ class Measured:
         return self.savings is not None and not any(np.any(s > 0.0) for s in self.savings.values())
 
 
-def measure_model(model: onnx.ModelProto, target: str = "both", *, threads: int = 1, seconds: float | None = None,
-                  log: Callable[[str], None] = print) -> Measured:
+def measure_model(model: onnx.ModelProto | ModelSource, target: str = "both", *, threads: int = 1,
+                  seconds: float | None = None, log: Callable[[str], None] = print) -> Measured:
     """The gated units of ``model`` (KWTA's ``target``) measured, class by class."""
     units = units_of(gated_layers(model, target))
-    records = measure_units(model, units, threads=threads, seconds=seconds, log=log)
+    records = measure_units(model.weights if isinstance(model, ModelSource) else model, units, threads=threads,
+                            seconds=seconds, log=log)
     if not records or any(not record.measured for record in records):
         return Measured(records, None)
     return Measured(records, {unit.input_name: unit.saving for unit in units})

@@ -1,21 +1,30 @@
 """``tune``: from "my model + my text" to a tuned model that was measured as written.
 
-1. **Windows** (:mod:`.windows`): the text cut into calibration and check windows; too short a text
+A pipeline of stages, each a function of the previous stages' results (:mod:`.results`), so each
+can be run (and tested) on its own:
+
+1. :func:`resolve_inputs` — the model opened once (:class:`ortsparse.harness.source.ModelSource`),
+   the outputs declared and checked, the context and the text's length checked: too short a text
    is refused before anything is measured.
-2. **Calibrate** (:mod:`ortsparse.harness.allocation`): each gated layer's cost curve and probe on
-   the calibration windows; what gating each layer saves in time on this machine
-   (:mod:`.layer_speed`: a layer stays dense where gating does not pay); then a **path** of
-   allocations of increasing skipped bytes, each measured window by window (:mod:`.search`).
-3. **Choose** (:mod:`.selection`): the point skipping the most bytes whose monotone-fitted loss plus
-   a margin from the measured window-to-window spread is within the budget.
-4. **Write once, into staging**: the model (a genai folder or an .onnx file) is rewritten once,
-   into a staging place beside OUT.
-5. **Check what is written**: the staged decoder (its gated calls lifted to every row, as decode
-   runs them) against the reference on the check windows — never used to calibrate or choose;
-   the held-out loss curve around the choice on the probe graph; the long-context check.
-   Over the budget: nothing is moved into place.
-6. **Speed**: the staged model against MODEL in the real decode loop.
-7. **Commit**: model and reports moved into place in one step.
+2. :func:`plan_text` — one forward pass timed, the text cut into calibration and check windows
+   (:mod:`.windows`), and the loss passes' duration estimated from that speed.
+3. :func:`profile_speed` — what gating each layer saves in time on this machine (:mod:`.layer_speed`:
+   a layer stays dense where gating does not pay); nothing pays: stop before calibrating.
+4. :func:`calibrate_path` — each gated unit's cost curve and probe (:mod:`ortsparse.harness.allocation`),
+   then a **path** of allocations of increasing skipped bytes, each measured window by window
+   (:mod:`.search`), with progress and the remaining time.
+5. :func:`choose` — the point skipping the most bytes whose monotone-fitted loss plus a margin from
+   the measured window-to-window spread is within the budget (:mod:`.selection`), its per-layer
+   decision, and where an ungated quantized head runs.
+6. :func:`check_on_probe` — the held-out loss curve around the choice (probe graph, check windows).
+7. :func:`stage_model` — the model (a genai folder or an .onnx file) rewritten once from the
+   choice's per-node plan, into a staging place beside OUT.
+8. :func:`check_written` — the staged decoder (its gated calls lifted to every row, as decode runs
+   them) against the reference on the check windows — never used to calibrate or choose — and
+   the long-context check. Over the budget: nothing is moved into place.
+9. :func:`check_speed` — the staged model against MODEL in the real decode loop.
+10. :func:`commit` — reports rendered from the result beside the model, everything moved into place
+    in one step.
 """
 from __future__ import annotations
 
@@ -23,7 +32,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -39,7 +47,8 @@ from ..graph_rewrite.as_decoded import as_decoded
 from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
-from ..graph_rewrite.genai import model_input, rewrite_genai_folder, source_entries, written_by_ortsparse
+from ..graph_rewrite.genai import rewrite_genai_folder, source_entries, written_by_ortsparse
+from ..graph_rewrite.layer_settings import override_entries
 from ..graph_rewrite.output_paths import Inputs, OutputFiles, resolve_report_stem
 from ..graph_rewrite.rules import DOMAIN
 from ..graph_rewrite.techniques.popcount import AttentionSettings
@@ -48,12 +57,14 @@ from ..harness.corpus import first_scored, text_per_window
 from ..harness.op_metrics import snapshot
 from ..harness.perplexity import compare_lm, perplexity
 from ..harness.request import request_speed
+from ..harness.source import ModelSource, open_model
 from ..harness.speed import decode_speed
 from ..harness.text import BosChoice, as_bos
-from ..runtime import context_length, genai_folder, load_proto, open_session, uses_ortsparse
-from . import report as reports
-from . import layer_speed, search, selection
-from .windows import check_length, plan_windows, window_length
+from ..runtime import genai_folder, open_session, uses_ortsparse
+from . import layer_speed, report as reports, search, selection
+from .results import (EXIT_NOT_WRITTEN, EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, CalibrationPath, Choice, HeldOut,
+                      ProbeCheck, SpeedCheck, StagedModel, TuneInputs, TuneResult, Windows)
+from .windows import PATH_POINTS, Progress, check_length, loss_pass_seconds, plan_windows, window_length
 
 LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
 # The written model gates calls of up to this many rows (decode, small batches); longer calls (a
@@ -62,11 +73,9 @@ LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; d
 DEPLOY_MAX_GATED_ROWS = 8
 REQUEST_ANSWER = 256  # the answer of the request --context measures: prompt + 256 generated tokens
 HELD_OUT_NEIGHBOURS = (-1, 1, 2)  # path points around the choice measured on the check windows
-
-EXIT_WRITTEN = 0
-EXIT_NOT_WRITTEN = 1  # the check missed the budget, or nothing could be gated within it
-EXIT_WRITTEN_SLOWER = 3  # written, but it decoded slower than MODEL here (the last line says so)
 REPORT_FILES = ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))
+
+__all__ = ["EXIT_NOT_WRITTEN", "EXIT_WRITTEN", "EXIT_WRITTEN_SLOWER", "tune", "tune_outputs", "every_row_gated"]
 
 
 def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path | None = None,
@@ -79,8 +88,7 @@ def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path 
     Nothing is written."""
     source = Path(model)
     folder = genai_folder(source) if source.is_dir() else None
-    reads = Inputs(dict(protected or {})).add_model(folder or source,
-                                                    "the source folder" if folder else "the input model")
+    reads = Inputs(dict(protected or {})).add_model(source, "the source folder" if folder else "the input model")
     reads.add_model(reference, "the reference model")
     outputs = OutputFiles(reads)
     destination = (outputs.add(output, "output") if folder is None  # as given: "out/" names a folder
@@ -94,19 +102,12 @@ def tune_outputs(model: str | Path, output: str | Path, report_stem: str | Path 
     return outputs, {"model": destination, **targets}
 
 
-def _with_bos(chunks: np.ndarray, bos: int | None) -> np.ndarray:
+def with_bos(chunks: np.ndarray, bos: int | None) -> np.ndarray:
     """Model windows from text chunks: ``[bos] + chunk`` each (the chunks as they are without a BOS)."""
     chunks = np.asarray(chunks, dtype=np.int64)
     if bos is None:
         return chunks
     return np.concatenate([np.full((chunks.shape[0], 1), bos, dtype=np.int64), chunks], axis=1)
-
-
-def _gating_config(entries: list[dict[str, Any]], attention=None, max_gated_rows: int = 0) -> RewriteConfig:
-    # The entries update the base settings, so max_gated_rows reaches every gated layer.
-    base = KwtaSettings(max_gated_rows=max_gated_rows)
-    return RewriteConfig(techniques={"kwta": TechniqueChoice(base, enabled=False, target="all")},
-                         overrides=parse_overrides({"layers": entries}), attention=attention)
 
 
 def every_row_gated(path: Path) -> onnx.ModelProto:
@@ -116,7 +117,50 @@ def every_row_gated(path: Path) -> onnx.ModelProto:
     return as_decoded(onnx.load(str(path)))
 
 
-def _seconds_per_window(session: Any, model: Any, tokens: np.ndarray, window_len: int, bos: BosChoice) -> float:
+class StageClock:
+    """The seconds each stage took (``with clock("name"):``), into ``into`` (the result's
+    ``stage_seconds``: printed at the end and reported)."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.seconds = into
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- the stages
+
+
+def resolve_inputs(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path, *,
+                   max_dppl: float = 0.02, margin: float | None = None, context: int | None = None,
+                   threads: int = 1, speed_steps: int = 32, reference: str | Path | ModelSource | None = None,
+                   method: str = "allocated", windows: int | None = None, command: str | None = None,
+                   bos: BosChoice | int | None = None, speed_aware: bool = True) -> TuneInputs:
+    """Stage 1: the models opened, the context checked against their positions, the window length
+    from the shorter of them, and the text's length checked (ModelFileError: a one-line refusal)."""
+    source = model if isinstance(model, ModelSource) else open_model(model)
+    ref = reference if isinstance(reference, ModelSource) or reference is None else open_model(reference)
+    bos = as_bos(bos)
+    # The longest sequence each model takes (its genai config: a folder, or the decoder file in one):
+    # every window runs on MODEL and on the reference, the speed check on MODEL.
+    limits = {"the model": source.context_length, "the reference model": ref.context_length if ref else None}
+    for what, limit in limits.items():
+        if context is not None and limit is not None and context > limit:
+            raise ModelFileError(f"--context {context} is longer than {what}'s {limit} positions")
+    long_context = context if context is not None and context >= LONG_CONTEXT else None
+    window_len = window_length(min(filter(None, limits.values()), default=None))
+    tokens = np.asarray(tokens)
+    check_length(int(tokens.size), text_per_window(window_len, bos.id), long_context)  # a BOS takes a position
+    return TuneInputs(source, ref, tokens, Path(output), max_dppl, margin, context, long_context, window_len, bos,
+                      threads, speed_steps, method, windows, speed_aware, command)
+
+
+def seconds_per_window(session: Any, model: ModelSource, tokens: np.ndarray, window_len: int, bos: BosChoice) -> float:
     """One forward pass over a window, timed after a warm-up pass (the first run of a session
     allocates and is slower)."""
     perplexity(model, tokens[:window_len], 1, window_len, session=session, bos=bos)
@@ -125,258 +169,134 @@ def _seconds_per_window(session: Any, model: Any, tokens: np.ndarray, window_len
     return time.perf_counter() - clock
 
 
-@contextlib.contextmanager
-def _staged_model(folder: Path | None, decoder: Path, out: Path, config: RewriteConfig, outputs: OutputFiles,
-                  destination: Path) -> Iterator[tuple[Path, Path, Callable[[], None]]]:
-    """The tuned model written once into ``outputs``' staging (committed with the reports): (staged
-    model to run — folder or file —, its decoder file, the commit of the model part: nothing apart)."""
-    if folder is not None:
-        written = rewrite_genai_folder(folder, out, config, outputs=outputs)
-        staged = outputs.staged(destination)
-        yield staged, staged / written.model_file.relative_to(out), lambda: None
-    else:
-        rewrite_file(decoder, out, config, progress=False, outputs=outputs)
-        staged = outputs.staged(destination)
-        yield staged, staged, lambda: None
+def plan_text(inputs: TuneInputs, baseline_session: Any, log: Callable[[str], None] = print) -> Windows:
+    """Stage 2: one forward pass of the baseline timed, the text cut into windows (fewer when the
+    loss passes would not fit :data:`.windows.TIME_BUDGET_S` at that speed), and how long the loss
+    passes will take, said before they start."""
+    text_len = text_per_window(inputs.window_len, inputs.bos.id)
+    speed = seconds_per_window(baseline_session, inputs.baseline, inputs.tokens, inputs.window_len, inputs.bos)
+    plan = plan_windows(inputs.tokens, text_len, seconds_per_window=speed, windows=inputs.windows,
+                        long_context=inputs.long_context)
+    windows = Windows(plan, inputs.window_len, speed, inputs.bos)
+    log(f"tune: {inputs.tokens.size} tokens -> {windows.calibration} calibration and {windows.check} check windows "
+        f"of {inputs.window_len} ({plan.note}); {inputs.bos.describe()}")
+    log(f"tune: about {_minutes(loss_pass_seconds(speed, windows.calibration, windows.check))} of loss passes at "
+        f"{speed:.2f} s per window here; the layer speed, the probes and the speed check come on top")
+    return windows
 
 
-def _commit(commit_model: Callable[[], None], outputs: OutputFiles) -> None:
-    """Model, then reports, with SIGINT/SIGTERM/SIGHUP held back so the step is not split."""
-    stops = {signal.SIGINT, *(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stops) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        commit_model()
-        outputs.commit()
-    finally:
-        if previous is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+def profile_speed(inputs: TuneInputs, log: Callable[[str], None] = print) -> layer_speed.Measured | None:
+    """Stage 3: what gating each speed class saves here (None with ``speed_aware`` off: bytes valued alike)."""
+    if not inputs.speed_aware:
+        return None
+    return layer_speed.measure_model(inputs.source, threads=inputs.threads, log=log)
 
 
-def _held_out(written: onnx.ModelProto, check: np.ndarray, window_len: int, bos: BosChoice,
-              reference_nll: Mapping[str, Any]) -> dict[str, Any]:
-    """The written model on the check windows (text chunks, a BOS first when ``bos``) against the
-    reference's run there."""
-    flat, windows = check.reshape(-1), check.shape[0]
-    reset_metrics()
-    session = open_session(written)  # open until the metrics are read
-    run = perplexity(written, flat, windows, window_len, session=session, bos=bos)
-    metrics = snapshot(written) if uses_ortsparse(written) else {}
-    losses = run["window_nll"] - reference_nll["window_nll"]
-    mean, low, high = selection.interval(losses)
-    return {"dppl": float(math.expm1(mean)), "dppl_low": float(math.expm1(low)), "dppl_high": float(math.expm1(high)),
-            "top1_agreement": float(np.mean(run["predictions"] == reference_nll["predictions"])),
-            "windows": int(windows), "window_len": int(window_len), "window_losses": losses.tolist(),
-            "ppl_reference": float(math.exp(reference_nll["nll"])), "ppl_tuned": float(run["ppl"]),
-            "measured_on": "the written decoder, every row gated", "metrics": metrics}
-
-
-def tune(model: str | Path, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02,
-         margin: float | None = None, context: int | None = None, threads: int = 1, speed_steps: int = 32,
-         report_stem: str | Path | None = None, protected: Mapping[str | os.PathLike, str] | None = None,
-         reference: str | Path | None = None, method: str = "allocated", log: Callable[[str], None] = print,
-         windows: int | None = None, command: str | None = None, bos: BosChoice | int | None = None,
-         speed_aware: bool = True) -> dict[str, Any]:
-    """Tune ``model`` (an ONNX decoder or a genai folder) on ``tokens`` within ``max_dppl`` on check
-    windows; write ``output`` and the report ``<report_stem>.{json,md,png}`` together, or nothing.
-    Returns the report: ``written``, ``exit_status`` (:data:`EXIT_WRITTEN`, :data:`EXIT_NOT_WRITTEN`,
-    :data:`EXIT_WRITTEN_SLOWER`), ``last_line``. ``reference``: measure dppl against this model
-    (the fp32 model of a quantized ``model``: the budget is then the total loss). ``margin``: the
-    calibration bound must also stay within margin x budget (default: the bound's own margin
-    only). ``windows``: calibration windows and at most as many check windows (default: what the
-    text gives within the time budget). ``command``: the command line the report quotes. ``bos``: the
-    token every window starts with (the command asks the model's tokenizer: harness.text.resolve_bos).
-    ``speed_aware``: value each layer's sparsity by the time it measurably saves here, at ``threads``
-    (:mod:`.layer_speed`); False: by the bytes it skips, every layer gated from 10% sparsity."""
-    started = time.perf_counter()
-    source = Path(model)
-    folder = genai_folder(source) if source.is_dir() else None
-    decoder = model_input(source)
-    out = Path(output)
-    outputs, targets = tune_outputs(source, out, report_stem, protected, reference)  # before the long part
-    bos = as_bos(bos)
-    # The longest sequence each model takes (its genai config: a folder, or the decoder file in one):
-    # every window runs on MODEL and on the reference, the speed check on MODEL.
-    positions = context_length(source)
-    limits = {"the model": positions, "the reference model": context_length(reference) if reference else None}
-    for what, limit in limits.items():
-        if context is not None and limit is not None and context > limit:
-            raise ModelFileError(f"--context {context} is longer than {what}'s {limit} positions")
-    long_context = context if context is not None and context >= LONG_CONTEXT else None
-    window_len = window_length(min(filter(None, limits.values()), default=None))
-    text_len = text_per_window(window_len, bos.id)  # a BOS takes a window's first position
-    check_length(int(tokens.size), text_len, long_context)  # before anything is measured
-
-    baseline: Any = str(decoder) if reference is None else str(model_input(reference))
-    reference_session = open_session(baseline)
-    seconds_per_window = (_seconds_per_window(reference_session, baseline, tokens, window_len, bos)
-                          if windows is None else None)
-    plan = plan_windows(tokens, text_len, seconds_per_window=seconds_per_window, windows=windows,
-                        long_context=long_context)
-    n, m = len(plan.calibration), len(plan.check)
-    construction = (f"{n} calibration + {m} check windows x {window_len} positions ({bos.describe()}); the first "
-                    f"text token of a window is context only" + ("" if bos.id is None else ", nor is the BOS scored"))
-    log(f"tune: {tokens.size} tokens -> {n} calibration and {m} check windows of {window_len} ({plan.note}); "
-        f"{bos.describe()}")
-    first = first_scored(bos.id)
-
-    # 2. Calibrate: curves and probes, then the path, window by window.
-    graph = load_proto(decoder, load_weights=True)  # external data under ONNX Runtime's rule
-    measured = layer_speed.measure_model(graph, threads=threads, log=log) if speed_aware else None
-    if measured is not None and measured.nothing_pays:  # before minutes of calibration are spent
-        note = layer_speed.nothing_pays_note(measured.records, threads)
-        line = f"tune: {note}: nothing written"
-        log(line)
-        return {"command": command, "model": str(source), "output": str(out), "written": False, "advice": note,
-                "layer_speed": [speed.to_dict() for speed in measured.records], "exit_status": EXIT_NOT_WRITTEN,
-                "last_line": line, "seconds": round(time.perf_counter() - started, 1)}
-    prepared = allocation.prepare_lm(graph, _with_bos(plan.calibration, bos.id), _with_bos(plan.probe, bos.id), log=log)
+def calibrate_path(inputs: TuneInputs, windows: Windows, speed: layer_speed.Measured | None,
+                   baseline_session: Any, log: Callable[[str], None] = print) -> CalibrationPath:
+    """Stage 4: curves and probes on the calibration windows, then the path, window by window."""
+    plan, bos, first = windows.plan, inputs.bos, first_scored(inputs.bos.id)
+    prepared = allocation.prepare_lm(inputs.source, with_bos(plan.calibration, bos.id), with_bos(plan.probe, bos.id),
+                                     log=log)
     for unit in prepared.units:
-        unit.saving = measured.savings.get(unit.input_name) if measured and measured.savings else None
+        unit.saving = speed.savings.get(unit.input_name) if speed and speed.savings else None
     # Against the input itself its dense run on the probe graph is the baseline; against a reference
     # (the fp32 model of a quantized one) the reference's NLL per window.
-    baseline_nll = None if reference is None else perplexity(
-        baseline, plan.calibration.reshape(-1), n, window_len, session=reference_session, bos=bos)["window_nll"]
-    calibration_loss = allocation.LmLoss(prepared.session, _with_bos(plan.calibration, bos.id), keep_logprobs=False,
-                                         baseline_nll=baseline_nll, first=first)
-    dense_losses = calibration_loss.dense_window_nll - calibration_loss.baseline_window_nll
-    limit = max_dppl if margin is None else max_dppl * margin
-    limit_text = f"the budget {max_dppl:.2%}" if margin is None else (
-        f"--margin {margin:g} x the budget {max_dppl:.2%} = {100 * limit:.3g}%")
-    points = search.walk(prepared, calibration_loss.window_loss, limit, dense_losses, method=method,
-                         check_windows=m, log=log)
+    baseline_nll = None if inputs.reference is None else perplexity(
+        inputs.reference, plan.calibration.reshape(-1), windows.calibration, inputs.window_len,
+        session=baseline_session, bos=bos)["window_nll"]
+    loss = allocation.LmLoss(prepared.session, with_bos(plan.calibration, bos.id), keep_logprobs=False,
+                             baseline_nll=baseline_nll, first=first)
+    dense_losses = loss.dense_window_nll - loss.baseline_window_nll
+    progress = Progress("path", windows.calibration * PATH_POINTS)
 
-    # 3. Choose.
+    def window_loss(thresholds: Mapping[int, float]) -> np.ndarray:
+        losses = loss.window_loss(thresholds)
+        log(f"tune: {progress.advance(windows.calibration)}")
+        return losses
+
+    points = search.walk(prepared, window_loss, inputs.limit, dense_losses, method=inputs.method,
+                         check_windows=windows.check, log=log)
+    return CalibrationPath(prepared, loss, points)
+
+
+def choose(inputs: TuneInputs, path: CalibrationPath, windows: Windows, log: Callable[[str], None] = print) -> Choice:
+    """Stage 5: the selection along the path; when a point gating anything fits, its allocation
+    (the per-layer decision) with an ungated quantized LM head run dense on our kernel only where
+    that measured faster here."""
+    points = path.points
     losses = np.stack([p.losses for p in points])
-    chosen = selection.choose(losses, limit, check_windows=m)
-    band = selection.bootstrap_band(losses)
-    curve = [{"skipped_fraction": p.skipped, "point": p.label, "dppl": float(math.expm1(mean)),
-              "trend": float(math.expm1(trend)), "band": [float(math.expm1(lo)), float(math.expm1(hi))],
-              "bound": float(math.expm1(bound)), "window_sd": float(sd)}
-             for p, mean, trend, lo, hi, bound, sd in zip(points, chosen.mean, chosen.trend, band[0], band[1],
-                                                          chosen.bound, chosen.spread)]
-    report: dict[str, Any] = {
-        "command": command, "model": str(source), "reference": None if reference is None else str(reference),
-        "output": str(out), "max_dppl": max_dppl, "margin": margin, "context": context, "method": method,
-        "tokens": int(tokens.size), "window_len": window_len, "calibration_windows": n, "check_windows": m,
-        "bos": bos.to_dict(), "window_construction": construction,
-        "windows_available": list(plan.available), "windows_note": plan.note,
-        "seconds_per_window": seconds_per_window,
-        "layer_speed": ([speed.to_dict() for speed in measured.records] if measured is not None
-                        else "not measured (--no-speed-aware): skipped bytes valued alike, gating from 10% sparsity"),
-        "selection": {"z": chosen.z, "margin_factor": chosen.margin_factor, "index": chosen.index, "limit": limit,
-                      "rule": "most skipped bytes whose monotone-fitted calibration loss + z x window sd x "
-                              f"sqrt(1/calibration + 1/check windows) is within {limit_text}"},
-        "calibration_curve": curve, "machine": machine_info(), "versions": versions(),
-    }
+    chosen = Choice(selection.choose(losses, inputs.limit, check_windows=windows.check),
+                    selection.bootstrap_band(losses), points, inputs.method)
+    if not chosen.gates_anything:
+        return chosen
+    point = chosen.point
+    result = path.prepared.allocation(point.choice, inputs.limit, float(math.expm1(point.losses.mean())),
+                                      search.history(points))
+    result.dense_on_ours, placement = head_placement.place_heads(inputs.source.weights, result.dense_on_ours,
+                                                                 threads=inputs.threads, log=log)
+    chosen.layer_settings, chosen.sparsity = result.layer_settings(), result.sparsity()
+    chosen.allocation = {**result.report(), "head_placement": placement}
+    log(f"tune: chose {point.skipped:.1%} of gated bytes skipped (calibration dppl {chosen.calibration_dppl:+.2%}, "
+        f"bound {chosen.bound:+.2%} for {windows.check} check windows)")
+    return chosen
 
-    def finish(status: int, last_line: str) -> dict[str, Any]:
-        report.update(exit_status=status, last_line=last_line, seconds=round(time.perf_counter() - started, 1))
-        log(last_line)
-        return report
 
-    if chosen.index is None or points[chosen.index].skipped <= 0.0:
-        report["written"] = False
-        lowest = curve[1]["bound"] if len(curve) > 1 else curve[0]["bound"]
-        report["advice"] = (f"no gating fits {limit_text} with confidence on this text (the least "
-                            f"gated point's bound is {lowest:+.2%}"
-                            + (f"; the input alone is at {curve[0]['dppl']:+.2%} vs the reference" if reference else "")
-                            + "): nothing written. A larger --max-dppl" + ("" if margin is None else " or --margin")
-                            + ", or a longer text (the margin shrinks with more windows), would be needed")
-        return finish(EXIT_NOT_WRITTEN, f"tune: {report['advice']}")
-    point = points[chosen.index]
-    result = prepared.allocation(point.choice, limit, float(math.expm1(point.losses.mean())), search.history(points))
-    # An ungated quantized LM head runs dense on our kernel only where that measured faster here.
-    result.dense_on_ours, placement = head_placement.place_heads(graph, result.dense_on_ours, threads=threads, log=log)
-    entries = result.entries()
-    report["gating"] = {"method": method, "skipped_fraction": point.skipped, "sparsity": result.sparsity(),
-                        "calibration_dppl": curve[chosen.index]["dppl"], "bound": curve[chosen.index]["bound"],
-                        "history": search.history(points),
-                        "allocation": {**result.report(), "head_placement": placement}}
-    log(f"tune: chose {point.skipped:.1%} of gated bytes skipped (calibration dppl {curve[chosen.index]['dppl']:+.2%}, "
-        f"bound {curve[chosen.index]['bound']:+.2%} for {m} check windows)")
-
-    # The held-out curve around the choice (probe graph, check windows: not used to choose).
-    ref_check = perplexity(baseline, plan.check.reshape(-1), m, window_len, session=reference_session, bos=bos)
-    del reference_session
-    check_loss = allocation.LmLoss(prepared.session, _with_bos(plan.check, bos.id), keep_logprobs=False,
-                                   baseline_nll=ref_check["window_nll"], first=first)
-    held_curve = []
+def check_on_probe(inputs: TuneInputs, windows: Windows, path: CalibrationPath, choice: Choice,
+                   baseline_session: Any) -> ProbeCheck:
+    """Stage 6: the reference's run on the check windows, and the held-out curve around the choice
+    on the probe graph (check windows: not used to choose)."""
+    plan, bos = windows.plan, inputs.bos
+    reference_run = perplexity(inputs.baseline, plan.check.reshape(-1), windows.check, inputs.window_len,
+                               session=baseline_session, bos=bos)
+    check_loss = allocation.LmLoss(path.prepared.session, with_bos(plan.check, bos.id), keep_logprobs=False,
+                                   baseline_nll=reference_run["window_nll"], first=first_scored(bos.id))
+    curve = []
     for offset in (0, *HELD_OUT_NEIGHBOURS):
-        i = chosen.index + offset
-        if 0 <= i < len(points):
-            values = (check_loss.dense_window_nll - ref_check["window_nll"] if i == 0
-                      else check_loss.window_loss(allocation.thresholds_for(prepared.units, prepared.layers,
-                                                                            points[i].choice)))
+        i = choice.index + offset
+        if 0 <= i < len(choice.points):
+            values = (check_loss.dense_window_nll - reference_run["window_nll"] if i == 0
+                      else check_loss.window_loss(allocation.thresholds_for(path.prepared.units, path.prepared.layers,
+                                                                            choice.points[i].choice)))
             mean, low, high = selection.interval(values)
-            held_curve.append({"skipped_fraction": points[i].skipped, "dppl": float(math.expm1(mean)),
-                               "low": float(math.expm1(low)), "high": float(math.expm1(high)), "chosen": offset == 0})
-    report["held_out_curve"] = sorted(held_curve, key=lambda h: h["skipped_fraction"])
-    del check_loss, calibration_loss, prepared, graph, result  # the probe session and weights: memory for the check
+            curve.append({"skipped_fraction": choice.points[i].skipped, "dppl": float(math.expm1(mean)),
+                          "low": float(math.expm1(low)), "high": float(math.expm1(high)), "chosen": offset == 0})
+    return ProbeCheck(reference_run, sorted(curve, key=lambda h: h["skipped_fraction"]))
 
-    # 4. Attention at a long context, when the text can check it.
-    attention, report["attention_note"] = None, "--context not given: attention left exact"
-    if long_context is not None:
+
+def rewrite_config(choice: Choice, attention: AttentionSettings | None,
+                   max_gated_rows: int = DEPLOY_MAX_GATED_ROWS) -> RewriteConfig:
+    """The rewrite of the choice: KWTA off but on the plan's nodes, whose settings update the base
+    (so ``max_gated_rows`` reaches every gated layer)."""
+    return RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(max_gated_rows=max_gated_rows), enabled=False,
+                                                             target="all")},
+                         overrides=parse_overrides({"layers": override_entries("kwta", choice.layer_settings)}),
+                         attention=attention)
+
+
+def stage_model(inputs: TuneInputs, choice: Choice, outputs: OutputFiles, destination: Path) -> StagedModel:
+    """Stage 7: the model rewritten once from the choice, into ``outputs``' staging (moved into
+    place with the reports by :func:`commit`): the folder or file that runs, and its decoder."""
+    attention, note = None, "--context not given: attention left exact"
+    if inputs.long_context is not None:
         attention = AttentionSettings(select="popcount")  # each attention form's recommended setting
-        report["attention_note"] = f"PopcountAttention, recommended setting, for contexts of {context}"
-    elif context is not None:
-        report["attention_note"] = (f"--context {context} < {LONG_CONTEXT}: attention selection does not pay there; "
-                                    "left exact")
-    config = _gating_config(entries, attention, DEPLOY_MAX_GATED_ROWS)
-    report["max_gated_rows"] = DEPLOY_MAX_GATED_ROWS
-
-    with outputs:
-        with _staged_model(folder, decoder, out, config, outputs, targets["model"]) as (staged, staged_decoder,
-                                                                                        commit_model):
-            # 5. The check, on what is written.
-            written = every_row_gated(staged_decoder)
-            report["rewrite"] = _rewrite_counts(written)
-            held_out = _held_out(written, plan.check, window_len, bos, ref_check)
-            report["held_out"] = held_out
-            worst = held_out["dppl"]
-            if plan.long_piece is not None:
-                long_check = compare_lm(baseline, written, plan.long_piece, windows=1, window_len=context, bos=bos)
-                report["held_out_long"] = {k: v for k, v in long_check.items() if not isinstance(v, np.ndarray)}
-                worst = max(worst, long_check["dppl"])
-            del written
-            if worst > max_dppl:
-                report["written"] = False
-                report["advice"] = (f"held-out dppl {worst:+.2%} is over the budget {max_dppl:.2%} (calibration bound "
-                                    f"{curve[chosen.index]['bound']:+.2%}): nothing written. A longer text (more "
-                                    f"windows: a tighter bound) or a larger --max-dppl would be needed")
-                return finish(EXIT_NOT_WRITTEN, f"tune: {report['advice']}")
-
-            # 6. Speed: the staged model against the input, in the real loop.
-            speed_context = min(context or 128, (positions or 1 << 30) - speed_steps - 8)
-            report["speed_context"] = speed_context
-            report["speed_runner"] = "onnxruntime_genai Generator" if folder is not None else "ONNX Runtime session"
-            # The loop is teacher-forced on the user's own text: all of it (check_length made it longer than
-            # any context the loop runs at), not the check windows alone, which may be shorter.
-            try:
-                report["speed"] = decode_speed({"input": folder if folder is not None else decoder, "tuned": staged},
-                                               tokens, context=speed_context, steps=speed_steps, threads=threads,
-                                               log=log)
-            except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
-                report["speed"] = {"error": f"decode loop not run: {str(error).splitlines()[0]}"}
-            if long_context is not None and "error" not in report["speed"]:
-                # A long context is a whole request: the prompt, then the answer (docs/measure.md).
-                prompt = min(long_context, (positions or 1 << 30) - REQUEST_ANSWER) - REQUEST_ANSWER
-                report["speed_request"] = request_speed(
-                    {"input": folder if folder is not None else decoder, "tuned": staged}, tokens,
-                    prompt=prompt, answer=REQUEST_ANSWER, threads=threads, log=log)
-
-            # 7. Reports beside the model, then everything into place at once.
-            report["written"] = True
-            status, last_line = _verdict(report)
-            report.update(exit_status=status, last_line=last_line, seconds=round(time.perf_counter() - started, 1))
-            report["plot"] = reports.write_plot(report, lambda draw: outputs.write(targets[".png"], draw))
-            outputs.write_text(targets[".json"], json.dumps(report, indent=1, default=float) + "\n")
-            outputs.write_text(targets[".md"], reports.markdown(report))
-            _commit(commit_model, outputs)
-    log(reports.summary(report))  # ends with the last line
-    return report
+        note = f"PopcountAttention, recommended setting, for contexts of {inputs.context}"
+    elif inputs.context is not None:
+        note = f"--context {inputs.context} < {LONG_CONTEXT}: attention selection does not pay there; left exact"
+    config = rewrite_config(choice, attention)
+    source = inputs.source
+    if source.folder is not None:
+        written = rewrite_genai_folder(source.folder, inputs.output, config, outputs=outputs)
+        staged = outputs.staged(destination)
+        decoder = staged / written.model_file.relative_to(inputs.output)
+    else:
+        rewrite_file(source.decoder, inputs.output, config, progress=False, outputs=outputs)
+        staged = decoder = outputs.staged(destination)
+    return StagedModel(staged, decoder, note, DEPLOY_MAX_GATED_ROWS)
 
 
-def _rewrite_counts(model: onnx.ModelProto) -> dict[str, int]:
+def rewrite_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """The ai.ortsparse nodes of ``model``, by op."""
     counts: dict[str, int] = {}
     for node in model.graph.node:
         if node.domain == DOMAIN:
@@ -384,26 +304,174 @@ def _rewrite_counts(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
-def _verdict(report: Mapping[str, Any]) -> tuple[int, str]:
-    """The exit status and the last line: written, and whether it ran slower than the input — the
-    whole request (prompt + answer) when a long --context was measured, else the decode step; the
-    ratio is the minimum over the measurement's rounds."""
-    speed, request = report.get("speed") or {}, report.get("speed_request") or {}
-    if "tuned" in request:
-        ratio = request["tuned"]["speedup"]
-        what = f"request time ({request['tuned']['request']} tokens, prompt + answer)"
-    elif "input" in speed and "tuned" in speed:
-        ratio = speed["tuned"].get("speedup", speed["tuned"]["tokens_per_s"] / speed["input"]["tokens_per_s"])
-        what = f"decode at context {report['speed_context']}"
-    else:
-        ratio = None
-    if ratio is not None:
-        if ratio < 1.0:
-            return EXIT_WRITTEN_SLOWER, (
-                f"tune: WARNING: wrote {report['output']}, but it ran SLOWER than the input here: {ratio:.2f}x "
-                f"{what}, worst round (exit status {EXIT_WRITTEN_SLOWER}; quality {report['held_out']['dppl']:+.2%} "
-                "held-out)")
-        return EXIT_WRITTEN, (f"tune: wrote {report['output']}: {ratio:.2f}x {what}, worst round; held-out dppl "
-                              f"{report['held_out']['dppl']:+.2%}")
-    return EXIT_WRITTEN, (f"tune: wrote {report['output']}: held-out dppl {report['held_out']['dppl']:+.2%}; decode speed "
-                          f"not measured ({speed.get('error', 'no decode loop')})")
+def check_written(inputs: TuneInputs, windows: Windows, staged: StagedModel, probe: ProbeCheck) -> HeldOut:
+    """Stage 8: the written decoder, every row gated, on the check windows (text chunks, a BOS first
+    when ``bos``) against the reference's run there; and at the full context when a long one was
+    asked for."""
+    written = every_row_gated(staged.decoder)
+    check, window_len, reference = windows.plan.check, inputs.window_len, probe.reference_run
+    reset_metrics()
+    session = open_session(written)  # open until the metrics are read
+    run = perplexity(written, check.reshape(-1), check.shape[0], window_len, session=session, bos=inputs.bos)
+    metrics = snapshot(written) if uses_ortsparse(written) else {}
+    losses = run["window_nll"] - reference["window_nll"]
+    mean, low, high = selection.interval(losses)
+    long = None
+    if windows.plan.long_piece is not None:
+        long_check = compare_lm(inputs.baseline, written, windows.plan.long_piece, windows=1, window_len=inputs.context,
+                                bos=inputs.bos)
+        long = {k: v for k, v in long_check.items() if not isinstance(v, np.ndarray)}
+    return HeldOut(float(math.expm1(mean)), float(math.expm1(low)), float(math.expm1(high)),
+                   float(np.mean(run["predictions"] == reference["predictions"])), int(check.shape[0]),
+                   int(window_len), losses.tolist(), float(math.exp(reference["nll"])), float(run["ppl"]),
+                   "the written decoder, every row gated", metrics, rewrite_counts(written), long)
+
+
+def check_speed(inputs: TuneInputs, staged: StagedModel, log: Callable[[str], None] = print,
+                decode: Callable[..., Mapping[str, Any]] | None = None,
+                request: Callable[..., Mapping[str, Any]] | None = None) -> SpeedCheck:
+    """Stage 9: the staged model against the input in the real loop, teacher-forced on the user's
+    own text — all of it (check_length made it longer than any context the loop runs at), not the
+    check windows alone, which may be shorter —; at a long --context the whole request (prompt,
+    then the answer: docs/measure.md). ``decode`` / ``request``: the measurements (default
+    :func:`~ortsparse.harness.speed.decode_speed`, :func:`~ortsparse.harness.request.request_speed`)."""
+    decode, request = decode or decode_speed, request or request_speed
+    source = inputs.source
+    positions = source.context_length or 1 << 30
+    context = min(inputs.context or 128, positions - inputs.speed_steps - 8)
+    runner = "onnxruntime_genai Generator" if source.folder is not None else "ONNX Runtime session"
+    models = {"input": source.runs_as, "tuned": staged.path}
+    try:
+        measured = decode(models, inputs.tokens, context=context, steps=inputs.speed_steps, threads=inputs.threads,
+                          log=log)
+    except Exception as error:  # a decoder the loop cannot drive (no KV cache): report, do not fail
+        return SpeedCheck(context, runner, {"error": f"decode loop not run: {str(error).splitlines()[0]}"})
+    whole = None
+    if inputs.long_context is not None:
+        prompt = min(inputs.long_context, positions - REQUEST_ANSWER) - REQUEST_ANSWER
+        whole = request(models, inputs.tokens, prompt=prompt, answer=REQUEST_ANSWER, threads=inputs.threads, log=log)
+    return SpeedCheck(context, runner, measured, whole)
+
+
+def verdict(output: Path, held_out_dppl: float, speed: SpeedCheck | None) -> tuple[int, str]:
+    """The exit status and the last line of a written model: whether it ran slower than the input
+    (:meth:`SpeedCheck.ratio`: the worst round)."""
+    measured = speed.ratio() if speed is not None else None
+    if measured is None:
+        why = speed.error if speed is not None and speed.error else "no decode loop"
+        return EXIT_WRITTEN, f"tune: wrote {output}: held-out dppl {held_out_dppl:+.2%}; decode speed not measured ({why})"
+    ratio, what = measured
+    if ratio < 1.0:
+        return EXIT_WRITTEN_SLOWER, (
+            f"tune: WARNING: wrote {output}, but it ran SLOWER than the input here: {ratio:.2f}x {what}, worst round "
+            f"(exit status {EXIT_WRITTEN_SLOWER}; quality {held_out_dppl:+.2%} held-out)")
+    return EXIT_WRITTEN, f"tune: wrote {output}: {ratio:.2f}x {what}, worst round; held-out dppl {held_out_dppl:+.2%}"
+
+
+def no_fit_advice(inputs: TuneInputs, choice: Choice) -> str:
+    """Why nothing is written when no point gating anything fits the limit, and what would help."""
+    curve = choice.curve()
+    lowest = curve[1]["bound"] if len(curve) > 1 else curve[0]["bound"]
+    return (f"no gating fits {inputs.limit_text} with confidence on this text (the least gated point's bound is "
+            f"{lowest:+.2%}" + (f"; the input alone is at {curve[0]['dppl']:+.2%} vs the reference"
+                                if inputs.reference else "")
+            + "): nothing written. A larger --max-dppl" + ("" if inputs.margin is None else " or --margin")
+            + ", or a longer text (the margin shrinks with more windows), would be needed")
+
+
+def over_budget_advice(inputs: TuneInputs, choice: Choice, held_out: HeldOut) -> str | None:
+    """None when the written model is within the budget on the check windows (and at the full
+    context when checked there); else why nothing is written, and what would help."""
+    if held_out.worst <= inputs.max_dppl:
+        return None
+    return (f"held-out dppl {held_out.worst:+.2%} is over the budget {inputs.max_dppl:.2%} (calibration bound "
+            f"{choice.bound:+.2%}): nothing written. A longer text (more windows: a tighter bound) or a larger "
+            "--max-dppl would be needed")
+
+
+def commit(result: TuneResult, outputs: OutputFiles, targets: Mapping[str, Path]) -> None:
+    """Stage 10: the reports, rendered from ``result``, beside the staged model; then everything
+    into place at once (:meth:`OutputFiles.commit`, signals held back)."""
+    result.plot = reports.write_plot(result, lambda draw: outputs.write(targets[".png"], draw))
+    outputs.write_text(targets[".json"], json.dumps(result.to_dict(), indent=1, default=float) + "\n")
+    outputs.write_text(targets[".md"], reports.markdown(result))
+    outputs.commit()
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path, *, max_dppl: float = 0.02,
+         margin: float | None = None, context: int | None = None, threads: int = 1, speed_steps: int = 32,
+         report_stem: str | Path | None = None, protected: Mapping[str | os.PathLike, str] | None = None,
+         reference: str | Path | ModelSource | None = None, method: str = "allocated",
+         log: Callable[[str], None] = print, windows: int | None = None, command: str | None = None,
+         bos: BosChoice | int | None = None, speed_aware: bool = True) -> TuneResult:
+    """Tune ``model`` (an ONNX decoder or a genai folder, or it opened) on ``tokens`` within
+    ``max_dppl`` on check windows; write ``output`` and the report ``<report_stem>.{json,md,png}``
+    together, or nothing. Returns the :class:`~.results.TuneResult` (``written``, ``exit_status``:
+    :data:`EXIT_WRITTEN`, :data:`EXIT_NOT_WRITTEN`, :data:`EXIT_WRITTEN_SLOWER`, ``last_line``).
+    ``reference``: measure dppl against this model (the fp32 model of a quantized ``model``: the
+    budget is then the total loss). ``margin``: the calibration bound must also stay within margin x
+    budget (default: the bound's own margin only). ``windows``: calibration windows and at most as
+    many check windows (default: what the text gives within the time budget). ``command``: the
+    command line the report quotes. ``bos``: the token every window starts with (the command asks
+    the model's tokenizer: harness.text.resolve_bos). ``speed_aware``: value each layer's sparsity
+    by the time it measurably saves here, at ``threads`` (:mod:`.layer_speed`); False: by the bytes
+    it skips, every layer gated from 10% sparsity."""
+    seconds: dict[str, float] = {}
+    clock = StageClock(seconds)
+    with clock("inputs"):
+        source_path = model.path if isinstance(model, ModelSource) else model
+        reference_path = reference.path if isinstance(reference, ModelSource) else reference
+        outputs, targets = tune_outputs(source_path, output, report_stem, protected, reference_path)  # before the long part
+        inputs = resolve_inputs(model, tokens, output, max_dppl=max_dppl, margin=margin, context=context,
+                                threads=threads, speed_steps=speed_steps, reference=reference, method=method,
+                                windows=windows, command=command, bos=bos, speed_aware=speed_aware)
+    result = TuneResult(inputs, stage_seconds=seconds)
+
+    def finish(status: int, line: str, advice: str | None = None) -> TuneResult:
+        log(line)
+        return result.finish(status, line, advice)
+
+    with clock("windows"):
+        baseline_session = open_session(inputs.baseline.decoder)
+        result.windows = plan_text(inputs, baseline_session, log)
+    with clock("layer speed"):
+        result.layer_speed = profile_speed(inputs, log)
+    if result.layer_speed is not None and result.layer_speed.nothing_pays:  # before minutes of calibration are spent
+        note = layer_speed.nothing_pays_note(result.layer_speed.records, threads)
+        return finish(EXIT_NOT_WRITTEN, f"tune: {note}: nothing written", note)
+    with clock("calibration"):
+        path = calibrate_path(inputs, result.windows, result.layer_speed, baseline_session, log)
+    with clock("choice"):
+        result.choice = choose(inputs, path, result.windows, log)
+        result.machine, result.versions = machine_info(), versions()
+    if not result.choice.gates_anything:
+        advice = no_fit_advice(inputs, result.choice)
+        return finish(EXIT_NOT_WRITTEN, f"tune: {advice}", advice)
+    with clock("held-out curve"):
+        result.probe_check = check_on_probe(inputs, result.windows, path, result.choice, baseline_session)
+    del path, baseline_session  # the probe session and the reference's: memory for the check
+    inputs.source.release_weights()
+
+    with outputs:
+        with clock("rewrite"):
+            result.staged = stage_model(inputs, result.choice, outputs, targets["model"])
+        with clock("held-out check"):
+            result.held_out = check_written(inputs, result.windows, result.staged, result.probe_check)
+        advice = over_budget_advice(inputs, result.choice, result.held_out)
+        if advice is not None:
+            return finish(EXIT_NOT_WRITTEN, f"tune: {advice}", advice)
+        with clock("speed check"):
+            result.speed = check_speed(inputs, result.staged, log)
+        result.written = True
+        result.finish(*verdict(inputs.output, result.held_out.dppl, result.speed))
+        with clock("reports"):
+            commit(result, outputs, targets)
+    log(reports.summary(result))  # ends with the last line
+    return result
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"

@@ -1,6 +1,7 @@
 """How ``tune`` cuts the user's text: windows, their roles, and how many the time budget allows.
 
-The text is cut into windows of ``min(512, the model's positions)`` tokens. When a long context is
+A window holds ``min(512, the model's positions)`` positions: a BOS when the model's tokenizer adds
+one, then ``text_len`` tokens of the text; the text is cut into chunks of ``text_len``. When a long context is
 checked, its piece (``context`` contiguous tokens) is taken from the end of the text first. Of the
 other windows, every third is a **check** window (the final check of the written model, and the
 held-out loss curve) and the rest **calibrate** (capture, probes, the loss along the path the
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,9 +40,9 @@ PROBE_COST = 1.3
 class WindowPlan:
     """The windows of one text and what each is for."""
 
-    window_len: int
-    calibration: np.ndarray  # [n, window_len] token ids
-    check: np.ndarray  # [m, window_len]
+    text_len: int  # text tokens per window (a BOS, when there is one, comes on top)
+    calibration: np.ndarray  # [n, text_len] token ids
+    check: np.ndarray  # [m, text_len]
     long_piece: np.ndarray | None  # [context] contiguous tokens for the long-context check
     available: tuple[int, int]  # calibration and check windows the text offered
     note: str  # how the counts were decided
@@ -50,22 +53,23 @@ class WindowPlan:
         return self.calibration[:1]
 
 
-def minimum_tokens(window_len: int, long_context: int | None = None) -> int:
-    return (MIN_CALIBRATION + MIN_CHECK) * window_len + (long_context or 0)
+def minimum_tokens(text_len: int, long_context: int | None = None) -> int:
+    return (MIN_CALIBRATION + MIN_CHECK) * text_len + (long_context or 0)
 
 
 def window_length(positions: int | None) -> int:
     return min(WINDOW_LEN, positions or WINDOW_LEN)
 
 
-def check_length(tokens: int, window_len: int, long_context: int | None = None) -> None:
-    """Refuses (ModelFileError) a text too short to calibrate on, naming the length it needs."""
-    needed = minimum_tokens(window_len, long_context)
-    if window_len < MIN_WINDOW or tokens < needed:
+def check_length(tokens: int, text_len: int, long_context: int | None = None) -> None:
+    """Refuses (ModelFileError) a text too short to calibrate on in windows of ``text_len`` text
+    tokens, naming the length it needs."""
+    needed = minimum_tokens(text_len, long_context)
+    if text_len < MIN_WINDOW or tokens < needed:
         recommended = max(needed, RECOMMENDED_TOKENS)
         raise ModelFileError(
             f"the text has {tokens} tokens; tune needs at least {needed} ({MIN_CALIBRATION} calibration + "
-            f"{MIN_CHECK} check windows of {window_len}" + (f" + a {long_context}-token piece" if long_context else "")
+            f"{MIN_CHECK} check windows of {text_len}" + (f" + a {long_context}-token piece" if long_context else "")
             + f") to tell the loss's trend from window-to-window noise, and writes reliably from ~{recommended} "
             f"tokens: give a longer text like the model's real inputs")
 
@@ -75,20 +79,26 @@ def spread_indices(count: int, wanted: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, wanted).round().astype(int))
 
 
-def plan_windows(tokens: np.ndarray, window_len: int, *, seconds_per_window: float | None = None,
+def loss_pass_seconds(seconds_per_window: float, calibration: int, check: int) -> float:
+    """The forward passes of tune's loss measurements over ``calibration`` and ``check`` windows at
+    ``seconds_per_window`` (the path at :data:`PATH_POINTS` points: it may take a few more)."""
+    return seconds_per_window * (calibration * (3 + PATH_POINTS * PROBE_COST) + check * (2 + CURVE_POINTS * PROBE_COST))
+
+
+def plan_windows(tokens: np.ndarray, text_len: int, *, seconds_per_window: float | None = None,
                  windows: int | None = None, long_context: int | None = None,
                  budget_s: float = TIME_BUDGET_S) -> WindowPlan:
-    """The windows of ``tokens`` (see the module docstring). ``windows``: the user's count (that many
-    calibration windows and as many check windows at most; no time cap). ``seconds_per_window``:
-    one forward pass over a window, measured (None: no time cap)."""
+    """The text chunks of ``text_len`` tokens of ``tokens`` (see the module docstring). ``windows``:
+    the user's count (that many calibration windows and as many check windows at most; no time
+    cap). ``seconds_per_window``: one forward pass over a window, measured (None: no time cap)."""
     tokens = np.asarray(tokens).reshape(-1)
-    check_length(tokens.size, window_len, long_context)
+    check_length(tokens.size, text_len, long_context)
     long_piece = None
     if long_context:
         long_piece = tokens[tokens.size - long_context:]
         tokens = tokens[:tokens.size - long_context]
-    count = tokens.size // window_len
-    cut = tokens[:count * window_len].reshape(count, window_len)
+    count = tokens.size // text_len
+    cut = tokens[:count * text_len].reshape(count, text_len)
     is_check = np.arange(count) % 3 == 1
     calibration, check = cut[~is_check], cut[is_check]
     available = (len(calibration), len(check))
@@ -99,7 +109,7 @@ def plan_windows(tokens: np.ndarray, window_len: int, *, seconds_per_window: flo
         n, m = available
         note = "every window the text gives"
         if seconds_per_window:
-            cost = seconds_per_window * (n * (3 + PATH_POINTS * PROBE_COST) + m * (2 + CURVE_POINTS * PROBE_COST))
+            cost = loss_pass_seconds(seconds_per_window, n, m)
             if cost > budget_s:
                 scale = budget_s / cost
                 n = max(MIN_CALIBRATION, math.floor(n * scale))
@@ -107,5 +117,24 @@ def plan_windows(tokens: np.ndarray, window_len: int, *, seconds_per_window: flo
                 note = (f"{n} of {available[0]} calibration and {m} of {available[1]} check windows: the loss passes "
                         f"of the path and the check fit ~{budget_s / 60:.0f} min at {seconds_per_window:.2f} s per "
                         f"window here; one probe pass per layer group comes on top")
-    return WindowPlan(window_len, calibration[spread_indices(len(calibration), n)], check[spread_indices(len(check), m)],
+    return WindowPlan(text_len, calibration[spread_indices(len(calibration), n)], check[spread_indices(len(check), m)],
                       long_piece, available, note)
+
+
+class Progress:
+    """Forward passes done of about ``planned``: the time so far and, at the pace measured so far,
+    the time left (``clock``: seconds, monotonic)."""
+
+    def __init__(self, what: str, planned: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.what, self.planned, self.done = what, planned, 0
+        self.clock = clock
+        self.start = clock()
+
+    def advance(self, passes: int) -> str:
+        """Counts ``passes`` more; the line saying where the work stands."""
+        self.done += passes
+        elapsed = self.clock() - self.start
+        line = f"{self.what}: {self.done} window passes of ~{self.planned} in {elapsed:.0f} s"
+        if self.done >= self.planned:
+            return line + " (extending or refining the path: a point at a time)"
+        return line + f", ~{(self.planned - self.done) * elapsed / self.done:.0f} s left at this pace"
