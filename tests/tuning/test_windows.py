@@ -48,3 +48,23 @@ def test_the_long_context_piece_is_contiguous_and_apart():
     plan = windows.plan_windows(tokens, 512, long_context=4096)
     assert plan.long_piece.tolist() == list(range(16 * 512, 16 * 512 + 4096))
     assert int(plan.calibration.max()) < 16 * 512 and int(plan.check.max()) < 16 * 512
+
+
+def test_progress_says_the_time_left_at_the_pace_measured():
+    now = iter([10.0, 14.0, 18.0])
+    progress = windows.Progress("path", 40, clock=lambda: next(now))
+    assert progress.advance(10) == "path: 10 window passes of ~40 in 4 s, ~12 s left at this pace"
+    assert progress.advance(30) == ("path: 40 window passes of ~40 in 8 s (extending or refining the path: a point "
+                                    "at a time)")
+
+
+def test_the_estimate_tune_says_is_the_cost_the_time_budget_caps():
+    slow = windows.plan_windows(np.arange(200 * 512), 512, seconds_per_window=1.0, budget_s=600)
+    uncapped = windows.loss_pass_seconds(1.0, *slow.available)
+    assert uncapped > 600 >= windows.loss_pass_seconds(1.0, len(slow.calibration), len(slow.check)) > 0.9 * 600
+
+
+def test_windows_are_cut_in_text_lengths():
+    """tune passes the text per window (a BOS takes a window's first position): chunks of that many."""
+    plan = windows.plan_windows(np.arange(40 * 511), 511)
+    assert plan.text_len == 511 and plan.calibration.shape[1] == 511 and plan.available == (27, 13)
