@@ -183,10 +183,17 @@ def kwta_block_matmul(rng):
     return finish("KwtaBlockMatMul", name, model, feeds, dense_reference(model, feeds) if exact else None)
 
 
+# Calls of at least this many query rows are prompts, computed exactly (the ops' prefill_rows default;
+# the generators leave the attribute unset).
+PREFILL_ROWS = 16
+
+
 def popcount_attention(rng):
     start_case(rng)
     b, hkv, sq, skv, d = small_dim(rng, 2), max(1, small_dim(rng, 3)), small_dim(rng, 4), small_dim(rng, 40), \
         small_dim(rng, 70)
+    if rng.random() < 0.15:  # a prompt: the tiled path
+        sq = int(rng.integers(PREFILL_ROWS, 3 * PREFILL_ROWS))
     if rng.random() < 0.05:
         d = 0  # head dim 0: every q.k is 0
     h = hkv * int(rng.integers(1, 4)) + (1 if broken(rng) else 0)
@@ -237,7 +244,7 @@ def popcount_attention(rng):
                  if present)
     name = f"attn_{int(rng.integers(1000))}"
     model = make_model("PopcountAttention", name, node_inputs, graph_inputs, [], attrs)
-    reference = attention_reference(feeds, attrs) if fully_valid() and _attention_is_exact(attrs, skv) else None
+    reference = attention_reference(feeds, attrs) if fully_valid() and _attention_is_exact(attrs, skv, sq) else None
     _tag_nonfinite(feeds)
     # The reference defines NaN/Inf (tests/ops/attention_reference.py, as onnxruntime): kept with them.
     return finish("PopcountAttention", name, model, feeds, reference, nonfinite_ok=True)
@@ -254,15 +261,19 @@ GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "t
 
 
 def popcount_group_query_attention(rng):
-    """The GroupQueryAttention form: first prompts, decode steps and later prompt chunks (separate
-    past / present tensors), NaN/Inf often in query, attention_bias and head_sink (sometimes in K/V).
-    Exact settings are compared with onnxruntime's own com.microsoft.GroupQueryAttention."""
+    """The GroupQueryAttention form: first prompts (short ones, and long ones of at least
+    prefill_rows rows: the tiled path), decode steps and later prompt chunks (separate past / present
+    tensors), NaN/Inf often in query, attention_bias and head_sink (sometimes in K/V). Exact settings
+    (and long prompts, exact whatever `select` says) are compared with onnxruntime's own
+    com.microsoft.GroupQueryAttention."""
     start_case(rng)
     hkv = int(rng.integers(1, 3))
     h, d, b = hkv * int(rng.integers(1, 3)), pick(rng, [8, 16]), int(rng.integers(1, 3))
-    phase = pick(rng, ["prompt", "decode", "chunk"])
+    phase = pick(rng, ["prompt", "decode", "chunk", "long_prompt"])
     if phase == "prompt":
         s, past = int(rng.integers(1, 6)), 0
+    elif phase == "long_prompt":
+        s, past = int(rng.integers(PREFILL_ROWS, 3 * PREFILL_ROWS)), 0
     elif phase == "decode":
         s, past = 1, int(rng.integers(1, 40))
     else:
@@ -310,7 +321,8 @@ def popcount_group_query_attention(rng):
     model = make_model(GQA_OP, name, node_inputs, graph_inputs, [], {**gqa_attrs, **selection}, n_outputs=3)
     topk = 256 if selection["topk"] is None else selection["topk"]
     min_keys = 2048 if selection["min_keys"] is None else selection["min_keys"]
-    exact = select == "none" or total < min_keys or total <= topk  # docs/ops.md: the call runs no selector
+    # docs/ops.md: the call runs no selector, or is a prompt (exact whatever select says)
+    exact = select == "none" or total < min_keys or total <= topk or s >= PREFILL_ROWS
     reference = gqa_reference(node_inputs, graph_inputs, feeds, gqa_attrs) if fully_valid() and exact else None
     _tag_nonfinite(feeds)
     _tags.add(f"gqa_{phase}")
@@ -395,11 +407,12 @@ def gqa_reference(node_inputs, graph_inputs, feeds: dict, attrs: dict):
     return compute
 
 
-def _attention_is_exact(attrs: dict, skv: int) -> bool:
-    """select none, fewer keys than min_keys, or every key within topk: exact attention (docs/ops.md)."""
+def _attention_is_exact(attrs: dict, skv: int, sq: int) -> bool:
+    """select none, fewer keys than min_keys, every key within topk, or a prompt of at least
+    prefill_rows query rows: exact attention (docs/ops.md)."""
     topk = 256 if attrs.get("topk") is None else attrs["topk"]
     min_keys = 1024 if attrs.get("min_keys") is None else attrs["min_keys"]
-    return attrs.get("select") == "none" or skv < min_keys or 0 < topk and skv <= topk
+    return attrs.get("select") == "none" or skv < min_keys or 0 < topk and skv <= topk or sq >= PREFILL_ROWS
 
 
 def tt_matmul(rng):

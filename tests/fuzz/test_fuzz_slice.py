@@ -18,7 +18,7 @@ KNOWN_OP_FINDINGS: dict = {}  # none open: the D = 0, list / NaN attribute and T
 
 # Families the generator must keep producing (a generator change that drops one fails here).
 FAMILIES = ("list_attr", "nan_attr", "inf_attr", "wrong_type", "zero_dim", "attn_d0", "proj_bits", "center0",
-            "tt_extreme", "nonfinite_input", "gqa_prompt", "gqa_decode", "gqa_chunk")
+            "tt_extreme", "nonfinite_input", "gqa_prompt", "gqa_decode", "gqa_chunk", "gqa_long_prompt")
 
 
 def test_fuzz_slice_has_no_crash_hang_unclear_error_or_wrong_result():
