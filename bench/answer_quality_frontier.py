@@ -68,10 +68,29 @@ def main(argv=None) -> int:
     command = command_line("python bench/answer_quality_frontier.py", argv)
     info = machine_info()
     rows = []
+
+    def write(done: str) -> list[str]:
+        """The report so far (rewritten after each prefix: a long run keeps what it measured)."""
+        payload = {"machine": info, "command": command, "model": str(args.model), "text": text,
+                   "answer": args.answer, "done": done, "rows": rows}
+        lines = report_header("Long-context attention at the point of use", command, info)
+        lines += [f"Input: {args.model} (exact attention, the reference). Text: {text}. Each window: the prompt read "
+                  f"in one call by each model, then {args.answer} answer tokens decoded teacher-forced through the "
+                  "Generator; only the answer steps are scored. dppl: pooled over the windows' answer steps, with a "
+                  f"95% t-interval over windows; top-1: agreement with exact attention (mean, worst window). {done}",
+                  "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) |",
+                  "|---|---|---|---|---|---|"]
+        for row in rows:
+            interval = "" if row["dppl_low"] is None else f" ({row['dppl_low']:+.2%} .. {row['dppl_high']:+.2%})"
+            lines.append(f"| {row['prefix']} | {row['setting']} | `{row['flags']}` | {row['windows']} | "
+                         f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) |")
+        write_report(args.output, payload, "\n".join(lines) + "\n")
+        return lines
+
     with tempfile.TemporaryDirectory(prefix="ortsparse-frontier-") as workdir:
         folders = {name: rewrite_genai_folder(args.model, Path(workdir) / name, config).folder
                    for name, config in settings.items()}
-        for prefix, count in zip(args.prefixes, windows_per_prefix):
+        for number, (prefix, count) in enumerate(zip(args.prefixes, windows_per_prefix), 1):
             plan = plan_answer_windows(tokens.size, prefix=prefix, answer=args.answer, windows=count,
                                        max_positions=context_length(decoder), source=text)
             print(f"prefix {prefix}: {count} windows of {plan.span} tokens of {text}", flush=True)
@@ -81,20 +100,7 @@ def main(argv=None) -> int:
             for name, result in results.items():
                 rows.append({"prefix": prefix, "setting": name, "flags": flags_of[name], **result})
             del reference, candidates
-    payload = {"machine": info, "command": command, "model": str(args.model), "text": text, "answer": args.answer,
-               "rows": rows}
-    lines = report_header("Long-context attention at the point of use", command, info)
-    lines += [f"Input: {args.model} (exact attention, the reference). Text: {text}. Each window: the prompt read in "
-              f"one call by each model, then {args.answer} answer tokens decoded teacher-forced through the "
-              "Generator; only the answer steps are scored. dppl: pooled over the windows' answer steps, with a "
-              "95% t-interval over windows; top-1: agreement with exact attention (mean, worst window).", "",
-              "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) |",
-              "|---|---|---|---|---|---|"]
-    for row in rows:
-        interval = "" if row["dppl_low"] is None else f" ({row['dppl_low']:+.2%} .. {row['dppl_high']:+.2%})"
-        lines.append(f"| {row['prefix']} | {row['setting']} | `{row['flags']}` | {row['windows']} | "
-                     f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) |")
-    write_report(args.output, payload, "\n".join(lines) + "\n")
+            lines = write(f"Prefixes done: {number} of {len(args.prefixes)}.")
     print("\n".join(lines))
     return 0
 
