@@ -244,6 +244,32 @@ def test_a_later_prompt_chunk_over_a_past_selects_as_the_4d_form(mode, rng):
         assert np.abs(want - ref.attention(np.ascontiguousarray(q[:, :, first:]), k, v, causal=True)).max() > 1e-3
 
 
+@pytest.mark.parametrize("mode", [dict(prefill_select="budget", prefill_budget=128, min_keys=0),
+                                  dict(prefill_select="certified", prefill_eps=0.5, min_keys=0)], ids=["budget", "certified"])
+@pytest.mark.parametrize("site", ["q", "k"])
+def test_a_nan_leaves_the_other_kv_heads_selection_unchanged(mode, site, rng):
+    """The rows that read a NaN go to the row path (exact: NaN where exact attention has it); the
+    blocks of the other KV head choose and compute their tiles as without the NaN, bit for bit (a
+    NaN used to send the whole call row by row)."""
+    h, hkv, s, d = 4, 2, 640, 16
+    q, k, v = (rng.standard_normal(shape, dtype=np.float32) for shape in ((1, h, s, d), (1, hkv, s, d), (1, hkv, s, d)))
+    clean, metrics = run4d(q, k, v, node=f"nan_clean_{site}", **mode)
+    assert metrics["prefill.skipped_ratio"] > 0 or mode["prefill_select"] == "certified"
+    if site == "q":
+        q[0, 0, 500, 3] = np.nan  # query head 0 (KV head 0), position 500
+    else:
+        k[0, 0, 100, 2] = np.nan  # KV head 0, key 100: rows 100.. of query heads 0, 1
+    y, _ = run4d(q, k, v, node=f"nan_{site}", **mode)
+    nan_rows = np.isnan(y).any(axis=-1)[0]
+    want = np.zeros((h, s), bool)
+    if site == "q":
+        want[0, 500] = True
+    else:
+        want[:2, 100:] = True
+    assert np.array_equal(nan_rows, want) and np.isnan(y[0][want]).all()
+    assert np.array_equal(y[0, 2:], clean[0, 2:])
+
+
 def test_decode_steps_and_short_prompts_are_unchanged(rng):
     """A call below prefill_rows (a decode step) and a prompt with no selectable tiles give the
     same bits with and without selective prefill."""
