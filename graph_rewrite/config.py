@@ -98,24 +98,58 @@ class LayerOverride:
 
 
 @dataclasses.dataclass(frozen=True)
+class NodePlan:
+    """A caller's per-node decision for one technique (what an allocation, a calibration or a
+    measurement chose), handed to the rewriter as data: ``nodes[name]`` (an exact node name) holds
+    the settings that update ``technique``'s global ones on that node and switch it on there; every
+    other node has ``technique`` off (``rest="off"``) or as the global choice and the overrides say
+    (``rest=None``). Applied after the override entries. :meth:`entries` is the same decision as an
+    override file's entries (what ``calibrate -o`` writes and ``rewrite-onnx --config`` reads)."""
+
+    technique: str
+    nodes: Mapping[str, Mapping[str, Any]]
+    rest: str | None = "off"
+
+    def __post_init__(self) -> None:
+        if self.technique not in TECHNIQUES:
+            raise ConfigError(f"plan: unknown technique {self.technique!r}; valid: {', '.join(TECHNIQUES)}")
+        if self.rest not in ("off", None):
+            raise ConfigError(f"plan: rest must be 'off' or None, not {self.rest!r}")
+        nodes = {name: dict(settings) for name, settings in self.nodes.items()}
+        for name, settings in nodes.items():
+            TECHNIQUES[self.technique].settings_type().updated(settings, f"plan node {name!r}: ")  # fail early
+        object.__setattr__(self, "nodes", nodes)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The override file's entries of this plan (``{"layers": entries}``): ``technique`` ``rest``
+        for every layer (absent when ``rest`` is None), then one entry per node, in the plan's order."""
+        entries: list[dict[str, Any]] = [{"match": "*", self.technique: self.rest}] if self.rest is not None else []
+        return entries + [{"node": name, self.technique: dict(settings)} for name, settings in self.nodes.items()]
+
+
+@dataclasses.dataclass(frozen=True)
 class RewriteConfig:
     """Global settings (the CLI flags) and the per-layer overrides (the ``--config`` file).
 
     ``techniques[name]`` is technique ``name``'s global choice (absent: its defaults, i.e. its
     flags' defaults: KWTA ``auto``, the others off); :meth:`choice` reads it with ``auto``
     resolved. ``attention``: attention cores -> PopcountAttention (techniques/popcount.py), None =
-    off; not a per-layer technique (it replaces attention cores, not linear layers).
+    off; not a per-layer technique (it replaces attention cores, not linear layers). ``plan``: a
+    caller's per-node decision (:class:`NodePlan`), applied after the overrides.
     """
 
     techniques: Mapping[str, TechniqueChoice] = dataclasses.field(default_factory=dict)
     overrides: tuple[LayerOverride, ...] = ()
     attention: AttentionSettings | None = None
     attention_why: str = "--attn=off"
+    plan: NodePlan | None = None
 
     def __post_init__(self) -> None:
         techniques = dict(self.techniques or {})
         if self.attention is not None and not isinstance(self.attention, AttentionSettings):
             raise ConfigError("RewriteConfig.attention must be an AttentionSettings or None")
+        if self.plan is not None and not isinstance(self.plan, NodePlan):
+            raise ConfigError("RewriteConfig.plan must be a NodePlan or None")
         for name, choice in techniques.items():
             if name not in TECHNIQUES:
                 raise ConfigError(f"unknown technique {name!r} in RewriteConfig.techniques (valid: "
@@ -240,5 +274,5 @@ def load_overrides(path: str | Path) -> tuple[LayerOverride, ...]:
 
 __all__ = [
     "KWTA_DUTY_MODES", "KWTA_SCORES", "LAYER_CLASSES", "LAYER_ROLES", "TARGETS", "KwtaSettings", "LayerOverride",
-    "RewriteConfig", "TechniqueChoice", "config_from_flags", "load_overrides", "parse_overrides", "target_includes",
+    "NodePlan", "RewriteConfig", "TechniqueChoice", "config_from_flags", "load_overrides", "parse_overrides", "target_includes",
 ]

@@ -54,6 +54,13 @@ def _choice(name: str, layer: LinearLayer, config: RewriteConfig) -> tuple[Any |
         elif isinstance(value, Mapping):
             selected, why, mentioned = True, f"set by {label}", True
             settings = settings.updated(value, f"{entry.source}: ")
+    plan = config.plan
+    if plan is not None and plan.technique == name:
+        if layer.name in plan.nodes:
+            selected, why, mentioned = True, "set by the plan", True
+            settings = settings.updated(plan.nodes[layer.name], f"plan node {layer.name!r}: ")
+        elif plan.rest == "off":
+            selected, why, mentioned = False, "off: not in the plan", True
     return (settings if selected else None), why, mentioned
 
 
@@ -95,6 +102,10 @@ def check_overrides_match(layers: Sequence[LinearLayer], config: RewriteConfig) 
                                             for layer in layers):
             raise ConfigError(f"{entry.source or 'override'}: {entry.label} names no linear layer of this model "
                               f"({len(layers)} layers; `rewrite-onnx MODEL --list-layers` lists them)")
+    names = {layer.name for layer in layers}
+    missing = [name for name in (config.plan.nodes if config.plan is not None else ()) if name not in names]
+    if missing:
+        raise ConfigError(f"plan: node {missing[0]!r} is no linear layer of this model ({len(layers)} layers)")
 
 
 def decide_layer(layer: LinearLayer, config: RewriteConfig) -> LayerDecision:

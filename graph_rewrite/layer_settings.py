@@ -5,8 +5,10 @@ Before: a caller matched MatMul / Gemm / Transpose / MatMulNBits on the protobuf
 wrote each choice as a glob-escaped node name that the rewriter fnmatched back.
 After: :func:`selected_layers` hands out the survey's :class:`~.layers.LinearLayer` records (node,
 class, role, the weight operands the rewrite will take) of the layers a technique's target selects;
-the caller keys its choices by those records and :func:`override_entries` turns them into override
-entries with an exact ``node`` key (no glob). Override files users write with ``match`` globs read as
+the caller keys its choices by those records and hands them to the rewriter as a
+:class:`~.config.NodePlan` (node name -> settings: :func:`rewritten_with`, ``RewriteConfig.plan``);
+only a command that writes an override file turns a plan into entries with an exact ``node`` key
+(:meth:`~.config.NodePlan.entries`, no glob). Override files users write with ``match`` globs read as
 before (graph_rewrite/config.py).
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from .config import RewriteConfig, parse_overrides
+from .config import NodePlan, RewriteConfig
 from .decide import decide_layer
 from .layers import LinearLayer, survey
 from .rewrite import rewrite_model
@@ -39,17 +41,13 @@ def selected_layers(model: onnx.ModelProto | ir.Model | None, technique: str = "
 
 def override_entries(technique: str, per_layer: Iterable[tuple[str, Mapping[str, Any]]],
                      rest: str | None = "off") -> list[dict[str, Any]]:
-    """Override entries (``{"layers": entries}`` is a ``rewrite-onnx --config`` file): ``technique``
-    ``rest`` (``"off"``: every other layer without it; None: no such entry) for all layers, then
-    one entry per (node name, settings) in the given order, keyed by the exact node name."""
-    entries: list[dict[str, Any]] = [{"match": "*", technique: rest}] if rest is not None else []
-    entries += [{"node": name, technique: dict(settings)} for name, settings in per_layer]
-    return entries
+    """Override entries (``{"layers": entries}`` is a ``rewrite-onnx --config`` file) of the plan
+    ``per_layer`` (node name, settings) with ``rest`` for every other layer: :meth:`NodePlan.entries`."""
+    return NodePlan(technique, dict(per_layer), rest).entries()
 
 
-def rewritten_with(model: onnx.ModelProto, entries: list[dict[str, Any]]) -> onnx.ModelProto:
-    """``model`` rewritten with the override ``entries`` alone: KWTA off globally (every layer no
-    entry selects stays dense), the other techniques at their defaults."""
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
-                           overrides=parse_overrides({"layers": entries}))
+def rewritten_with(model: onnx.ModelProto, plan: NodePlan) -> onnx.ModelProto:
+    """``model`` rewritten with the per-node ``plan`` alone: KWTA off globally (every layer the plan
+    does not select stays dense), the other techniques at their defaults."""
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, plan=plan)
     return rewrite_model(model, config)[0]

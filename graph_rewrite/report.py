@@ -211,7 +211,7 @@ class RewriteReport:
 
 def config_dict(config: RewriteConfig) -> dict[str, Any]:
     """The config as JSON data: every technique's global choice (``auto`` resolved), the
-    overrides, attention."""
+    overrides, attention, the caller's per-node plan."""
     from .techniques import TECHNIQUES
 
     techniques = {}
@@ -225,6 +225,8 @@ def config_dict(config: RewriteConfig) -> dict[str, Any]:
         "overrides": overrides,
         "attention": config.attention.attributes() if config.attention else None,
         "attention_why": config.attention_why,
+        "plan": None if config.plan is None else {"technique": config.plan.technique, "rest": config.plan.rest,
+                                                   "nodes": dict(config.plan.nodes)},
     }
 
 

@@ -86,7 +86,7 @@ def main() -> int:
         units = [u for u in probed_units(model, layers, calib_tokens, score) if head or u.layers[0].role != "head"]
         choice = allocation.allocate(units, value) if method == "allocated" else allocation.uniform_choice(units, value)
         found = allocation.Allocation(score, [layer for u in units for layer in u.layers], units, choice, 0.0, 0.0, [], {})
-        result = compare_lm(model, rewritten_with(model, found.entries()), eval_tokens, 8, 512,
+        result = compare_lm(model, rewritten_with(model, found.plan()), eval_tokens, 8, 512,
                             session_options={"intra_op_num_threads": 1})
         row = {"method": method, "score": score, "head": head, "price" if method == "allocated" else "sparsity": value,
                "dppl": result["dppl"], "top1_agreement": result["top1_agreement"],
@@ -124,7 +124,7 @@ def minilm(out: str) -> int:
     rows = []
 
     def check(found, method, budget):
-        result = compare_embeddings(model, rewritten_with(model, found.entries()), held)
+        result = compare_embeddings(model, rewritten_with(model, found.plan()), held)
         row = {"method": method, "score": found.score, "min_cosine": budget, "cosine_mean": result["cosine_mean"],
                "cosine_min": result["cosine_min"], **allocation.bytes_summary(model, result["metrics"]),
                "sparsity_by_layer": found.sparsity()}

@@ -64,7 +64,7 @@ def test_probe_graph_computes_what_the_op_computes(model, tokens, units, score):
     dense = open_session(model).run(["logits"], lm_feeds(open_session(model), window))[0]
     assert np.array_equal(probe.run({}, window), dense)  # all thresholds 0: the dense model
     found = allocation.Allocation(score, layers, curves, choice, 0.0, 0.0, [], {})
-    rewritten = allocation.rewritten_with(model, found.entries())
+    rewritten = allocation.rewritten_with(model, found.plan())
     gated = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
     assert len(gated) == sum(len(unit.layers) for unit in curves[::2])
     session = open_session(rewritten)
@@ -125,10 +125,10 @@ def test_allocate_lm_end_to_end(model, tokens):
                                     log=lambda *_: None)
     assert result.calibration_loss <= result.budget == pytest.approx(0.75 * 0.05)
     assert 0.0 < result.skipped_fraction() < 0.9
-    entries = result.entries()
-    assert entries[0] == {"match": "*", "kwta": "off"}
-    rewritten = allocation.rewritten_with(model, entries)
-    assert sum(n.op_type == "KwtaBlockMatMul" for n in rewritten.graph.node) == len(entries) - 1
+    plan = result.plan()
+    assert plan.rest == "off" and plan.entries()[0] == {"match": "*", "kwta": "off"}
+    rewritten = allocation.rewritten_with(model, plan)
+    assert sum(n.op_type == "KwtaBlockMatMul" for n in rewritten.graph.node) == len(plan.nodes)
     report = result.report()
     assert len(report["units"]) == 8 and all(u["probe"] for u in report["units"])
     json.dumps(report, default=float)
@@ -195,11 +195,11 @@ def test_allocation_on_matmulnbits_weights(model, tokens, tmp_path):
     result = allocation.allocate_lm(quantized, tokens, max_dppl=0.05, windows=2, window_len=64, steps=4,
                                     reference=model, log=lambda *_: None)
     assert result.calibration_loss <= result.budget
-    rewritten = allocation.rewritten_with(quantized, result.entries())
+    rewritten = allocation.rewritten_with(quantized, result.plan())
     gated = [n for n in rewritten.graph.node if n.op_type == "KwtaBlockMatMul"]
     assert all(len(n.input) >= 3 for n in gated)  # quantized form
     # Every entry's layer is gated (gate_proj + up_proj and q/k/v fused into one node each).
-    assert sum(len(n.name.split(FUSED_NAME_SEPARATOR)) for n in gated) == len(result.entries()) - 1
+    assert sum(len(n.name.split(FUSED_NAME_SEPARATOR)) for n in gated) == len(result.plan().nodes)
     # The quantized head is not gated but runs dense on our kernel; an fp32 head stays where it is.
     heads = [n.name for n in quantized.graph.node if n.op_type == "MatMulNBits" and "lm_head" in n.name]
     assert heads and result.dense_on_ours == heads

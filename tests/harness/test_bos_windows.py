@@ -135,12 +135,13 @@ def test_dppl_spread_over_windows():
 
 
 def test_compare_lm_reports_windows_and_spread():
-    from ortsparse.harness.calibrate import rewritten_with
-
     import onnx
 
+    from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
+
     model = onnx.load(str(LLAMA))
-    gated = rewritten_with(model, [{"match": "*", "kwta": {"k_frac": 0.5}}])
+    every_layer = TechniqueChoice(KwtaSettings(k_frac=0.5), enabled=True, target="all")
+    gated, _ = rewrite_model(model, RewriteConfig(techniques={"kwta": every_layer}))
     tokens = np.random.default_rng(1).integers(3, 256, 400)
     result = compare_lm(model, gated, tokens, windows=4, window_len=32,
                         bos=BosChoice(1, "<1>", "a test tokenizer adds it"))

@@ -126,7 +126,7 @@ def test_the_choice_is_the_plan_the_rewrite_applies(staged_run):
     from ortsparse.graph_rewrite.fuse import FUSED_NAME_SEPARATOR
 
     _, _, choice, _, staged, _, _ = staged_run
-    planned = {name: settings["threshold"] for name, settings in choice.layer_settings}
+    planned = {name: settings["threshold"] for name, settings in choice.plan.nodes.items()}
     thresholds = {}
     for node in onnx.load(str(staged.decoder)).graph.node:
         if node.op_type == "KwtaBlockMatMul":

@@ -37,7 +37,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
+from ..graph_rewrite.config import NodePlan
+from ..graph_rewrite.layer_settings import rewritten_with, selected_layers
 from ..graph_rewrite.layers import LinearLayer
 from ..graph_rewrite.rules import FloatWeight
 from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
@@ -519,7 +520,7 @@ def bisect_price(units: Sequence[Unit], layers: Sequence[GatedLayer], budget_los
 
 @dataclasses.dataclass
 class Allocation:
-    """The result: per-layer thresholds (``entries()`` = the override file's layers), the planned
+    """The result: per-layer thresholds (``plan()``: what the rewriter takes), the planned
     sparsity per layer, the calibration loss it was verified at and how it was found."""
 
     score: str
@@ -544,16 +545,11 @@ class Allocation:
         """Planned fraction of the gated layers' weight bytes skipped (grid sparsity x bytes)."""
         return skipped_fraction(self.units, self.choice)
 
-    def entries(self) -> list[dict[str, Any]]:
-        """Override entries (``{"layers": entries}`` is the file ``rewrite-onnx --config`` reads):
-        every layer off, the ``dense_on_ours`` layers dense on our kernel, then each gated layer
-        with its threshold (block 1, k_frac 1)."""
-        return override_entries("kwta", self.layer_settings())
-
-    def layer_settings(self) -> list[tuple[str, dict[str, Any]]]:
-        """(layer, KWTA settings) of every layer the allocation puts on our op, in the entries' order:
-        the ``dense_on_ours`` layers, then each gated layer with its threshold."""
-        settings: list[tuple[str, dict[str, Any]]] = [(name, dict(DENSE_ON_OURS)) for name in self.dense_on_ours]
+    def plan(self) -> NodePlan:
+        """The decision as the rewriter takes it: every layer off, the ``dense_on_ours`` layers dense
+        on our kernel, then each gated layer with its threshold (block 1, k_frac 1). Its
+        ``entries()`` are the override file ``calibrate -o`` writes."""
+        nodes: dict[str, dict[str, Any]] = {name: dict(DENSE_ON_OURS) for name in self.dense_on_ours}
         sparsity = self.sparsity()
         for name, threshold in self.thresholds().items():
             if sparsity[name] <= 0.0:
@@ -561,8 +557,8 @@ class Allocation:
             gate: dict[str, Any] = {"threshold": threshold, "k_frac": 1.0, "block": 1}
             if self.score != "l2":
                 gate["score"] = self.score
-            settings.append((name, gate))
-        return settings
+            nodes[name] = gate
+        return NodePlan("kwta", nodes)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -756,18 +752,18 @@ def run(args: Any, target: str, write: Callable[[str, str, str], None], report_p
         calib = {k: v[half:] for k, v in arrays.items()}
         result = allocate_encoder(model, sentence_batches(calib), args.min_cosine, target=target, score=args.score,
                                   margin=args.margin, log=log)
-        final = compare_embeddings(model, rewritten_with(model, result.entries()), held)
+        final = compare_embeddings(model, rewritten_with(model, result.plan()), held)
         passed, summary = final["cosine_mean"] >= args.min_cosine, f"held-out cosine mean {final['cosine_mean']:.4f}"
     else:
         tokens = load_corpus_tokens(args.tokens, vocabulary_of(model))
         eval_tokens, calib_tokens = np.split(tokens, [len(tokens) // 2])
         result = allocate_lm(model, calib_tokens, args.max_dppl, target=target, score=args.score, margin=args.margin,
                              windows=args.calib_windows, window_len=args.window_len, log=log)
-        final = compare_lm(model, rewritten_with(model, result.entries()), eval_tokens, windows=args.eval_windows,
+        final = compare_lm(model, rewritten_with(model, result.plan()), eval_tokens, windows=args.eval_windows,
                            window_len=args.window_len)
         passed = final["dppl"] <= args.max_dppl
         summary = f"held-out dppl {final['dppl']:+.4f}, top-1 agreement {final['top1_agreement']:.3f}"
-    write(args.output, "override file", json.dumps({"layers": result.entries()}, indent=1) + "\n")
+    write(args.output, "override file", json.dumps({"layers": result.plan().entries()}, indent=1) + "\n")
     measured = bytes_summary(model, final.get("metrics", {}), result.dense_on_ours)
     report = {"command": getattr(args, "command_line", None), "model": model_file, "method": "allocated",
               "target": target, "margin": args.margin, "allocation": result.report(), "sparsity": result.sparsity(),

@@ -25,10 +25,10 @@ import onnx
 
 from .. import flag_types, tt
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..graph_rewrite.config import parse_overrides
+from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
-from ..graph_rewrite.layer_settings import override_entries, rewritten_with, selected_layers
+from ..graph_rewrite.layer_settings import rewritten_with, selected_layers
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
 from ..runtime import (context_length, genai_folder, kv_layout, lm_feeds, load_proto, open_session, vocab_size,
                        with_outputs)
@@ -109,11 +109,10 @@ def layer_calibration(model, target: str, batches: Iterable[Any], max_rows: int 
     return {layer.name: by_input[layer.input_name] for layer in layers}
 
 
-def overrides_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> list[dict[str, Any]]:
-    """Override entries: each layer gated by its own threshold (or off at sparsity 0)."""
-    return override_entries("kwta", [(layer.name, {"threshold": layer.quantiles[sparsity[layer.name]], "k_frac": 1.0,
-                                                   "block": 1})
-                                     for layer in layers if sparsity.get(layer.name, 0.0) > 0.0])
+def plan_for(layers: list[TargetLayer], sparsity: dict[str, float]) -> NodePlan:
+    """Each layer gated by its own threshold (every other layer, and one at sparsity 0, off)."""
+    return NodePlan("kwta", {layer.name: {"threshold": layer.quantiles[sparsity[layer.name]], "k_frac": 1.0, "block": 1}
+                             for layer in layers if sparsity.get(layer.name, 0.0) > 0.0})
 
 
 def skipped_bytes(layers: list[TargetLayer], sparsity: dict[str, float]) -> float:
@@ -166,10 +165,10 @@ def search(layers: list[TargetLayer], evaluate: Callable[[dict[str, float]], flo
 def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: int = 4, window_len: int = 512,
                   target: str = "both", greedy: bool = False, greedy_rounds: int = 8, reference: Any = None,
                   method: str = "uniform", score: str = "l2", bos: BosChoice | int | None = None,
-                  threads: int = 1, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                  threads: int = 1, log=print) -> tuple[NodePlan, dict[str, Any]]:
     """Per-layer KWTA thresholds for the ``target`` layers of the LM ``model`` (ModelProto) that keep
     the dppl on ``windows`` calibration windows of ``calib_tokens`` within ``budget``. Returns the
-    override entries and the search: ``history`` (each tried point: sparsity, loss = dppl,
+    per-node plan (its ``entries()`` are the override file) and the search: ``history`` (each tried point: sparsity, loss = dppl,
     skipped_fraction of the targeted layers' weight bytes), the chosen ``sparsity`` per layer,
     ``skipped_fraction`` and ``calibration_dppl`` of the choice. ``reference``: the model the dppl is
     measured against (e.g. the fp32 model when ``model`` is its quantized version: the budget is then
@@ -188,7 +187,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
                                                                      log=log)
         history = [{"stage": "allocated", "mu": h["mu"], "loss": h["loss"], "skipped_fraction": h["skipped"]}
                    for h in result.history]
-        return result.entries(), {
+        return result.plan(), {
             "method": "allocated", "score": score, "history": history, "sparsity": result.sparsity(),
             "budget": budget, "skipped_fraction": result.skipped_fraction(),
             "calibration_dppl": result.calibration_loss, "layers": len(result.layers), "target": target,
@@ -205,7 +204,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
     total = sum(layer.weight_bytes for layer in layers) or 1
 
     def evaluate(sparsity: dict[str, float]) -> float:
-        rewritten = rewritten_with(model, overrides_for(layers, sparsity))
+        rewritten = rewritten_with(model, plan_for(layers, sparsity))
         return perplexity(rewritten, calib_tokens, windows, window_len, bos=bos)["ppl"] / dense - 1.0
 
     best, history = search(layers, evaluate, budget, greedy, log=log, max_rounds=greedy_rounds)
@@ -213,7 +212,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
         if "sparsity" in step and step.get("stage") == "uniform":
             step["skipped_fraction"] = float(step["sparsity"])  # uniform: every layer the same fraction
     accepted = [h["loss"] for h in history if "loss" in h and h["loss"] <= budget]
-    return overrides_for(layers, best), {
+    return plan_for(layers, best), {
         "method": "uniform", "history": history, "sparsity": best, "budget": budget,
         "skipped_fraction": skipped_bytes(layers, best) / total,
         "calibration_dppl": max(accepted) if accepted else 0.0,
@@ -305,13 +304,13 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
             raise ModelFileError(f"--bench runs the decode loop on {source} up to context {max(BENCH_CONTEXTS)}: it "
                                  f"needs {needed} tokens, the text has {tokens.size}")
     reference = str(model_input(args.reference)) if args.reference else None
-    entries, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
+    gating, found = gating_search(model, calib_tokens, args.margin * args.max_dppl, windows=args.calib_windows,
                                    window_len=args.window_len, target=target, greedy=args.greedy,
                                    greedy_rounds=args.greedy_rounds, reference=reference, method=args.method,
                                    score=args.score, bos=bos, log=log)
     best, history = found["sparsity"], found["history"]
-    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
-    held_out = compare_lm(reference or model, rewritten_with(model, entries), eval_tokens, windows=args.eval_windows,
+    write(args.output, "override file", json.dumps({"layers": gating.entries()}, indent=1) + "\n")
+    held_out = compare_lm(reference or model, rewritten_with(model, gating), eval_tokens, windows=args.eval_windows,
                           window_len=args.window_len, bos=bos)
     report = {
         "command": getattr(args, "command_line", None),
@@ -326,7 +325,7 @@ def _calibrate(args: argparse.Namespace, write: Callable[[str, str, str], None])
                                           found.get("allocation", {}).get("dense_on_ours", [])),
     }
     if args.bench:
-        report["bench"] = _bench_with(model_file, entries, tokens, log)
+        report["bench"] = _bench_with(model_file, gating, tokens, log)
     report_path = _report_path(args)
     write(report_path, "report", json.dumps(report, indent=1, default=float) + "\n")
     log(f"calibrate: held-out windows: {held_out['window_construction']}")
@@ -356,14 +355,14 @@ def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None])
     budget = 1.0 - args.min_cosine
 
     def evaluate(sparsity):
-        result = compare_embeddings(model, rewritten_with(model, overrides_for(layers, sparsity)))
+        result = compare_embeddings(model, rewritten_with(model, plan_for(layers, sparsity)))
         return 1.0 - result["cosine_mean"]
 
     best, history = search(layers, evaluate, args.margin * budget, args.greedy, log=log,
                            max_rounds=args.greedy_rounds)
-    entries = overrides_for(layers, best)
-    write(args.output, "override file", json.dumps({"layers": entries}, indent=1) + "\n")
-    final = compare_embeddings(model, rewritten_with(model, entries))
+    gating = plan_for(layers, best)
+    write(args.output, "override file", json.dumps({"layers": gating.entries()}, indent=1) + "\n")
+    final = compare_embeddings(model, rewritten_with(model, gating))
     report = {"command": getattr(args, "command_line", None), "model": args.model,
               "min_cosine": args.min_cosine, "sparsity": best, "history": history,
               "result": {k: v for k, v in final.items() if not isinstance(v, np.ndarray)}}
@@ -373,15 +372,14 @@ def _run_encoder(args, target: str, log, write: Callable[[str, str, str], None])
     return 0 if final["cosine_mean"] >= args.min_cosine else 1
 
 
-def _bench_with(model_file: str, entries, tokens: np.ndarray, log) -> dict:
+def _bench_with(model_file: str, gating: NodePlan, tokens: np.ndarray, log) -> dict:
     """Decode tokens/s of the calibrated rewrite vs dense in the real loop, at :data:`BENCH_CONTEXTS`,
     teacher-forced on ``tokens`` (the calibration's text): on the cached SmolLM2 KV export (node names
     are those of the full export), or, when the calibrated model is an onnxruntime-genai decoder, on
     its folder (rewritten into a temporary one)."""
     import tempfile
 
-    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")},
-                           overrides=parse_overrides({"layers": entries}))
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(), enabled=False, target="all")}, plan=gating)
     with tempfile.TemporaryDirectory(prefix="ortsparse-calibrate-") as workdir:
         folder = genai_folder(model_file)
         if folder is not None:

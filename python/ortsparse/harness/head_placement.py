@@ -36,7 +36,8 @@ from onnx import helper
 
 from .. import flag_types
 from ..benchmarking import cache_flusher, python_command, sign_test, time_sessions
-from ..graph_rewrite.layer_settings import override_entries, rewritten_with
+from ..graph_rewrite.config import NodePlan
+from ..graph_rewrite.layer_settings import rewritten_with
 from ..runtime import open_session, thread_options
 
 # KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
@@ -117,7 +118,7 @@ def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: f
         nbits, k, n = single_node_model(model, name)
     except (ValueError, KeyError) as error:
         return HeadTiming(name, 0, 0, None, None, 0, False, f"not measured: {error}")
-    ours = rewritten_with(nbits, override_entries("kwta", [(name, DENSE_ON_OURS)], rest=None))
+    ours = rewritten_with(nbits, NodePlan("kwta", {name: DENSE_ON_OURS}, rest=None))
     if not any(node.op_type == OURS_OP for node in ours.graph.node):
         return HeadTiming(name, k, n, None, None, 0, False, "our rewrite does not take this head")
     graphs = (nbits.SerializeToString(), ours.SerializeToString())

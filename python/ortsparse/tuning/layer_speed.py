@@ -51,7 +51,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
-from ..graph_rewrite.layer_settings import override_entries, rewritten_with
+from ..graph_rewrite.config import NodePlan
+from ..graph_rewrite.layer_settings import rewritten_with
 from ..harness.allocation import Unit, gated_layers, units_of
 from ..harness.source import ModelSource
 from ..runtime import open_session, thread_options
@@ -231,7 +232,7 @@ def _prepare_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequ
     sessions: dict[Any, Any] = {"input": open_session(graph, options)}
     for keep in keeps:
         gate = {"threshold": keep_threshold(row, keep), "k_frac": 1.0, "block": 1}
-        ours = rewritten_with(graph, override_entries("kwta", [(n, gate) for n in layer_names], rest=None))
+        ours = rewritten_with(graph, NodePlan("kwta", {n: gate for n in layer_names}, rest=None))
         if {node.op_type for node in ours.graph.node} & {node.op_type for node in graph.graph.node}:
             return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
         sessions[float(keep)] = open_session(ours, options)

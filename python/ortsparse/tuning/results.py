@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..graph_rewrite.config import NodePlan
 from ..harness.allocation import LmLoss, Prepared
 from ..harness.source import ModelSource
 from ..harness.text import BosChoice
@@ -104,14 +105,14 @@ class CalibrationPath:
 @dataclasses.dataclass
 class Choice:
     """Stage 5: the fitted curve along the path and the chosen point; when it gates anything, the
-    per-layer decision (``layer_settings``: node -> KWTA settings, in the allocation's order) with
-    its planned ``sparsity`` per layer and the allocation's record."""
+    per-layer decision (``plan``: node -> KWTA settings, what the rewrite applies) with its planned
+    ``sparsity`` per layer and the allocation's record."""
 
     selection: Selection
     band: tuple[np.ndarray, np.ndarray]  # 5-95% bootstrap of the fitted trend per point
     points: list[PathPoint]
     method: str
-    layer_settings: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    plan: NodePlan | None = None
     sparsity: dict[str, float] = dataclasses.field(default_factory=dict)
     allocation: dict[str, Any] = dataclasses.field(default_factory=dict)  # Allocation.report() + head placement
 

@@ -44,11 +44,9 @@ from .._library import reset_metrics
 from ..benchmarking import machine_info, versions
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ..graph_rewrite.as_decoded import as_decoded
-from ..graph_rewrite.config import parse_overrides
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.files import rewrite_file
 from ..graph_rewrite.genai import rewrite_genai_folder, source_entries, written_by_ortsparse
-from ..graph_rewrite.layer_settings import override_entries
 from ..graph_rewrite.output_paths import Inputs, OutputFiles, resolve_report_stem
 from ..graph_rewrite.rules import DOMAIN
 from ..graph_rewrite.techniques.popcount import AttentionSettings
@@ -235,7 +233,7 @@ def choose(inputs: TuneInputs, path: CalibrationPath, windows: Windows, log: Cal
                                       search.history(points))
     result.dense_on_ours, placement = head_placement.place_heads(inputs.source.weights, result.dense_on_ours,
                                                                  threads=inputs.threads, log=log)
-    chosen.layer_settings, chosen.sparsity = result.layer_settings(), result.sparsity()
+    chosen.plan, chosen.sparsity = result.plan(), result.sparsity()
     chosen.allocation = {**result.report(), "head_placement": placement}
     log(f"tune: chose {point.skipped:.1%} of gated bytes skipped (calibration dppl {chosen.calibration_dppl:+.2%}, "
         f"bound {chosen.bound:+.2%} for {windows.check} check windows)")
@@ -270,8 +268,7 @@ def rewrite_config(choice: Choice, attention: AttentionSettings | None,
     (so ``max_gated_rows`` reaches every gated layer)."""
     return RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(max_gated_rows=max_gated_rows), enabled=False,
                                                              target="all")},
-                         overrides=parse_overrides({"layers": override_entries("kwta", choice.layer_settings)}),
-                         attention=attention)
+                         plan=choice.plan, attention=attention)
 
 
 def stage_model(inputs: TuneInputs, choice: Choice, outputs: OutputFiles, destination: Path) -> StagedModel:
