@@ -38,10 +38,19 @@ def test_tokenizer_beside_the_model_and_explicit(text):
 
 
 def test_quality_scores_a_text(capsys, text, tmp_path):
+    """The windows scored are the text's tokens (with the tokenizer's BOS first, if it adds one)."""
+    import json
+
+    from ortsparse.harness.perplexity import perplexity
+    from ortsparse.harness.text import resolve_bos
+
     out = tmp_path / "q.json"
     assert main(["quality", str(GENAI), "--text", str(text), "--windows", "2", "--window-len", "8",
                  "--kwta-k", "1.0", "--json", str(out), "-q"]) == 0
-    assert out.is_file()
+    result = json.loads(out.read_text())["result"]
+    expected = perplexity(GENAI / "model.onnx", text_tokens(text, GENAI), 2, 8, bos=resolve_bos("auto", GENAI))
+    assert (result["windows"], result["window_len"], result["tokens"]) == (2, 8, expected["tokens"])
+    assert result["ppl_dense"] == pytest.approx(expected["ppl"], rel=1e-9)
 
 
 def test_missing_tokenizer_is_one_line(capsys, text):
