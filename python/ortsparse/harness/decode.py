@@ -139,6 +139,8 @@ class GenaiStepper:
         # sliding-window layers the config lists) do not grow.
         window = self.info.config["model"]["decoder"].get("sliding_window")
         windowed = len(window.get("layers") or []) if isinstance(window, dict) else 0
+        # GroupQueryAttention refuses window-sized buffers shorter than their window (Gemma-3: 512)
+        self.window_size = int(window.get("window_size") or 0) if isinstance(window, dict) else 0
         self.kv_bytes_per_position = 2 * (self.info.layers - windowed) * self.info.kv_heads * self.info.head_size * 4
 
     @property
@@ -146,12 +148,13 @@ class GenaiStepper:
         return self.info.context_length
 
     def reset(self, capacity: int = 0) -> None:
-        """A new Generator whose shared KV buffer holds ``capacity`` positions (default: the
-        config's context length)."""
+        """A new Generator whose shared KV buffer holds ``capacity`` positions, at least the sliding
+        window (default: the config's context length)."""
         self.generator = None  # release the old KV buffer before the next one is allocated
         params = self.og.GeneratorParams(self.model)
         limit = self.info.context_length
         capacity = min(capacity, limit) if capacity and limit else capacity or limit or 2048
+        capacity = max(capacity, self.window_size)
         params.set_search_options(max_length=int(capacity), do_sample=False)
         self.generator = self.og.Generator(self.model, params)
 
