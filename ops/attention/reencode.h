@@ -70,8 +70,20 @@ class Reencoder {
                     const TaskRunner& runner);
 
  private:
+  struct Pass;        // one call's plan and its rows' kinds (reencode.cc)
+  struct HeadCounts;  // what one (b, kv head) task did
+  struct RowScratch;  // a task's work buffers
+
   ReencodeStats run_locked(const AttentionCall& call, const ReencodeParams& params, const kernels::KernelSet& kernels,
                            const TaskRunner& runner);
+  bool same_call(const AttentionCall& call, const ReencodeParams& params) const;
+  void reset_state(const AttentionDims& dims, size_t mask_bytes);
+  bool classify_head(Pass& pass, size_t head) const;
+  void update_head(const Pass& pass, size_t head, HeadCounts& counts);
+  bool correct_row(const Pass& pass, size_t head, size_t g, size_t i, RowScratch& scratch, HeadCounts& counts);
+  void store_head_inputs(const Pass& pass, size_t head);
+  void recompute_rows(const Pass& pass, size_t head, const std::vector<size_t>& redo, HeadCounts& counts);
+  void keep_call(const AttentionCall& call, const ReencodeParams& params, const Pass& pass);
 
   std::mutex mutex_;
   // The previous call (valid only when `valid`).
