@@ -79,6 +79,15 @@ struct Scratch {
     }
   }
 
+  // Before a call: the counters zeroed, the buffers sized for its longest key range.
+  void start_call(size_t keys, size_t packed_dim) {
+    keys_total = keys_exact = pages_total = pages_visited = 0;
+    rows_paged = rows_certified = 0;
+    certified_ranked = budget_ranked = 0;
+    gap_max = -1.0f;
+    reserve(keys, packed_dim);
+  }
+
   void reserve(size_t keys, size_t packed_dim) {
     const size_t pad = ((keys + kLanes - 1) / kLanes + 1) * kLanes + kernels::kIndexSlack;
     const size_t qwords = 2 * ((packed_dim + 63) / 64) + 1;
@@ -494,96 +503,107 @@ ReuseResult attend_row_reused(const CallPlan& p, size_t hk, const float* q, cons
   return kReuseDone;
 }
 
-// One query row: exact attention, or selection + exact refine of the kept keys.
-void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
-  const AttentionCall& c = *p.call;
-  const AttentionDims& dd = c.dims;
+// One query row as attend_row's paths read it.
+struct QueryRow {
+  size_t hk = 0;  // b·Hkv + the row's KV head: its key cache head
+  const float* q = nullptr;
+  const float* khead = nullptr;  // the KV head's K and V rows, row strides ldk, ldv
+  const float* vhead = nullptr;
+  size_t ldk = 0, ldv = 0;
+  float* y = nullptr;
+  KeyRange r;
+  MaskRow m;
+  float sink = kNegInf;  // the softmax's extra logit (-inf: none)
+};
+
+// Exact attention over the row's whole range.
+void exact_row(const CallPlan& p, const QueryRow& row, Scratch& s) {
+  const size_t n = row.r.hi - row.r.lo;
+  exact_scores(*p.kernels, p.score, row.q, p.call->dims.d, row.khead, row.ldk, row.m, row.r.lo, nullptr, n,
+               s.scores.data());
+  softmax_pv(*p.kernels, s.scores.data(), row.vhead, row.ldv, p.call->dims.dv, row.r.lo, nullptr, n, row.y, row.sink);
+  s.keys_exact += n;
+}
+
+// Relative L2 distance of output a from output y.
+float relative_gap(const float* a, const float* y, size_t dv) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t t = 0; t < dv; ++t) {
+    diff += (static_cast<double>(a[t]) - y[t]) * (static_cast<double>(a[t]) - y[t]);
+    norm += static_cast<double>(y[t]) * y[t];
+  }
+  return static_cast<float>(std::sqrt(diff / std::max(norm, 1e-30)));
+}
+
+// A pages row with more unprotected keys than topk: its head's previous page choice reused where
+// event-driven attention planned it (mem: the head's memory, null without the plan), else ranked
+// here; a ranked row that stands for a budget reuse (kRankChecked) also computes that reuse, for the
+// gap check. False: the row is left to exact attention.
+bool attend_row_by_pages(const CallPlan& p, size_t b, size_t h, const QueryRow& row, HeadMemory* mem, Scratch& s) {
+  const HeadAction action = mem ? (*p.actions)[b * p.call->dims.h + h] : HeadAction::kRank;
+  ReuseResult reused = kReuseRank;
+  bool done = false;
+  if (action == HeadAction::kReuseCertified || action == HeadAction::kReuseBudget) {
+    const bool certified = action == HeadAction::kReuseCertified;
+    reused = attend_row_reused(p, row.hk, row.q, row.khead, row.ldk, row.vhead, row.ldv, row.r, row.m, row.sink,
+                               row.y, s, *mem, certified);
+    done = reused == kReuseDone;
+    if (done) ++mem->age;
+    if (reused == kReuseRank) ++(certified ? s.certified_ranked : s.budget_ranked);
+  }
+  if (action == HeadAction::kRankChecked) {
+    // The reuse the budget chose, beside the ranked row it stands for: their relative L2 gap.
+    const size_t dv = p.call->dims.dv;
+    if (s.check.size() < dv) s.check.resize(dv);
+    reused = attend_row_reused(p, row.hk, row.q, row.khead, row.ldk, row.vhead, row.ldv, row.r, row.m, row.sink,
+                               s.check.data(), s, *mem, false);
+    done = attend_row_pages(p, row.hk, row.q, row.khead, row.ldk, row.vhead, row.ldv, row.r, row.m, row.sink, row.y,
+                            s, mem);
+    if (reused == kReuseDone && done) {
+      const float gap = relative_gap(s.check.data(), row.y, dv);
+      s.gap_max = std::isnan(gap) ? gap : std::max(s.gap_max, gap);
+    }
+  } else if (reused == kReuseRank) {
+    done = attend_row_pages(p, row.hk, row.q, row.khead, row.ldk, row.vhead, row.ldv, row.r, row.m, row.sink, row.y,
+                            s, mem);
+  }
+  return done;
+}
+
+// The popcount / energy selector on a row with more keys than topk: approximate scores of the
+// range, the protected keys forced in, the best candidates (candidates · topk) refined exactly and,
+// when oversampled, the topk best exact scores kept; topk = 0: softmax of the approximate scores.
+void attend_row_selected(const CallPlan& p, const QueryRow& row, Scratch& s) {
   const PopcountAttentionConfig& cfg = *p.config;
   const kernels::KernelSet& ks = *p.kernels;
-  const size_t hkv = h / (dd.h / dd.hkv), hk = b * dd.hkv + hkv;
-  const float* q = c.q + c.q_rows.at(b, h, i);
-  const float* khead = c.k + c.k_rows.at(b, hkv, 0);
-  const float* vhead = c.v + c.v_rows.at(b, hkv, 0);
-  const size_t ldk = c.k_rows.pos, ldv = c.v_rows.pos;
-  float* y = c.y + c.y_rows.at(b, h, i);
-  const KeyRange r = key_range(p, b, i);
-  const size_t n = r.hi - r.lo;
-  const MaskRow m = mask_row(c.mask, b, h, i);
-  const float sink = c.head_sink ? c.head_sink[h] : cfg.smooth_softmax ? 0.0f : kNegInf;
-  s.keys_total += n;
-  const size_t topk = static_cast<size_t>(cfg.topk);
-  auto exact_all = [&]() {
-    exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, nullptr, n, s.scores.data());
-    softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
-    s.keys_exact += n;
-  };
-  // Rows with few keys are exact: per row, so a prompt's rows select exactly as decode steps would.
-  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk) || n < static_cast<size_t>(cfg.min_keys))
-    return exact_all();
-  if (cfg.select == Selector::kPages) {
-    const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
-    HeadMemory* mem = p.reuse ? &p.reuse->memory(b, h) : nullptr;
-    const HeadAction action = mem ? (*p.actions)[b * dd.h + h] : HeadAction::kRank;
-    bool done = false;
-    if (n - protected_keys > topk) {
-      ReuseResult reused = kReuseRank;
-      if (action == HeadAction::kReuseCertified || action == HeadAction::kReuseBudget) {
-        const bool certified = action == HeadAction::kReuseCertified;
-        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, *mem, certified);
-        done = reused == kReuseDone;
-        if (done) ++mem->age;
-        if (reused == kReuseRank) ++(certified ? s.certified_ranked : s.budget_ranked);
-      }
-      if (action == HeadAction::kRankChecked) {
-        // The reuse the budget chose, beside the ranked row it stands for: their relative L2 gap.
-        if (s.check.size() < dd.dv) s.check.resize(dd.dv);
-        reused = attend_row_reused(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, s.check.data(), s, *mem, false);
-        done = attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, mem);
-        if (reused == kReuseDone && done) {
-          double diff = 0.0, norm = 0.0;
-          for (size_t t = 0; t < dd.dv; ++t) {
-            diff += (static_cast<double>(s.check[t]) - y[t]) * (static_cast<double>(s.check[t]) - y[t]);
-            norm += static_cast<double>(y[t]) * y[t];
-          }
-          const float gap = static_cast<float>(std::sqrt(diff / std::max(norm, 1e-30)));
-          s.gap_max = std::isnan(gap) ? gap : std::max(s.gap_max, gap);
-        }
-      } else if (reused == kReuseRank) {
-        done = attend_row_pages(p, hk, q, khead, ldk, vhead, ldv, r, m, sink, y, s, mem);
-      }
-    }
-    if (!done) {
-      if (mem) mem->valid = false;
-      exact_all();
-    }
-    return;
-  }
-
+  const AttentionDims& dd = p.call->dims;
+  const KeyRange& r = row.r;
+  const size_t n = r.hi - r.lo, topk = static_cast<size_t>(cfg.topk);
   float* sel = s.sel.data();
-  selector_scores(p, q, hk, r, s);
+  selector_scores(p, row.q, row.hk, r, s);
   if (p.score.softcap > 0.0f) {  // monotone: only the approximate path's softmax sees it
     const float inv = 1.0f / p.score.softcap;
     for (size_t j = 0; j < n; ++j) sel[j] = p.score.softcap * std::tanh(sel[j] * inv);
   }
-  add_mask(m, r.lo, sel, n);
+  add_mask(row.m, r.lo, sel, n);
   // A NaN selector score (NaN in q, in a key or its bias, or in the centering mean) ranks above the
   // protected keys' +inf and says nothing about the exact score: the row is computed exactly, so
   // NaN reaches the output exactly where exact attention puts it.
-  if (topk > 0 && std::any_of(sel, sel + n, [](float v) { return std::isnan(v); })) return exact_all();
+  if (topk > 0 && std::any_of(sel, sel + n, [](float v) { return std::isnan(v); })) return exact_row(p, row, s);
   if (topk == 0) {  // pure approximate path: softmax of the approximate scores
-    softmax_pv(ks, sel, vhead, ldv, dd.dv, r.lo, nullptr, n, y, sink);
+    softmax_pv(ks, sel, row.vhead, row.ldv, dd.dv, r.lo, nullptr, n, row.y, row.sink);
     return;
   }
   // Exported models mask with a huge finite value (finfo.min): such keys are out of the selection
   // as -inf ones are (never candidates, never protected); refine still adds the mask as given.
-  if (m.add)
+  if (row.m.add)
     for (size_t j = 0; j < n; ++j) sel[j] = sel[j] < kMaskedOut ? kNegInf : sel[j];
   // Protected keys (the first keep_first, the last keep_recent of the range) are always kept:
   // +inf outranks every selector score. Masked-out keys stay out.
   const size_t first = std::min(n, static_cast<size_t>(cfg.keep_first));
   const size_t recent_begin = n - std::min(n, static_cast<size_t>(cfg.keep_recent));
   size_t allowed = n, forced = 0;
-  if (m.any()) {
+  if (row.m.any()) {
     allowed = 0;
     for (size_t j = 0; j < n; ++j) allowed += sel[j] != kNegInf;
   }
@@ -595,15 +615,16 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
   };
   for (size_t j = 0; j < first; ++j) protect(j);
   for (size_t j = std::max(first, recent_begin); j < n; ++j) protect(j);
-  if (allowed <= topk + forced) return exact_all();
+  if (allowed <= topk + forced) return exact_row(p, row, s);
 
   const size_t want = std::min<size_t>(
       allowed, forced + std::max<size_t>(topk, static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk))));
   int32_t* kept = s.kept.data();
   const size_t count = kernels::select_top_k(*ks.select, sel, n, want, kept, s.select);
-  exact_scores(ks, p.score, q, dd.d, khead, ldk, m, r.lo, kept, count, s.scores.data());
+  exact_scores(ks, p.score, row.q, dd.d, row.khead, row.ldk, row.m, r.lo, kept, count, s.scores.data());
   s.keys_exact += count;
-  if (count <= topk + forced) return softmax_pv(ks, s.scores.data(), vhead, ldv, dd.dv, r.lo, kept, count, y, sink);
+  if (count <= topk + forced)
+    return softmax_pv(ks, s.scores.data(), row.vhead, row.ldv, dd.dv, r.lo, kept, count, row.y, row.sink);
 
   // Oversampled candidates: keep the topk best exact scores among them (plus the protected).
   float* rank = s.sel.data();  // the selector scores are no longer needed
@@ -618,7 +639,37 @@ void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
     fs[t] = s.scores[static_cast<size_t>(fin[t])];
     fin[t] = kept[static_cast<size_t>(fin[t])];
   }
-  softmax_pv(ks, fs, vhead, ldv, dd.dv, r.lo, fin, nf, y, sink);
+  softmax_pv(ks, fs, row.vhead, row.ldv, dd.dv, r.lo, fin, nf, row.y, row.sink);
+}
+
+// One query row: exact attention, or selection + exact refine of the kept keys.
+void attend_row(const CallPlan& p, size_t b, size_t h, size_t i, Scratch& s) {
+  const AttentionCall& c = *p.call;
+  const AttentionDims& dd = c.dims;
+  const PopcountAttentionConfig& cfg = *p.config;
+  const size_t hkv = h / (dd.h / dd.hkv);
+  QueryRow row;
+  row.hk = b * dd.hkv + hkv;
+  row.q = c.q + c.q_rows.at(b, h, i);
+  row.khead = c.k + c.k_rows.at(b, hkv, 0);
+  row.vhead = c.v + c.v_rows.at(b, hkv, 0);
+  row.ldk = c.k_rows.pos;
+  row.ldv = c.v_rows.pos;
+  row.y = c.y + c.y_rows.at(b, h, i);
+  row.r = key_range(p, b, i);
+  row.m = mask_row(c.mask, b, h, i);
+  row.sink = c.head_sink ? c.head_sink[h] : cfg.smooth_softmax ? 0.0f : kNegInf;
+  const size_t n = row.r.hi - row.r.lo, topk = static_cast<size_t>(cfg.topk);
+  s.keys_total += n;
+  // Rows with few keys are exact: per row, so a prompt's rows select exactly as decode steps would.
+  if (p.keys == nullptr || n == 0 || (topk > 0 && n <= topk) || n < static_cast<size_t>(cfg.min_keys))
+    return exact_row(p, row, s);
+  if (cfg.select != Selector::kPages) return attend_row_selected(p, row, s);
+  const size_t protected_keys = std::min(n, static_cast<size_t>(cfg.keep_first) + static_cast<size_t>(cfg.keep_recent));
+  HeadMemory* mem = p.reuse ? &p.reuse->memory(b, h) : nullptr;
+  if (n - protected_keys > topk && attend_row_by_pages(p, b, h, row, mem, s)) return;
+  if (mem) mem->valid = false;  // the head's choice is not this row's: the next step ranks
+  exact_row(p, row, s);
 }
 
 // Exact attention for the query heads that share a KV head, together: within a call whose mask
@@ -787,6 +838,182 @@ void poison_unread_value_columns(const CallPlan& p, const TaskRunner& runner) {
   });
 }
 
+
+// The scale of the call's scores: the attribute, else the caller's rounding of 1/sqrt(D), else
+// 1/sqrt(D); and the soft-cap.
+ScoreParams call_score(const PopcountAttentionConfig& config, size_t d, float scale) {
+  ScoreParams score;
+  score.scale = config.scale > 0.0f ? config.scale
+                : scale > 0.0f      ? scale
+                                    : static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  score.softcap = config.softcap;
+  return score;
+}
+
+// A prompt's rows through the tiled kernel (tiled_prefill.h) with the call's selective prefill;
+// tiled_rows (all 0 on entry) marks the rows it computed. True when nothing is left for the row
+// path: every row computed and no V row non-finite (whose NaN reaches the columns of rows that do
+// not attend its key, the pass after the row path, as in any exact call).
+bool run_tiled_prompt(const CallPlan& p, const TaskRunner& runner, std::vector<char>& tiled_rows,
+                      AttentionStats& stats) {
+  const PopcountAttentionConfig& config = *p.config;
+  TiledParams params{p.score.scale, p.score.softcap, config.causal, config.local_window, config.smooth_softmax};
+  params.select = config.prefill_select;
+  params.eps = config.prefill_eps;
+  params.budget_tiles = static_cast<size_t>((config.prefill_budget + kernels::kFlashKeys - 1) / kernels::kFlashKeys);
+  params.sink_keys = static_cast<size_t>(std::max<int64_t>(config.keep_first, 1));
+  params.recent_keys = std::max(static_cast<size_t>(config.keep_recent), kernels::kFlashKeys);
+  params.min_keys = static_cast<size_t>(config.min_keys);
+  TiledStats tiled_stats;
+  if (!tiled_attention(*p.call, *p.kernels, params, runner, tiled_rows, &tiled_stats)) return false;
+  stats.keys_total = tiled_stats.keys_total;
+  stats.keys_exact = tiled_stats.keys_total - tiled_stats.keys_skipped;
+  stats.prefill_tiles = tiled_stats.tiles;
+  stats.prefill_tiles_skipped = tiled_stats.tiles_skipped;
+  return tiled_stats.rows_left == 0 && !tiled_stats.values_nonfinite;
+}
+
+// Grouped exact attention: items = groups x parts (exact_group_part) over n_tasks tasks, then
+// each query row's parts merged (merge_parts). tiled_p: rows already computed (null: none).
+void run_grouped(const CallPlan& plan, const TaskRunner& runner, size_t parts, size_t n_tasks, Scratch* scratch_p,
+                 const char* tiled_p) {
+  const AttentionDims& dims = plan.call->dims;
+  const size_t G = dims.h / dims.hkv, groups = dims.b * dims.hkv * dims.sq, items = groups * parts;
+  const CallPlan* pp = &plan;
+  // Per (item, query of the group): the part's unnormalised output [dv], max and sum.
+  const size_t dv = dims.dv;
+  std::vector<float> outs(items * G * dv), maxes(items * G);
+  std::vector<double> sums(items * G);
+  float* outs_p = outs.data();
+  float* maxes_p = maxes.data();
+  double* sums_p = sums.data();
+  runner.run(n_tasks, [=](size_t task) {
+    const AttentionDims& dd = pp->call->dims;
+    const size_t begin = items * task / n_tasks, end = items * (task + 1) / n_tasks;
+    for (size_t item = begin; item < end; ++item) {
+      const size_t group = item / parts, part = item % parts;
+      const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
+      const KeyRange r = key_range(*pp, b, i);
+      const size_t n = r.hi - r.lo, a = r.lo + n * part / parts, e = r.lo + n * (part + 1) / parts;
+      float* out = outs_p + item * G * dv;
+      float* mx = maxes_p + item * G;
+      double* sm = sums_p + item * G;
+      size_t rows_left = G;
+      if (tiled_p != nullptr)
+        for (size_t g = 0; g < G; ++g) rows_left -= tiled_p[(b * dd.h + hk * G + g) * dd.sq + i];
+      if (a == e || rows_left == 0) {
+        std::fill(mx, mx + G, kNegInf);
+        std::fill(sm, sm + G, 0.0);
+      } else {
+        exact_group_part(*pp, b, hk, i, a, e, out, sm, mx, scratch_p[task]);
+      }
+      if (part == 0) {
+        scratch_p[task].keys_total += rows_left * n;
+        scratch_p[task].keys_exact += rows_left * n;
+      }
+    }
+  });
+  runner.run(std::min<size_t>(groups * G, 64), [=](size_t task) {
+    const AttentionCall& c = *pp->call;
+    const AttentionDims& dd = c.dims;
+    const size_t n_rows = groups * G, begin = n_rows * task / std::min<size_t>(n_rows, 64),
+                 end = n_rows * (task + 1) / std::min<size_t>(n_rows, 64);
+    for (size_t row = begin; row < end; ++row) {
+      const size_t group = row / G, g = row % G;
+      const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
+      const size_t h = hk * G + g;
+      if (tiled_p != nullptr && tiled_p[(b * dd.h + h) * dd.sq + i]) continue;
+      const float sink = c.head_sink ? c.head_sink[h] : pp->config->smooth_softmax ? 0.0f : kNegInf;
+      const size_t first = group * parts;
+      merge_parts(parts, maxes_p + first * G + g, sums_p + first * G + g, G, outs_p + first * G * dv + g * dv,
+                  G * dv, dv, sink, c.y + c.y_rows.at(b, h, i));
+    }
+  });
+}
+
+// Every query row on its own (attend_row), rows_total over n_tasks tasks. tiled_p: rows already
+// computed (null: none).
+void run_each_row(const CallPlan& plan, const TaskRunner& runner, size_t rows_total, size_t n_tasks,
+                  Scratch* scratch_p, const char* tiled_p) {
+  const CallPlan* pp = &plan;
+  runner.run(n_tasks, [=](size_t task) {
+    const AttentionDims& dd = pp->call->dims;
+    const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
+    for (size_t r = begin; r < end; ++r) {
+      const size_t b = r / (dd.sq * dd.h), h = (r / dd.sq) % dd.h, i = r % dd.sq;
+      if (tiled_p != nullptr && tiled_p[r]) continue;
+      attend_row(*pp, b, h, i, scratch_p[task]);
+    }
+  });
+}
+
+// The tasks' counters into the call's stats (and event-driven attention's gap checks).
+void add_task_stats(const CallPlan& plan, const Scratch* scratch, size_t n_tasks, AttentionStats& stats) {
+  for (size_t t = 0; t < n_tasks; ++t) {
+    stats.keys_total += scratch[t].keys_total;
+    stats.keys_exact += scratch[t].keys_exact;
+    stats.pages_total += scratch[t].pages_total;
+    stats.pages_visited += scratch[t].pages_visited;
+    stats.rows_paged += scratch[t].rows_paged;
+    stats.rows_certified += scratch[t].rows_certified;
+    stats.event.reused_certified -= scratch[t].certified_ranked;
+    stats.event.reused_budget -= scratch[t].budget_ranked;
+    stats.event.ranked += scratch[t].certified_ranked + scratch[t].budget_ranked;
+    if (plan.reuse != nullptr && scratch[t].gap_max != -1.0f) plan.reuse->report_gap(scratch[t].gap_max, stats.event);
+  }
+}
+
+// The row path: every query row the tiled prompt did not compute (tiled_p: its marks, null: no
+// prompt) — with exact attention and a head-independent mask the query heads of a KV head
+// together, else row by row; then the NaN of V rows no query read (exact calls); then the
+// counters. scratch: the run's per-task buffers.
+void run_row_path(const CallPlan& plan, const TaskRunner& runner, size_t max_keys, const char* tiled_p,
+                  std::vector<Scratch>& scratch, AttentionStats& stats) {
+  const AttentionCall& call = *plan.call;
+  const AttentionDims& dims = call.dims;
+  const size_t rows_total = dims.b * dims.h * dims.sq;
+  const bool head_free_mask = (call.mask.keep == nullptr && call.mask.add == nullptr) || call.mask.stride[1] == 0;
+  const bool grouped = plan.keys == nullptr && head_free_mask && dims.hkv > 0 && dims.h % dims.hkv == 0;
+  const size_t groups = dims.b * dims.hkv * dims.sq;
+  // Few groups (a decode step): split each group's keys in parts, so every thread has work.
+  const size_t parts = !grouped || groups >= 16 ? 1
+                       : std::max<size_t>(1, std::min((16 + groups - 1) / groups, max_keys / kMinPartKeys));
+  const size_t items = grouped ? groups * parts : rows_total;
+  const size_t n_tasks = std::min<size_t>(items, 64);
+  if (scratch.size() < n_tasks) scratch.resize(n_tasks);
+  const size_t packed_dim = plan.config->proj_bits > 0 ? static_cast<size_t>(plan.config->proj_bits) : dims.d;
+  for (size_t t = 0; t < n_tasks; ++t) scratch[t].start_call(max_keys, packed_dim);
+  if (grouped) {
+    run_grouped(plan, runner, parts, n_tasks, scratch.data(), tiled_p);
+  } else {
+    run_each_row(plan, runner, rows_total, n_tasks, scratch.data(), tiled_p);
+  }
+  if (plan.keys == nullptr) poison_unread_value_columns(plan, runner);
+  add_task_stats(plan, scratch.data(), n_tasks, stats);
+}
+
+using ScratchPool = std::vector<std::unique_ptr<void, void (*)(void*)>>;
+
+// A run's per-task buffers from the engine's pool (one set per concurrent run; grown once, reused
+// across calls), and back.
+std::unique_ptr<std::vector<Scratch>> take_scratch(std::mutex& mutex, ScratchPool& pool) {
+  std::unique_ptr<std::vector<Scratch>> scratch;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!pool.empty()) {
+      scratch.reset(static_cast<std::vector<Scratch>*>(pool.back().release()));
+      pool.pop_back();
+    }
+  }
+  if (!scratch) scratch = std::make_unique<std::vector<Scratch>>();
+  return scratch;
+}
+
+void give_back_scratch(std::mutex& mutex, ScratchPool& pool, std::unique_ptr<std::vector<Scratch>> scratch) {
+  std::lock_guard<std::mutex> lock(mutex);
+  pool.emplace_back(scratch.release(), [](void* p) { delete static_cast<std::vector<Scratch>*>(p); });
+}
+
 }  // namespace
 
 PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, const kernels::KernelSet& kernels)
@@ -834,29 +1061,9 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   if (dims.d == 0) fail("Q and K have head dim D = 0; attention needs D >= 1");
   size_t max_keys = 0;
   for (size_t b = 0; b < dims.b; ++b) max_keys = std::max(max_keys, call.keys(b));
-  CallPlan plan{&call, &config_, kernels_, ScoreParams{}, nullptr};
-  plan.score.scale = config_.scale > 0.0f ? config_.scale
-                     : scale > 0.0f          ? scale
-                                             : static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.d)));
-  plan.score.softcap = config_.softcap;
-  const bool select = config_.select != Selector::kNone && max_keys >= static_cast<size_t>(config_.min_keys) &&
-                      max_keys > 0 && (config_.topk == 0 || max_keys > static_cast<size_t>(config_.topk));
-  std::shared_ptr<const KeyCache> keys;
-  if (!select && config_.select != Selector::kNone) keys_.track(call, provenance);
-  if (select) {
-    keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed, provenance);
-    plan.keys = keys.get();
-    if (config_.select == Selector::kPopcount) {
-      for (size_t hk = 0; hk < keys->heads; ++hk) {
-        stats.bits_set += keys->bits_set[hk];
-        stats.bits_total += static_cast<uint64_t>(keys->rows[hk]) * keys->packed_dim;
-      }
-      const double density = static_cast<double>(stats.bits_set) / static_cast<double>(stats.bits_total ? stats.bits_total : 1);
-      // Sign packing is dense by construction (half the bits set); the sparsity check is for the
-      // eps-thresholded modes.
-      if (config_.mode != PackMode::kSign && density > config_.density_max) plan.keys = nullptr;
-    }
-  }
+  CallPlan plan{&call, &config_, kernels_, call_score(config_, dims.d, scale), nullptr};
+  std::shared_ptr<const KeyCache> keys;  // the selector's key summaries, held for the call
+  plan.keys = selector_keys(call, runner, provenance, max_keys, keys, stats);
   stats.packed = plan.keys != nullptr;
   // A prompt (a call of at least prefill_rows query rows) is computed exactly, every row, with the
   // tiled kernel: key selection is for decode steps, where one row reads the whole cache; a prompt
@@ -866,165 +1073,73 @@ AttentionStats PopcountAttention::run(const AttentionCall& call, const TaskRunne
   // every row) is prefill_rows = 0.
   const bool prompt = config_.prefill_rows > 0 && dims.sq >= static_cast<size_t>(config_.prefill_rows);
   // Event-driven attention: a decode step of the budgeted page selector, without a mask, whose
-  // caller says which key rows are unchanged.
+  // caller says which key rows are unchanged. The lease is held for the call.
   const uint64_t call_number = reuse_ ? reuse_->call_number() : 0;
   HeadReuse::Lease lease;
   std::vector<HeadAction> actions;
-  KeyProvenance by_hash;  // without the caller's facts: the rows the key cache found unchanged by hash
   if (reuse_ && plan.keys != nullptr && !prompt && config_.select == Selector::kPages && config_.candidates > 0.0f &&
       dims.sq == 1 && call.mask.keep == nullptr && call.mask.add == nullptr) {
-    // The rows left unchanged since the last call are what the key cache decided its reuse by: the
-    // caller's facts, or (no facts, or verify_keys: an app may rewrite rows in place) the row hashes.
-    const bool hashed = provenance == nullptr || config_.verify_keys;
-    if (hashed) {
-      by_hash.unchanged.assign(dims.b, std::numeric_limits<size_t>::max());
-      for (size_t hk = 0; hk < keys->heads; ++hk)
-        by_hash.unchanged[hk / dims.hkv] = std::min(by_hash.unchanged[hk / dims.hkv], keys->reused[hk]);
-    }
     lease = reuse_->lease();
     if (lease) {
-      actions = reuse_->plan(call_number, dims.b, dims.h, dims.d, plan.score.scale, hashed ? &by_hash : provenance,
-                             [&call](size_t b, size_t h) { return call.q + call.q_rows.at(b, h, 0); }, stats.event);
+      actions = plan_head_reuse(call, *keys, provenance, call_number, plan.score.scale, stats.event);
       plan.reuse = reuse_.get();
       plan.actions = &actions;
     }
   }
   std::vector<char> tiled_rows;  // a prompt's rows the tiled kernel computed, (b·H + h)·Sq + i
   if (prompt) {
-    // The rows it leaves (they read a non-finite input) are computed exactly by the row path below.
+    // The rows it leaves (they read a non-finite input) are computed exactly by the row path.
     plan.keys = nullptr;
     tiled_rows.assign(rows_total, 0);
-    TiledParams params{plan.score.scale, plan.score.softcap, config_.causal, config_.local_window,
-                       config_.smooth_softmax};
-    params.select = config_.prefill_select;
-    params.eps = config_.prefill_eps;
-    params.budget_tiles = static_cast<size_t>((config_.prefill_budget + kernels::kFlashKeys - 1) / kernels::kFlashKeys);
-    params.sink_keys = static_cast<size_t>(std::max<int64_t>(config_.keep_first, 1));
-    params.recent_keys = std::max(static_cast<size_t>(config_.keep_recent), kernels::kFlashKeys);
-    params.min_keys = static_cast<size_t>(config_.min_keys);
-    TiledStats tiled_stats;
-    if (tiled_attention(call, *kernels_, params, runner, tiled_rows, &tiled_stats)) {
-      stats.keys_total = tiled_stats.keys_total;
-      stats.keys_exact = tiled_stats.keys_total - tiled_stats.keys_skipped;
-      stats.prefill_tiles = tiled_stats.tiles;
-      stats.prefill_tiles_skipped = tiled_stats.tiles_skipped;
-      // A NaN / Inf in V also reaches the columns of rows that do not attend its key (the pass
-      // after the row path), as in any exact call.
-      if (tiled_stats.rows_left == 0 && !tiled_stats.values_nonfinite) return stats;
-    }
+    if (run_tiled_prompt(plan, runner, tiled_rows, stats)) return stats;
   }
-
-  // Exact attention with a head-independent mask: the query heads of a KV head together.
-  const bool head_free_mask = (call.mask.keep == nullptr && call.mask.add == nullptr) || call.mask.stride[1] == 0;
-  const bool grouped = plan.keys == nullptr && head_free_mask && dims.hkv > 0 && dims.h % dims.hkv == 0;
-  const size_t G = grouped ? dims.h / dims.hkv : 1;
-  const size_t groups = dims.b * dims.hkv * dims.sq;
-  // Few groups (a decode step): split each group's keys in parts, so every thread has work.
-  const size_t parts = !grouped || groups >= 16 ? 1
-                       : std::max<size_t>(1, std::min((16 + groups - 1) / groups, max_keys / kMinPartKeys));
-  const size_t items = grouped ? groups * parts : rows_total;
-  const size_t n_tasks = std::min<size_t>(items, 64);
-  std::unique_ptr<std::vector<Scratch>> pooled;
-  {
-    std::lock_guard<std::mutex> lock(scratch_mutex_);
-    if (!scratch_pool_.empty()) {
-      pooled.reset(static_cast<std::vector<Scratch>*>(scratch_pool_.back().release()));
-      scratch_pool_.pop_back();
-    }
-  }
-  if (!pooled) pooled = std::make_unique<std::vector<Scratch>>();
-  std::vector<Scratch>& scratch = *pooled;
-  if (scratch.size() < n_tasks) scratch.resize(n_tasks);
-  const size_t packed_dim = config_.proj_bits > 0 ? static_cast<size_t>(config_.proj_bits) : dims.d;
-  for (size_t t = 0; t < n_tasks; ++t) {
-    scratch[t].keys_total = scratch[t].keys_exact = scratch[t].pages_total = scratch[t].pages_visited = 0;
-    scratch[t].rows_paged = scratch[t].rows_certified = 0;
-    scratch[t].certified_ranked = scratch[t].budget_ranked = 0;
-    scratch[t].gap_max = -1.0f;
-    scratch[t].reserve(max_keys, packed_dim);
-  }
-  Scratch* scratch_p = scratch.data();
-  const CallPlan* pp = &plan;
-  const char* tiled_p = tiled_rows.empty() ? nullptr : tiled_rows.data();  // rows already computed
-  if (grouped) {
-    // Per (item, query of the group): the part's unnormalised output [dv], max and sum.
-    const size_t dv = dims.dv;
-    std::vector<float> outs(items * G * dv), maxes(items * G);
-    std::vector<double> sums(items * G);
-    float* outs_p = outs.data();
-    float* maxes_p = maxes.data();
-    double* sums_p = sums.data();
-    runner.run(n_tasks, [=](size_t task) {
-      const AttentionDims& dd = pp->call->dims;
-      const size_t begin = items * task / n_tasks, end = items * (task + 1) / n_tasks;
-      for (size_t item = begin; item < end; ++item) {
-        const size_t group = item / parts, part = item % parts;
-        const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
-        const KeyRange r = key_range(*pp, b, i);
-        const size_t n = r.hi - r.lo, a = r.lo + n * part / parts, e = r.lo + n * (part + 1) / parts;
-        float* out = outs_p + item * G * dv;
-        float* mx = maxes_p + item * G;
-        double* sm = sums_p + item * G;
-        size_t rows_left = G;
-        if (tiled_p != nullptr)
-          for (size_t g = 0; g < G; ++g) rows_left -= tiled_p[(b * dd.h + hk * G + g) * dd.sq + i];
-        if (a == e || rows_left == 0) {
-          std::fill(mx, mx + G, kNegInf);
-          std::fill(sm, sm + G, 0.0);
-        } else {
-          exact_group_part(*pp, b, hk, i, a, e, out, sm, mx, scratch_p[task]);
-        }
-        if (part == 0) {
-          scratch_p[task].keys_total += rows_left * n;
-          scratch_p[task].keys_exact += rows_left * n;
-        }
-      }
-    });
-    runner.run(std::min<size_t>(groups * G, 64), [=](size_t task) {
-      const AttentionCall& c = *pp->call;
-      const AttentionDims& dd = c.dims;
-      const size_t n_rows = groups * G, begin = n_rows * task / std::min<size_t>(n_rows, 64),
-                   end = n_rows * (task + 1) / std::min<size_t>(n_rows, 64);
-      for (size_t row = begin; row < end; ++row) {
-        const size_t group = row / G, g = row % G;
-        const size_t b = group / (dd.hkv * dd.sq), hk = (group / dd.sq) % dd.hkv, i = group % dd.sq;
-        const size_t h = hk * G + g;
-        if (tiled_p != nullptr && tiled_p[(b * dd.h + h) * dd.sq + i]) continue;
-        const float sink = c.head_sink ? c.head_sink[h] : pp->config->smooth_softmax ? 0.0f : kNegInf;
-        const size_t first = group * parts;
-        merge_parts(parts, maxes_p + first * G + g, sums_p + first * G + g, G, outs_p + first * G * dv + g * dv,
-                    G * dv, dv, sink, c.y + c.y_rows.at(b, h, i));
-      }
-    });
-  } else {
-    runner.run(n_tasks, [=](size_t task) {
-      const AttentionDims& dd = pp->call->dims;
-      const size_t begin = rows_total * task / n_tasks, end = rows_total * (task + 1) / n_tasks;
-      for (size_t r = begin; r < end; ++r) {
-        const size_t b = r / (dd.sq * dd.h), h = (r / dd.sq) % dd.h, i = r % dd.sq;
-        if (tiled_p != nullptr && tiled_p[r]) continue;
-        attend_row(*pp, b, h, i, scratch_p[task]);
-      }
-    });
-  }
-  if (plan.keys == nullptr) poison_unread_value_columns(plan, runner);
-  for (size_t t = 0; t < n_tasks; ++t) {
-    stats.keys_total += scratch[t].keys_total;
-    stats.keys_exact += scratch[t].keys_exact;
-    stats.pages_total += scratch[t].pages_total;
-    stats.pages_visited += scratch[t].pages_visited;
-    stats.rows_paged += scratch[t].rows_paged;
-    stats.rows_certified += scratch[t].rows_certified;
-    stats.event.reused_certified -= scratch[t].certified_ranked;
-    stats.event.reused_budget -= scratch[t].budget_ranked;
-    stats.event.ranked += scratch[t].certified_ranked + scratch[t].budget_ranked;
-    if (plan.reuse != nullptr && scratch[t].gap_max != -1.0f) plan.reuse->report_gap(scratch[t].gap_max, stats.event);
-  }
-  {
-    std::lock_guard<std::mutex> lock(scratch_mutex_);
-    scratch_pool_.emplace_back(pooled.release(), [](void* p) { delete static_cast<std::vector<Scratch>*>(p); });
-  }
+  std::unique_ptr<std::vector<Scratch>> scratch = take_scratch(scratch_mutex_, scratch_pool_);
+  run_row_path(plan, runner, max_keys, tiled_rows.empty() ? nullptr : tiled_rows.data(), *scratch, stats);
+  give_back_scratch(scratch_mutex_, scratch_pool_, std::move(scratch));
   return stats;
+}
+
+// The selector's key summaries for the call (keys, held by the caller) and whether the selector
+// runs: null when it does not — select = none, too few keys (the cache then only tracks K's rows,
+// for the next call's reuse), or a binary / ternary packing denser than density_max.
+const KeyCache* PopcountAttention::selector_keys(const AttentionCall& call, const TaskRunner& runner,
+                                                 const KeyProvenance* provenance, size_t max_keys,
+                                                 std::shared_ptr<const KeyCache>& keys, AttentionStats& stats) const {
+  const bool select = config_.select != Selector::kNone && max_keys >= static_cast<size_t>(config_.min_keys) &&
+                      max_keys > 0 && (config_.topk == 0 || max_keys > static_cast<size_t>(config_.topk));
+  if (!select) {
+    if (config_.select != Selector::kNone) keys_.track(call, provenance);
+    return nullptr;
+  }
+  keys = keys_.prepare(call, *kernels_, runner, stats.keys_packed, provenance);
+  if (config_.select != Selector::kPopcount) return keys.get();
+  for (size_t hk = 0; hk < keys->heads; ++hk) {
+    stats.bits_set += keys->bits_set[hk];
+    stats.bits_total += static_cast<uint64_t>(keys->rows[hk]) * keys->packed_dim;
+  }
+  const double density = static_cast<double>(stats.bits_set) / static_cast<double>(stats.bits_total ? stats.bits_total : 1);
+  // Sign packing is dense by construction (half the bits set); the sparsity check is for the
+  // eps-thresholded modes.
+  if (config_.mode != PackMode::kSign && density > config_.density_max) return nullptr;
+  return keys.get();
+}
+
+// Event-driven attention's plan of a decode step (head_reuse.h): each (b, h)'s action. The rows
+// left unchanged since the last call are what the key cache decided its reuse by: the caller's
+// facts, or (no facts, or verify_keys: an app may rewrite rows in place) the row hashes.
+std::vector<HeadAction> PopcountAttention::plan_head_reuse(const AttentionCall& call, const KeyCache& keys,
+                                                           const KeyProvenance* provenance, uint64_t call_number,
+                                                           float scale, HeadReuseStats& stats) const {
+  const AttentionDims& dims = call.dims;
+  const bool hashed = provenance == nullptr || config_.verify_keys;
+  KeyProvenance by_hash;
+  if (hashed) {
+    by_hash.unchanged.assign(dims.b, std::numeric_limits<size_t>::max());
+    for (size_t hk = 0; hk < keys.heads; ++hk)
+      by_hash.unchanged[hk / dims.hkv] = std::min(by_hash.unchanged[hk / dims.hkv], keys.reused[hk]);
+  }
+  return reuse_->plan(call_number, dims.b, dims.h, dims.d, scale, hashed ? &by_hash : provenance,
+                      [&call](size_t b, size_t h) { return call.q + call.q_rows.at(b, h, 0); }, stats);
 }
 
 }  // namespace ortsparse::attention

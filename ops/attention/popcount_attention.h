@@ -102,6 +102,13 @@ class PopcountAttention {
                      const KeyProvenance* provenance = nullptr, float scale = 0.0f) const;
 
  private:
+  // run's steps that read the engine's state (popcount_attention.cc).
+  const KeyCache* selector_keys(const AttentionCall& call, const TaskRunner& runner, const KeyProvenance* provenance,
+                                size_t max_keys, std::shared_ptr<const KeyCache>& keys, AttentionStats& stats) const;
+  std::vector<HeadAction> plan_head_reuse(const AttentionCall& call, const KeyCache& keys,
+                                          const KeyProvenance* provenance, uint64_t call_number, float scale,
+                                          HeadReuseStats& stats) const;
+
   PopcountAttentionConfig config_;
   const kernels::KernelSet* kernels_;
   KeyCacheSlot keys_;
