@@ -168,44 +168,60 @@ BackendStats QuantBackend::run_quant(const float* x, size_t m, const GatedRows& 
   return stats;
 }
 
-// Decode: per token, its K-blocks split into a few chunks; each task streams the kept rows of its
-// blocks (whole panel rows) into a partial sum per column, and the partials are added at the end.
-// A layer of decode_panel_tasks panels or more is split by panel instead (no partials to add).
-void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
-                              const float* bias, float* y, const QuantKernels& kernels,
-                              const TaskRunner& runner, BackendStats& stats) const {
-  const QuantPacked& p = weights_->packed();
-  const size_t k = p.k, n = p.n, nb = p.num_blocks, width = p.num_panels * p.panel;
-  struct Task {
-    size_t token, b0, b1, nrows, lookahead;  // lookahead: list entries after this task's (prefetched only)
-    const int32_t* rows;
-    size_t panel0, panel1, slot;  // its panels, and the partial sum it writes (partial + slot * width)
-  };
-  thread_local std::vector<Task> tasks;
-  thread_local std::vector<size_t> token_tasks;  // first task of each token, then the end
-  thread_local AlignedBuffer<float> partial_buffer, acc_buffer;
-  tasks.clear();
-  token_tasks.clear();
+namespace {
+
+// One decode task: token `token`'s kept rows within K-blocks [b0, b1) (rows: the sorted list, null:
+// every row) over panels [panel0, panel1), summed into partial sum `slot` (partial + slot · width).
+struct DecodeTask {
+  size_t token, b0, b1, nrows, lookahead;  // lookahead: list entries after this task's (prefetched only)
+  const int32_t* rows;
+  size_t panel0, panel1, slot;
+};
+
+// A decode call's work buffers, one set per calling thread, kept across calls (the tasks only see
+// what is taken from them here).
+struct DecodeBuffers {
+  std::vector<DecodeTask> tasks;
+  std::vector<size_t> token_tasks;  // first task of each token, then the end
+  AlignedBuffer<float> partial, acc;
+  // int8 decode: each token's kept activations, quantized (x_q, per-block scale and sum); masked:
+  // a token's row with its gated-off entries zeroed.
+  AlignedBuffer<float> masked;
+  AlignedBuffer<int8_t> x_q;
+  std::vector<float> x_scale;
+  std::vector<int32_t> x_sum;
+  AlignedBuffer<int32_t> iacc;
+};
+
+// The decode tasks of `tokens` into buf.tasks / buf.token_tasks; returns the partial sums they
+// write. Per token, its K-blocks in a few chunks (each streams the kept rows of its blocks, whole
+// panel rows, into a partial sum of its own), or, for a layer of decode_panel_tasks panels or
+// more, one task per panel.
+size_t plan_decode_tasks(const QuantPacked& p, const std::vector<size_t>& tokens, const GatedRows& gated,
+                         const QuantTuning& tuning, DecodeBuffers& buf) {
+  const size_t k = p.k, nb = p.num_blocks;
+  buf.tasks.clear();
+  buf.token_tasks.clear();
   size_t slots = 0;
   for (size_t t : tokens) {
-    token_tasks.push_back(tasks.size());
+    buf.token_tasks.push_back(buf.tasks.size());
     const size_t count = gated.row_count(t, k);
     // A gated token's list may be empty (and its pointer null): the kernels read rows == nullptr as
     // "every row", so an empty list points at a dummy entry instead.
     static const int32_t kNoRow = 0;
     const int32_t* rows = gated.dense[t] ? nullptr : count ? gated.rows.data() + gated.offset[t] : &kNoRow;
-    if (p.num_panels >= tuning_.decode_panel_tasks) {
+    if (p.num_panels >= tuning.decode_panel_tasks) {
       // A wide layer (a head): one task per panel, every kept row; the panels' columns are disjoint,
       // so the tasks write one partial sum and nothing is added up at the end.
       for (size_t panel = 0; panel < p.num_panels; ++panel)
-        tasks.push_back(Task{t, 0, nb, rows ? count : 0, 0, rows, panel, panel + 1, slots});
+        buf.tasks.push_back(DecodeTask{t, 0, nb, rows ? count : 0, 0, rows, panel, panel + 1, slots});
       ++slots;
       continue;
     }
     const size_t chunks = std::max<size_t>(
-        1, std::min({tuning_.decode_row_chunks, nb, count / std::max<size_t>(1, tuning_.decode_min_chunk_rows)}));
+        1, std::min({tuning.decode_row_chunks, nb, count / std::max<size_t>(1, tuning.decode_min_chunk_rows)}));
     for (size_t c = 0; c < chunks; ++c) {
-      Task task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr, 0, p.num_panels, slots++};
+      DecodeTask task{t, nb * c / chunks, nb * (c + 1) / chunks, 0, 0, nullptr, 0, p.num_panels, slots++};
       if (rows) {
         const int32_t* lo = std::lower_bound(rows, rows + count, static_cast<int32_t>(task.b0 * p.block));
         const int32_t* hi = std::lower_bound(lo, rows + count, static_cast<int32_t>(std::min(k, task.b1 * p.block)));
@@ -213,79 +229,57 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
         task.nrows = static_cast<size_t>(hi - lo);
         task.lookahead = static_cast<size_t>(rows + count - hi);
       }
-      tasks.push_back(task);
+      buf.tasks.push_back(task);
     }
   }
-  token_tasks.push_back(tasks.size());
-  // int8 decode: each token's kept activations quantized once (its gated-off rows zeroed first, so
-  // that a block's scale is its kept rows' amax), shared by the token's tasks.
-  const size_t ldq = nb * p.block;
-  thread_local AlignedBuffer<float> masked_buffer;
-  thread_local AlignedBuffer<int8_t> xq_buffer;
-  thread_local std::vector<float> xscale_buffer;
-  thread_local std::vector<int32_t> xsum_buffer;
-  thread_local AlignedBuffer<int32_t> iacc_buffer;
-  if (tuning_.int8_decode) {
-    if (xq_buffer.size() < tokens.size() * ldq) xq_buffer.resize(tokens.size() * ldq);
-    if (masked_buffer.size() < ldq) masked_buffer.resize(ldq);
-    xscale_buffer.resize(tokens.size() * nb);
-    xsum_buffer.resize(tokens.size() * nb);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      const size_t t = tokens[i];
-      const float* xt = x + t * k;
-      if (!gated.dense[t]) {
-        float* masked = masked_buffer.data();
-        std::fill(masked, masked + k, 0.0f);
-        for (size_t at = gated.offset[t]; at < gated.offset[t + 1]; ++at) masked[gated.rows[at]] = xt[gated.rows[at]];
-        xt = masked;
-      }
-      kernels.quantize(xt, k, p.block, nb, 1.0f, xq_buffer.data() + i * ldq, nullptr, xscale_buffer.data() + i * nb,
-                       xsum_buffer.data() + i * nb);
-    }
-    if (iacc_buffer.size() < tasks.size() * p.panel) iacc_buffer.resize(tasks.size() * p.panel);
-  }
-  if (partial_buffer.size() < slots * width) partial_buffer.resize(slots * width);
-  if (acc_buffer.size() < tasks.size() * p.panel) acc_buffer.resize(tasks.size() * p.panel);
-  float* const partial = partial_buffer.data();
-  float* const acc = acc_buffer.data();
-  const Task* const task_list = tasks.data();
-  size_t stream_bytes = 0;
-  for (const Task& task : tasks)
-    stream_bytes += (task.rows ? task.nrows : std::min(k, task.b1 * p.block) - task.b0 * p.block) *
-                    (task.panel1 - task.panel0) * p.panel * p.bits / 8;
-  std::function<void(size_t)> task_fn;
-  if (tuning_.int8_decode) {
-    int32_t* const iacc = iacc_buffer.data();
-    const int8_t* const xq = xq_buffer.data();
-    const float* const xscale = xscale_buffer.data();
-    const int32_t* const xsum = xsum_buffer.data();
-    const size_t* const first_task = token_tasks.data();
-    task_fn = [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
-      const Task& task = task_list[i];
-      // The token's position in `tokens`: the last token whose first task is <= i.
-      const size_t slot = static_cast<size_t>(std::upper_bound(first_task, first_task + tokens.size(), i) - first_task) - 1;
-      QuantDecodeActivations acts;
-      acts.q = xq + slot * ldq;
-      acts.scale = xscale + slot * nb;
-      acts.sum = xsum + slot * nb;
-      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
-        kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
-                            partial + task.slot * width + panel * p.panel, iacc + i * p.panel);
-    };
-  } else {
-    task_fn = [&, partial, acc, task_list](size_t i) {
-      const Task& task = task_list[i];
-      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
-        kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
-                       partial + task.slot * width + panel * p.panel, acc + i * p.panel);
-    };
-  }
-  stats.count_decode(tasks.size(), decode_dispatch_->run(runner, tasks.size(), stream_bytes, task_fn));
+  buf.token_tasks.push_back(buf.tasks.size());
+  return slots;
+}
+
+// int8 decode: each token's kept activations quantized once (its gated-off rows zeroed first, so
+// that a block's scale is its kept rows' amax), shared by the token's tasks; and the tasks' int32
+// accumulators.
+void quantize_decode_tokens(const QuantPacked& p, const float* x, const std::vector<size_t>& tokens,
+                            const GatedRows& gated, const QuantKernels& kernels, DecodeBuffers& buf) {
+  const size_t k = p.k, nb = p.num_blocks, ldq = nb * p.block;
+  if (buf.x_q.size() < tokens.size() * ldq) buf.x_q.resize(tokens.size() * ldq);
+  if (buf.masked.size() < ldq) buf.masked.resize(ldq);
+  buf.x_scale.resize(tokens.size() * nb);
+  buf.x_sum.resize(tokens.size() * nb);
   for (size_t i = 0; i < tokens.size(); ++i) {
-    const size_t t = tokens[i], first = token_tasks[i], last = token_tasks[i + 1];
+    const size_t t = tokens[i];
+    const float* xt = x + t * k;
+    if (!gated.dense[t]) {
+      float* masked = buf.masked.data();
+      std::fill(masked, masked + k, 0.0f);
+      for (size_t at = gated.offset[t]; at < gated.offset[t + 1]; ++at) masked[gated.rows[at]] = xt[gated.rows[at]];
+      xt = masked;
+    }
+    kernels.quantize(xt, k, p.block, nb, 1.0f, buf.x_q.data() + i * ldq, nullptr, buf.x_scale.data() + i * nb,
+                     buf.x_sum.data() + i * nb);
+  }
+  if (buf.iacc.size() < buf.tasks.size() * p.panel) buf.iacc.resize(buf.tasks.size() * p.panel);
+}
+
+// Weight bytes the tasks stream (the dispatch's measure of a call's size).
+size_t decode_stream_bytes(const QuantPacked& p, const std::vector<DecodeTask>& tasks) {
+  size_t bytes = 0;
+  for (const DecodeTask& task : tasks)
+    bytes += (task.rows ? task.nrows : std::min(p.k, task.b1 * p.block) - task.b0 * p.block) *
+             (task.panel1 - task.panel0) * p.panel * p.bits / 8;
+  return bytes;
+}
+
+// y of each token: bias + gate scale x the sum of its tasks' partial sums.
+void add_decode_partials(const QuantPacked& p, const std::vector<size_t>& tokens, const GatedRows& gated,
+                         const float* bias, float* y, const DecodeBuffers& buf) {
+  const size_t n = p.n, width = p.num_panels * p.panel;
+  const float* partial = buf.partial.data();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const size_t t = tokens[i], first = buf.token_tasks[i], last = buf.token_tasks[i + 1];
     const float s = gated.scale[t];
     float* yt = y + t * n;
-    const size_t slot0 = tasks[first].slot, slot1 = tasks[last - 1].slot + 1;
+    const size_t slot0 = buf.tasks[first].slot, slot1 = buf.tasks[last - 1].slot + 1;
     const float* p0 = partial + slot0 * width;
     if (slot1 - slot0 == 1) {
       for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * p0[j];
@@ -298,6 +292,56 @@ void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens,
     }
     for (size_t j = 0; j < n; ++j) yt[j] = (bias ? bias[j] : 0.0f) + s * yt[j];
   }
+}
+
+}  // namespace
+
+// Decode: the tokens' tasks planned (plan_decode_tasks), int8 activations quantized when asked,
+// the tasks run on the pool or the calling thread (the node's measured dispatch), the partial sums
+// added into y.
+void QuantBackend::run_decode(const float* x, const std::vector<size_t>& tokens, const GatedRows& gated,
+                              const float* bias, float* y, const QuantKernels& kernels,
+                              const TaskRunner& runner, BackendStats& stats) const {
+  const QuantPacked& p = weights_->packed();
+  const size_t k = p.k, nb = p.num_blocks, width = p.num_panels * p.panel, ldq = nb * p.block;
+  thread_local DecodeBuffers buf;
+  const size_t slots = plan_decode_tasks(p, tokens, gated, tuning_, buf);
+  if (tuning_.int8_decode) quantize_decode_tokens(p, x, tokens, gated, kernels, buf);
+  if (buf.partial.size() < slots * width) buf.partial.resize(slots * width);
+  if (buf.acc.size() < buf.tasks.size() * p.panel) buf.acc.resize(buf.tasks.size() * p.panel);
+  float* const partial = buf.partial.data();
+  float* const acc = buf.acc.data();
+  const DecodeTask* const task_list = buf.tasks.data();
+  std::function<void(size_t)> task_fn;
+  if (tuning_.int8_decode) {
+    int32_t* const iacc = buf.iacc.data();
+    const int8_t* const xq = buf.x_q.data();
+    const float* const xscale = buf.x_scale.data();
+    const int32_t* const xsum = buf.x_sum.data();
+    const size_t* const first_task = buf.token_tasks.data();
+    task_fn = [&, partial, iacc, task_list, xq, xscale, xsum, first_task](size_t i) {
+      const DecodeTask& task = task_list[i];
+      // The token's position in `tokens`: the last token whose first task is <= i.
+      const size_t slot = static_cast<size_t>(std::upper_bound(first_task, first_task + tokens.size(), i) - first_task) - 1;
+      QuantDecodeActivations acts;
+      acts.q = xq + slot * ldq;
+      acts.scale = xscale + slot * nb;
+      acts.sum = xsum + slot * nb;
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
+        kernels.decode_int8(p, panel, task.b0, task.b1, acts, task.rows, task.nrows, task.lookahead,
+                            partial + task.slot * width + panel * p.panel, iacc + i * p.panel);
+    };
+  } else {
+    task_fn = [&, partial, acc, task_list](size_t i) {
+      const DecodeTask& task = task_list[i];
+      for (size_t panel = task.panel0; panel < task.panel1; ++panel)
+        kernels.decode(p, panel, task.b0, task.b1, x + task.token * k, task.rows, task.nrows, task.lookahead,
+                       partial + task.slot * width + panel * p.panel, acc + i * p.panel);
+    };
+  }
+  const size_t n_tasks = buf.tasks.size();
+  stats.count_decode(n_tasks, decode_dispatch_->run(runner, n_tasks, decode_stream_bytes(p, buf.tasks), task_fn));
+  add_decode_partials(p, tokens, gated, bias, y, buf);
 }
 
 // Prefill: the dense tokens' activations are quantized once; the columns are split into chunks of
