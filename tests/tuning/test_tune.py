@@ -93,6 +93,28 @@ def staged_run(tmp_path, text):
         yield inputs, windows, choice, probe, staged, outputs, targets
 
 
+def test_the_check_reads_other_parts_of_the_text_than_the_calibration(tmp_path):
+    """The check windows tune measures come from the held-out parts of the user's text only; the
+    calibration windows (what the path was measured on) from the others, a window apart (was: every
+    third window a check window, sharing pages with the calibration)."""
+    import numpy as np
+
+    tokens = _user_tokens(4000)  # distinct chunks, so each window is found in the text
+    inputs = tune_module.resolve_inputs(GENAI, tokens, tmp_path / "tuned", max_dppl=1.0, bos=None, speed_aware=False)
+    windows = tune_module.plan_text(inputs, tune_module.open_session(inputs.baseline.decoder), lambda line: None)
+    plan, text_len = windows.plan, windows.plan.text_len
+    every = np.lib.stride_tricks.sliding_window_view(tokens, text_len)
+    offsets = {chunk.tobytes(): offset for offset, chunk in reversed(list(enumerate(every)))}
+    held = [plan.parts[i] for i in plan.held_out]
+    checked = [offsets[np.ascontiguousarray(chunk).tobytes()] for chunk in plan.check]
+    assert all(any(a <= start and start + text_len <= b for a, b in held) for start in checked)
+    assert min(checked) == 0 and max(checked) + text_len > 0.9 * tokens.size  # from the beginning to the end
+    for chunk in plan.calibration:
+        start = offsets[np.ascontiguousarray(chunk).tobytes()]
+        assert all(start + 2 * text_len <= a or b + text_len <= start for a, b in held)
+    assert plan.held_out == (0, 4, 7) and windows.held_out_parts == 3
+
+
 def test_the_check_measures_the_written_model(staged_run):
     """The held-out check runs the staged decoder (every row gated), and that decoder is what the
     commit moves into place, byte for byte."""
@@ -100,7 +122,7 @@ def test_the_check_measures_the_written_model(staged_run):
 
     inputs, windows, choice, probe, staged, outputs, targets = staged_run
     staged_bytes = staged.decoder.read_bytes()
-    held = tune_module.check_written(inputs, windows, staged, probe)
+    held = tune_module.check_written(inputs, windows, staged, probe, choice)
     written = onnx.load_from_string(staged_bytes)
     gated = [n for n in written.graph.node if n.op_type == "KwtaBlockMatMul"]
     assert gated and held.rewrite == {"KwtaBlockMatMul": len(gated)}
@@ -108,6 +130,8 @@ def test_the_check_measures_the_written_model(staged_run):
                for n in gated)  # the written model runs prompts dense; the check gated every row
     assert held.windows == windows.check and len(held.window_losses) == windows.check
     assert held.measured_on == "the written decoder, every row gated"
+    assert held.parts == 3 and held.part_sd == choice.selection.part_sd[choice.index]
+    assert held.dppl_low <= held.dppl <= held.dppl_high
     speed = tune_module.check_speed(inputs, staged, decode=lambda models, *a, **k: {
         "input": {"tokens_per_s": 100.0}, "tuned": {"tokens_per_s": 110.0}})
     result = TuneResult(inputs, written=True, windows=windows, choice=choice, probe_check=probe, staged=staged,
@@ -117,6 +141,10 @@ def test_the_check_measures_the_written_model(staged_run):
     assert (inputs.output / "model.onnx").read_bytes() == staged_bytes
     report = json.loads(targets[".json"].read_text())
     assert report["held_out"]["dppl"] == held.dppl and report["rewrite"] == held.rewrite
+    assert report["held_out"]["parts"] == 3 and "parts 1, 5, 8" in report["split"]
+    assert [p["held_out"] for p in report["parts"]] == [True, False, False, False, True, False, False, True]
+    assert sum(p["check_windows"] for p in report["parts"]) == report["check_windows"]
+    assert report["selection"]["part_factor"] > 0 and all("part_sd" in p for p in report["calibration_curve"])
 
 
 def test_the_choice_is_the_plan_the_rewrite_applies(staged_run):
@@ -149,14 +177,39 @@ def test_over_budget_writes_nothing_and_says_what_it_would_take(tmp_path, text, 
     assert "held-out dppl +50.00% is over the budget 30.00%" in said and "--max-dppl" in said
 
 
-def test_over_budget_advice_reads_the_worst_of_the_checks(staged_run):
+def _answers(dppl, prefix=4096):
+    from ortsparse.tuning.results import AnswerCheck
+
+    summary = {"dppl": dppl, "dppl_low": dppl - 0.01, "dppl_high": dppl + 0.01, "top1_agreement": 0.9,
+               "top1_worst_window": 0.8, "windows": 3, "confidence": 0.95}
+    return AnswerCheck(summary, [], prefix, 256, 3, "every answer window the held-out parts hold",
+                       {"reference": "og", "tuned": "og"})
+
+
+def test_over_budget_advice_reads_both_checks(staged_run):
+    """The held-out windows and, with a long --context, the answer steps after long prompts: either
+    over the budget writes nothing, and the advice names which (was: the long check was one window
+    averaged over every position, held_out.long)."""
     import dataclasses
 
     inputs, windows, choice, probe, staged, _, _ = staged_run
-    held = tune_module.check_written(inputs, windows, staged, probe)
-    assert tune_module.over_budget_advice(inputs, choice, dataclasses.replace(held, dppl=0.99, long=None)) is None
-    advice = tune_module.over_budget_advice(inputs, choice, dataclasses.replace(held, dppl=0.5, long={"dppl": 1.5}))
-    assert advice.startswith("held-out dppl +150.00% is over the budget 100.00%")
+    held = tune_module.check_written(inputs, windows, staged, probe, choice)
+    within = dataclasses.replace(held, dppl=0.99)
+    assert tune_module.over_budget_advice(inputs, choice, within) is None
+    assert tune_module.over_budget_advice(inputs, choice, within, _answers(0.99)) is None
+    advice = tune_module.over_budget_advice(inputs, choice, within, _answers(1.5))
+    assert advice.startswith("answer-step dppl +150.00% after 4096-token prompts is over the budget 100.00%")
+    advice = tune_module.over_budget_advice(inputs, choice, dataclasses.replace(held, dppl=1.2), _answers(0.1))
+    assert advice.startswith("held-out dppl +120.00% is over the budget 100.00%")
+
+
+def test_the_last_line_states_the_answer_steps_quality():
+    from ortsparse.tuning.results import SpeedCheck
+
+    speed = SpeedCheck(4096, "onnxruntime_genai Generator", {"input": {"tokens_per_s": 10.0},
+                                                              "tuned": {"tokens_per_s": 11.0}})
+    status, line = tune_module.verdict(Path("out"), 0.01, speed, _answers(0.015))
+    assert status == 0 and line.endswith("held-out dppl +1.00%, answer steps after 4096-token prompts +1.50%")
 
 
 def test_a_failure_before_the_commit_leaves_nothing(tmp_path, text, monkeypatch, faster, capsys):
@@ -212,7 +265,8 @@ def test_short_text_and_missing_tokenizer_are_one_line_errors(tmp_path, capsys):
     short = write_text(tmp_path / "short.txt", 200)
     assert main(["tune", str(GENAI), "--text", str(short), "-o", str(tmp_path / "o")]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "tune needs at least 2048" in err[0] and "tokens" in err[0]
+    # 22 windows of 128 (was 16): 10 calibration + 6 check windows with 3 of 8 parts held out, a window apart.
+    assert len(err) == 1 and "tune needs at least 2816" in err[0] and "tokens" in err[0]
     assert main(["tune", str(TINY / "llama_tiny_kv.torchscript.onnx"), "--text", str(short), "-o",
                  str(tmp_path / "o.onnx")]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
@@ -329,8 +383,9 @@ def loop_texts(monkeypatch):
 
 def test_the_decode_check_runs_on_the_users_text_when_the_check_windows_are_shorter(tmp_path, loop_texts):
     """--windows 2 gives 2 x 512 check tokens, fewer than --context 1000 + the steps: the loop still
-    runs on the user's text (it fell back to the model cache's corpus, another model's ids)."""
-    tokens = _user_tokens(9000)
+    runs on the user's text (it fell back to the model cache's corpus, another model's ids). 12000
+    tokens (was 9000): the held-out parts and the gaps need 22 windows of 512 at least."""
+    tokens = _user_tokens(12000)
     result = tune_module.tune(KV, tokens, tmp_path / "tuned.onnx", max_dppl=1.0, windows=2, context=1000,
                               log=lambda line: None)
     text, context, steps = loop_texts["decode"]
@@ -340,7 +395,8 @@ def test_the_decode_check_runs_on_the_users_text_when_the_check_windows_are_shor
 
 
 def test_the_whole_request_check_decides_the_exit_status_on_the_users_text(tmp_path, loop_texts):
-    tokens = _user_tokens(13000)
+    """21000 tokens (was 13000): each held-out part holds an answer window of 4096 + 256 tokens."""
+    tokens = _user_tokens(21000)
     result = tune_module.tune(KV, tokens, tmp_path / "tuned.onnx", max_dppl=1.0, windows=2, context=4096,
                               log=lambda line: None)
     decode_text, _, _ = loop_texts["decode"]
@@ -370,10 +426,76 @@ def test_a_reference_with_fewer_positions_bounds_the_windows_and_the_context(tmp
     assert len(err) == 1 and "--context 200 is longer than the reference model's 128 positions" in err[0]
 
 
-def test_the_limit_reported_is_the_one_applied(tmp_path, capsys):
-    """--margin 1e-9: the choice had to stay within 1e-9 x the budget, and the advice says so."""
-    text = write_text(tmp_path / "text.txt", 3000)
-    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(tmp_path / "tuned"), "--max-dppl", "1.0",
-                 "--margin", "1e-9"]) == tune_module.EXIT_NOT_WRITTEN
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "no gating fits --margin 1e-09 x the budget 100.00% = 1e-07%" in last and "or --margin" in last
+def test_the_limit_reported_is_the_one_applied(tmp_path):
+    """--margin 1e-9: the choice had to stay within 1e-9 x the budget, and the advice says so. On
+    random ids (was: the tiny tokenizer's reading of a text, every word id 0, where with the windows
+    in parts the path's first allocation lowers the loss, -0.79%, and fits any limit)."""
+    result = tune_module.tune(GENAI, _user_tokens(3000), tmp_path / "tuned", max_dppl=1.0, margin=1e-9,
+                              log=lambda line: None)
+    assert result.exit_status == tune_module.EXIT_NOT_WRITTEN and not (tmp_path / "tuned").exists()
+    assert "no gating fits --margin 1e-09 x the budget 100.00% = 1e-07%" in result.last_line
+    assert "or --margin" in result.last_line
+
+
+def test_a_long_context_is_judged_on_answer_steps_of_text_tune_never_calibrated_on(tmp_path, loop_texts):
+    """--context 4096: attention selection is checked where it acts — each answer window's 4096-token
+    prompt read in one call, then 256 answer tokens teacher-forced and only those scored — on
+    windows of the held-out parts (was: one 4096-token window averaged over every position, half of
+    them below min_keys where attention runs exact); the report and the last line state it."""
+    tokens = _user_tokens(21000)
+    result = tune_module.tune(KV, tokens, tmp_path / "tuned.onnx", max_dppl=1.0, windows=2, context=4096,
+                              log=lambda line: None)
+    answers, plan = result.answers, result.windows.plan
+    assert answers is not None and (answers.prefix, answers.answer) == (4096, 256)
+    assert answers.summary["windows"] == len(answers.per_window) == answers.windows_available >= 2
+    span = answers.prefix + answers.answer + 1
+    held = [plan.parts[i] for i in plan.held_out]
+    for row in answers.per_window:
+        assert any(a <= row["offset"] and row["offset"] + span <= b for a, b in held)
+    assert answers.runners == {"reference": "ort", "tuned": "ort"}
+    report = json.loads((tmp_path / "tuned.onnx.tune.json").read_text())
+    assert report["held_out_answers"]["dppl"] == answers.dppl and report["held_out_answers"]["prefix"] == 4096
+    assert "held_out_long" not in report and "answer check" in report["stage_seconds"]
+    assert "answer steps after 4096-token prompts" in result.last_line
+
+
+def test_the_answer_check_measures_as_many_windows_as_the_time_budget_allows(tmp_path):
+    """The first window is timed; as many more, spread over the held-out parts, as fit the budget,
+    never fewer than two in all. The model against itself: dppl 0, every top-1 equal."""
+    import dataclasses
+
+    from ortsparse.harness.answer_quality import AnswerWindows
+    from ortsparse.harness.text import as_bos
+    from ortsparse.tuning.results import StagedModel, Windows
+    from ortsparse.tuning.windows import plan_windows
+
+    tokens = _user_tokens(12000)
+    plan = plan_windows(tokens, 512)
+    offsets = (0, 2000, 5300, 9000, 11000)
+    plan = dataclasses.replace(plan, answers=AnswerWindows(offsets, 48, 8, False))
+    windows = Windows(plan, 512, 0.01, as_bos(None))
+    inputs = tune_module.resolve_inputs(KV, tokens, tmp_path / "t.onnx", bos=None)
+    staged = StagedModel(KV, KV, "", 8)
+    for budget, expected in ((150.0, (0, 11000)), (250.0, (0, 11000)), (1000.0, offsets), (320.0, (0, 5300, 11000))):
+        ticks = iter([0.0, 100.0])  # the first window "takes" 100 s
+        said = []
+        checked = tune_module.check_answers(inputs, windows, staged, said.append, budget_s=budget,
+                                            clock=lambda: next(ticks))
+        assert tuple(row["offset"] for row in checked.per_window) == expected, budget
+        assert checked.windows_available == 5 and checked.dppl == 0.0 and checked.summary["top1_agreement"] == 1.0
+        assert ("of 5: the answer windows fit" in checked.note) == (len(expected) < 5)
+
+
+def test_a_text_too_short_for_the_answer_windows_is_refused_before_any_model_runs(tmp_path, monkeypatch):
+    from ortsparse.graph_rewrite.errors import ModelFileError
+    from ortsparse.tuning.windows import minimum_tokens
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("a session was opened for a text too short to tune on")
+
+    monkeypatch.setattr(tune_module, "open_session", no_session)
+    with pytest.raises(ModelFileError) as error:
+        tune_module.tune(KV, _user_tokens(13000), tmp_path / "t.onnx", context=4096, log=lambda line: None)
+    needed = minimum_tokens(512, 4096)
+    message = str(error.value)
+    assert f"tune needs at least {needed}" in message and "4096-token prompt + 256 answer tokens" in message

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also keep the calibration bound within margin x budget (default: the bound's own "
                              "margin, from the measured window-to-window spread)")
     parser.add_argument("--context", type=flag_types.positive_int, default=None,
-                        help="the context the model will run at; >= 2048 also tunes attention selection")
+                        help="the context the model will run at; >= 2048 also rewrites attention selection, "
+                             "checked on answer tokens after prompts of this length from the held-out parts")
     parser.add_argument("--reference", metavar="MODEL", help="measure dppl against this model, e.g. the fp32 model of "
                         "a quantized MODEL (the budget then covers quantization and gating together)")
     parser.add_argument("--method", choices=["allocated", "uniform"], default="allocated",

@@ -24,10 +24,12 @@ def summary(result: TuneResult) -> str:
              + (f"; dense on our kernel: {', '.join(dense)}" if dense else ""),
              f"  calibration: dppl {_pct(choice.calibration_dppl)}, bound {_pct(choice.bound)} on "
              f"{result.windows.calibration} windows",
-             f"  held-out: dppl {_pct(held.dppl)} ({_pct(held.dppl_low)} .. {_pct(held.dppl_high)}; budget "
-             f"{100 * inputs.max_dppl:.1f}%), top-1 agreement {held.top1_agreement:.3f} on "
-             f"{held.windows} x {held.window_len} tokens",
+             f"  held-out: dppl {_pct(held.dppl)} (another part of the text: {_pct(held.dppl_low)} .. "
+             f"{_pct(held.dppl_high)}; budget {100 * inputs.max_dppl:.1f}%), top-1 agreement "
+             f"{held.top1_agreement:.3f} on {held.windows} x {held.window_len} tokens of {held.parts} held-out parts",
              f"  attention: {result.staged.attention_note}"]
+    if result.answers is not None:
+        lines.append(f"  long context: {_answers_line(result.answers)}")
     if result.staged.max_gated_rows:
         lines.append(f"  calls of more than {result.staged.max_gated_rows} rows (prompts) run dense in the written model")
     rates = speed.tokens_per_s() if speed is not None else None
@@ -52,6 +54,16 @@ def summary(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
+def _answers_line(answers) -> str:
+    summary = answers.summary
+    interval = ("" if summary["dppl_low"] is None else
+                f" ({_pct(summary['dppl_low'])} .. {_pct(summary['dppl_high'])}, "
+                f"{summary['confidence']:.0%} over windows)")
+    return (f"answer steps after {answers.prefix}-token prompts: dppl {_pct(answers.dppl)}{interval}, top-1 agreement "
+            f"{summary['top1_agreement']:.3f} (worst window {summary['top1_worst_window']:.3f}) on "
+            f"{summary['windows']} x {answers.answer} answer tokens of the held-out parts ({answers.note})")
+
+
 def stage_times(result: TuneResult) -> str:
     """The seconds each stage took, in the order they ran."""
     return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in result.stage_seconds.items())
@@ -66,6 +78,7 @@ def markdown(result: TuneResult) -> str:
     lines += [f"Text: {inputs.tokens.size} tokens; {windows.calibration} calibration + "
               f"{windows.check} check windows of {windows.window_len} ({windows.plan.note}); "
               f"budget {100 * inputs.max_dppl:.1f}% dppl{against} on the check windows", "",
+              f"Split: {windows.plan.split}.", "",
               "| | dppl (held-out) | top-1 agreement | gated bytes skipped | decode tok/s |", "|---|---|---|---|---|"]
     base, tuned = (speed.tokens_per_s() if speed is not None else None) or (None, None)
     own = "— | — |" if inputs.reference is not None else "0 | 1 |"  # vs a reference the input's own loss is not measured
@@ -73,18 +86,20 @@ def markdown(result: TuneResult) -> str:
     lines.append(f"| tuned | {_pct(held.dppl)} ({_pct(held.dppl_low)} .. {_pct(held.dppl_high)}) | "
                  f"{held.top1_agreement:.3f} | {100 * choice.point.skipped:.1f}% | "
                  + (f"{tuned:.1f} ({tuned / base:.2f}x) |" if base and tuned else "— |"))
-    lines += ["", f"Held-out: {held.measured_on}; the interval is mean -/+ "
-                  f"{choice.selection.z} standard errors over the {held.windows} check windows."]
+    lines += ["", f"Held-out: {held.measured_on}, on {held.windows} check windows of {held.parts} held-out parts; "
+                  f"the interval is {held.interval} (between-part sd {held.part_sd:.4f} nats)."]
     if base and tuned:
         lines.append(f"Decode: real loop at context {speed.context}, {speed.runner}, models alternating.")
     lines += ["", f"Attention: {result.staged.attention_note}."]
-    if held.long is not None:
-        lines.append(f"Held-out at the full context: dppl {_pct(held.long['dppl'])}.")
+    if result.answers is not None:
+        lines.append(f"Long context, {_answers_line(result.answers)}; MODEL (or the reference) and the written model "
+                     f"each read every prompt in one call ({', '.join(sorted(set(result.answers.runners.values())))}).")
     lines += ["", "## What gating saves here", ""] + _layer_speed_lines(result)
     selection = choice.selection
     lines += ["", "## How far from the cliff", "",
               f"Choice rule: {inputs.selection_rule} (z = {selection.z}, sqrt(1/n + 1/m) = "
-              f"{selection.margin_factor:.3f}).", "",
+              f"{selection.margin_factor:.3f}, sqrt(1/c + 1/h) = {selection.part_factor:.3f} for "
+              f"{selection.calibration_parts:.1f} calibration and {selection.check_parts:.1f} check parts).", "",
               "| gated bytes skipped | calibration dppl | monotone fit (5-95% bootstrap) | bound | held-out dppl |",
               "|---|---|---|---|---|"]
     held_by_skip = {round(h["skipped_fraction"], 6): h for h in result.probe_check.curve}
@@ -96,7 +111,8 @@ def markdown(result: TuneResult) -> str:
                      + (f"{_pct(held_point['dppl'])} ({_pct(held_point['low'])} .. {_pct(held_point['high'])})"
                         if held_point else "—") + " |")
     lines += ["", "Held-out dppl in this table: the probe graph (the op's threshold rule in plain ONNX) on the check "
-                  "windows, mean -/+ z standard errors; the chosen row's model as written is in the first table."]
+                  "windows, with the range one more part of the text is expected in; the chosen row's model as "
+                  "written is in the first table."]
     if result.plot:
         lines += ["", result.plot]
     lines += ["", f"Time per stage: {stage_times(result)}."]
@@ -147,7 +163,7 @@ def _draw(result: TuneResult, path: Path) -> None:
         hy = [100 * h["dppl"] for h in held]
         ax.errorbar(hx, hy, yerr=[[100 * (h["dppl"] - h["low"]) for h in held],
                                   [100 * (h["high"] - h["dppl"]) for h in held]],
-                    fmt="s", color="C2", ms=4, capsize=3, label="held-out (probe graph), -/+ z s.e.")
+                    fmt="s", color="C2", ms=4, capsize=3, label="held-out (probe graph): range of another part")
     ax.scatter([100 * result.choice.point.skipped], [100 * result.held_out.dppl], marker="*", s=180,
                c="black", zorder=5, label="chosen, as written, held-out")
     ax.axhline(100 * result.inputs.max_dppl, color="grey", ls="--", lw=0.8, label="budget")

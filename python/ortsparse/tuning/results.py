@@ -38,6 +38,8 @@ class TuneInputs:
     margin: float | None
     context: int | None
     long_context: int | None  # ``context`` when attention selection is tuned for it, else None
+    answer_prefix: int | None  # with a long context: the prompt of each answer window (the context, or as
+    # much of it as leaves the answer room in the models' positions)
     window_len: int
     bos: BosChoice
     threads: int
@@ -64,8 +66,9 @@ class TuneInputs:
 
     @property
     def selection_rule(self) -> str:
-        return ("most skipped bytes whose monotone-fitted calibration loss + z x window sd x sqrt(1/calibration + "
-                f"1/check windows) is within {self.limit_text}")
+        return ("most skipped bytes whose monotone-fitted calibration loss + z x sqrt(between-part variance x "
+                "(1/calibration + 1/check parts) + within-part variance x (1/calibration + 1/check windows)) is "
+                f"within {self.limit_text}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,11 @@ class Windows:
     @property
     def check(self) -> int:
         return len(self.plan.check)
+
+    @property
+    def held_out_parts(self) -> int:
+        """The held-out parts the check windows come from."""
+        return int(np.unique(self.plan.check_parts).size)
 
     @property
     def construction(self) -> str:
@@ -132,9 +140,9 @@ class Choice:
         s = self.selection
         return [{"skipped_fraction": p.skipped, "point": p.label, "dppl": float(math.expm1(mean)),
                  "trend": float(math.expm1(trend)), "band": [float(math.expm1(lo)), float(math.expm1(hi))],
-                 "bound": float(math.expm1(bound)), "window_sd": float(sd)}
-                for p, mean, trend, lo, hi, bound, sd in zip(self.points, s.mean, s.trend, self.band[0], self.band[1],
-                                                             s.bound, s.spread)]
+                 "bound": float(math.expm1(bound)), "window_sd": float(sd), "part_sd": float(part_sd)}
+                for p, mean, trend, lo, hi, bound, sd, part_sd in zip(self.points, s.mean, s.trend, self.band[0],
+                                                                      self.band[1], s.bound, s.spread, s.part_sd)]
 
     @property
     def calibration_dppl(self) -> float:
@@ -171,8 +179,9 @@ class StagedModel:
 
 @dataclasses.dataclass(frozen=True)
 class HeldOut:
-    """Stage 8: the written decoder (every row gated) against the reference on the check windows,
-    and at the full context when a long one was asked for."""
+    """Stage 8: the written decoder (every row gated) against the reference on the check windows
+    (held-out parts of the text); the interval is the range one more part of the text is expected
+    in (:func:`.selection.interval`, the between-part sd ``part_sd`` from the calibration parts)."""
 
     dppl: float
     dppl_low: float
@@ -186,16 +195,43 @@ class HeldOut:
     measured_on: str
     metrics: Mapping[str, Any]
     rewrite: Mapping[str, int]  # ai.ortsparse nodes of the written decoder, by op
-    long: Mapping[str, Any] | None = None
-
-    @property
-    def worst(self) -> float:
-        return max(self.dppl, self.long["dppl"]) if self.long is not None else self.dppl
+    parts: int  # the held-out parts the windows come from
+    part_sd: float  # between-part sd of the loss at the chosen point (nats; calibration parts)
+    interval: str  # what dppl_low .. dppl_high is
 
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
-        del fields["rewrite"], fields["long"]
+        del fields["rewrite"]
         return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerCheck:
+    """Stage 9, with a long ``--context``: attention selection judged where it acts. Windows of the
+    held-out parts (text tune never calibrated on), each a ``prefix``-token prompt read in one call
+    and then ``answer`` tokens teacher-forced, only those scored
+    (:mod:`ortsparse.harness.answer_quality`); the written model against the baseline, a genai
+    folder through the Generator. ``summary``: :func:`~ortsparse.harness.answer_quality.summarize`
+    (dppl, its 95% t-interval over windows, top-1 mean and worst) and ``per_window``."""
+
+    summary: Mapping[str, Any]
+    per_window: list[dict[str, float]]
+    prefix: int
+    answer: int
+    windows_available: int
+    note: str  # how many windows, and why
+    runners: Mapping[str, str]  # "reference" / "tuned": og (the Generator) or ort
+
+    @property
+    def dppl(self) -> float:
+        return float(self.summary["dppl"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary, "prefix": self.prefix, "answer": self.answer,
+                "windows_available": self.windows_available,
+                "note": self.note, "runners": dict(self.runners), "per_window": list(self.per_window),
+                "scored": f"the {self.answer} answer steps after each {self.prefix}-token prompt; no prompt position "
+                          "is averaged in"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +283,7 @@ class TuneResult:
     probe_check: ProbeCheck | None = None
     staged: StagedModel | None = None
     held_out: HeldOut | None = None
+    answers: AnswerCheck | None = None
     speed: SpeedCheck | None = None
     plot: str | None = None
     machine: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -285,8 +322,12 @@ class TuneResult:
                 "check_windows": windows.check, "bos": inputs.bos.to_dict(),
                 "window_construction": windows.construction, "windows_available": list(windows.plan.available),
                 "windows_note": windows.plan.note, "seconds_per_window": windows.seconds_per_window,
+                "split": windows.plan.split, "parts": windows.plan.parts_report(),
                 "layer_speed": self.layer_speed_report(),
                 "selection": {"z": choice.selection.z, "margin_factor": choice.selection.margin_factor,
+                              "part_factor": choice.selection.part_factor,
+                              "calibration_parts": choice.selection.calibration_parts,
+                              "check_parts": choice.selection.check_parts,
                               "index": choice.index, "limit": inputs.limit, "rule": inputs.selection_rule},
                 "calibration_curve": choice.curve(), "machine": dict(self.machine), "versions": dict(self.versions),
             })
@@ -300,8 +341,8 @@ class TuneResult:
             if self.held_out is not None:
                 report["rewrite"] = dict(self.held_out.rewrite)
                 report["held_out"] = self.held_out.to_dict()
-                if self.held_out.long is not None:
-                    report["held_out_long"] = dict(self.held_out.long)
+            if self.answers is not None:
+                report["held_out_answers"] = self.answers.to_dict()
             report["written"] = self.written
             if self.advice is not None:
                 report["advice"] = self.advice

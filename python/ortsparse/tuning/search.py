@@ -54,10 +54,12 @@ def _candidates(units: Sequence[allocation.Unit], method: str, fractions: Sequen
 
 def walk(prepared: allocation.Prepared, window_loss: Callable[[Mapping[int, float]], np.ndarray], budget: float,
          dense_losses: np.ndarray, *, method: str = "allocated", check_windows: int = 1,
+         parts: np.ndarray | None = None, check_parts: np.ndarray | None = None,
          log: Callable[[str], None] = print) -> list[PathPoint]:
     """The measured path, the dense point (nothing gated: ``dense_losses``) first, ordered by
-    skipped bytes. ``check_windows``: the final check's window count (the refinement asks the
-    selection which gap to halve)."""
+    skipped bytes. ``check_windows``: the final check's window count; ``parts``, ``check_parts``:
+    the part of the text each calibration and check window comes from (the walk's stop and the
+    refinement ask the selection, :mod:`.selection`)."""
     units, layers = prepared.units, prepared.layers
     limit = math.log1p(budget)
     points = [PathPoint({u.input_name: 0 for u in units}, 0.0, np.asarray(dense_losses, dtype=np.float64), "dense")]
@@ -78,7 +80,7 @@ def walk(prepared: allocation.Prepared, window_loss: Callable[[Mapping[int, floa
             spread = f" (window sd {float(np.std(losses, ddof=1)):.4f})" if losses.size > 1 else ""  # 1 window: none
             log(f"tune: {label}: {point.skipped:.1%} of gated bytes skipped, calibration dppl "
                 f"{math.expm1(float(losses.mean())):+.2%}{spread}")
-            if clearly_over(np.stack([p.losses for p in points]), budget):
+            if clearly_over(np.stack([p.losses for p in points]), budget, parts=parts):
                 return True
         return False
 
@@ -91,7 +93,8 @@ def walk(prepared: allocation.Prepared, window_loss: Callable[[Mapping[int, floa
         over = measure([fraction])
     points.sort(key=lambda p: p.skipped)
     for _ in range(REFINEMENTS if method != "uniform" else 0):
-        index = choose(np.stack([p.losses for p in points]), budget, check_windows).index
+        index = choose(np.stack([p.losses for p in points]), budget, check_windows, parts=parts,
+                       check_parts=check_parts).index
         if index is None or index + 1 >= len(points) or points[index + 1].skipped - points[index].skipped < 0.01:
             break
         low, high = points[index].fraction or points[index + 1].fraction / 2, points[index + 1].fraction

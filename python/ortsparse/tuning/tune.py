@@ -6,29 +6,35 @@ can be run (and tested) on its own:
 1. :func:`resolve_inputs` — the model opened once (:class:`ortsparse.harness.source.ModelSource`),
    the outputs declared and checked, the context and the text's length checked: too short a text
    is refused before anything is measured.
-2. :func:`plan_text` — one forward pass timed, the text cut into calibration and check windows
-   (:mod:`.windows`), and the loss passes' duration estimated from that speed.
+2. :func:`plan_text` — one forward pass timed, the text cut into contiguous parts, some held out
+   (the check windows come only from those, the calibration windows only from the others, a window
+   apart: :mod:`.windows`), and the loss passes' duration estimated from that speed.
 3. :func:`profile_speed` — what gating each layer saves in time on this machine (:mod:`.layer_speed`:
    a layer stays dense where gating does not pay); nothing pays: stop before calibrating.
 4. :func:`calibrate_path` — each gated unit's cost curve and probe (:mod:`ortsparse.harness.allocation`),
    then a **path** of allocations of increasing skipped bytes, each measured window by window
    (:mod:`.search`), with progress and the remaining time.
 5. :func:`choose` — the point skipping the most bytes whose monotone-fitted loss plus a margin from
-   the measured window-to-window spread is within the budget (:mod:`.selection`), its per-layer
-   decision, and where an ungated quantized head runs.
+   the measured spread — between parts of the text and between windows of a part — is within the
+   budget (:mod:`.selection`), its per-layer decision, and where an ungated quantized head runs.
 6. :func:`check_on_probe` — the held-out loss curve around the choice (probe graph, check windows).
 7. :func:`stage_model` — the model (a genai folder or an .onnx file) rewritten once from the
    choice's per-node plan, into a staging place beside OUT.
 8. :func:`check_written` — the staged decoder (its gated calls lifted to every row, as decode runs
-   them) against the reference on the check windows — never used to calibrate or choose — and
-   the long-context check. Over the budget: nothing is moved into place.
-9. :func:`check_speed` — the staged model against MODEL in the real decode loop.
-10. :func:`commit` — reports rendered from the result beside the model, everything moved into place
+   them) against the reference on the check windows — parts of the text never used to calibrate
+   or choose —, with the range one more part of the text is expected in.
+9. :func:`check_answers` — with a long ``--context`` only: attention selection judged where it
+   acts, on answer windows of the held-out parts (a prompt of the context read in one call, then
+   answer tokens teacher-forced and scored, :mod:`ortsparse.harness.answer_quality`), the staged
+   model as an app runs it. Either check over the budget: nothing is moved into place.
+10. :func:`check_speed` — the staged model against MODEL in the real decode loop.
+11. :func:`commit` — reports rendered from the result beside the model, everything moved into place
     in one step.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -51,18 +57,21 @@ from ..graph_rewrite.output_paths import Inputs, OutputFiles, resolve_report_ste
 from ..graph_rewrite.rules import DOMAIN
 from ..graph_rewrite.techniques.popcount import AttentionSettings
 from ..harness import allocation, head_placement
+from ..harness.answer_quality import answer_quality_of, summarize
 from ..harness.corpus import first_scored, text_per_window
+from ..harness.decode import open_stepper
 from ..harness.op_metrics import snapshot
-from ..harness.perplexity import compare_lm, perplexity
+from ..harness.perplexity import perplexity
 from ..harness.request import request_speed
 from ..harness.source import ModelSource, open_model
 from ..harness.speed import decode_speed
 from ..harness.text import BosChoice, as_bos
 from ..runtime import genai_folder, open_session, uses_ortsparse
 from . import layer_speed, report as reports, search, selection
-from .results import (EXIT_NOT_WRITTEN, EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, CalibrationPath, Choice, HeldOut,
-                      ProbeCheck, SpeedCheck, StagedModel, TuneInputs, TuneResult, Windows)
-from .windows import PATH_POINTS, Progress, check_length, loss_pass_seconds, plan_windows, window_length
+from .results import (EXIT_NOT_WRITTEN, EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, AnswerCheck, CalibrationPath, Choice,
+                      HeldOut, ProbeCheck, SpeedCheck, StagedModel, TuneInputs, TuneResult, Windows)
+from .windows import (ANSWER_STEPS, PATH_POINTS, Progress, check_length, loss_pass_seconds, plan_windows,
+                      spread_indices, window_length)
 
 LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; docs/measure.md)
 # The written model gates calls of up to this many rows (decode, small batches); longer calls (a
@@ -71,6 +80,10 @@ LONG_CONTEXT = 2048  # below this, attention selection does not pay (measured; d
 DEPLOY_MAX_GATED_ROWS = 8
 REQUEST_ANSWER = 256  # the answer of the request --context measures: prompt + 256 generated tokens
 HELD_OUT_NEIGHBOURS = (-1, 1, 2)  # path points around the choice measured on the check windows
+# The long --context check: answer windows after the first (timed) one while they fit this many
+# seconds, never fewer than MIN_ANSWER_WINDOWS (the text holds one in each held-out part).
+ANSWER_TIME_BUDGET_S = 600.0
+MIN_ANSWER_WINDOWS = 2
 REPORT_FILES = ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))
 
 __all__ = ["EXIT_NOT_WRITTEN", "EXIT_WRITTEN", "EXIT_WRITTEN_SLOWER", "tune", "tune_outputs", "every_row_gated"]
@@ -151,11 +164,15 @@ def resolve_inputs(model: str | Path | ModelSource, tokens: np.ndarray, output: 
         if context is not None and limit is not None and context > limit:
             raise ModelFileError(f"--context {context} is longer than {what}'s {limit} positions")
     long_context = context if context is not None and context >= LONG_CONTEXT else None
-    window_len = window_length(min(filter(None, limits.values()), default=None))
+    positions = min(filter(None, limits.values()), default=None)
+    window_len = window_length(positions)
+    # The answer windows' prompt: the context, as long as the answer still fits the models' positions.
+    answer_prefix = None if long_context is None else (
+        long_context if positions is None else min(long_context, positions - ANSWER_STEPS))
     tokens = np.asarray(tokens)
-    check_length(int(tokens.size), text_per_window(window_len, bos.id), long_context)  # a BOS takes a position
-    return TuneInputs(source, ref, tokens, Path(output), max_dppl, margin, context, long_context, window_len, bos,
-                      threads, speed_steps, method, windows, speed_aware, command)
+    check_length(int(tokens.size), text_per_window(window_len, bos.id), answer_prefix)  # a BOS takes a position
+    return TuneInputs(source, ref, tokens, Path(output), max_dppl, margin, context, long_context, answer_prefix,
+                      window_len, bos, threads, speed_steps, method, windows, speed_aware, command)
 
 
 def seconds_per_window(session: Any, model: ModelSource, tokens: np.ndarray, window_len: int, bos: BosChoice) -> float:
@@ -174,10 +191,11 @@ def plan_text(inputs: TuneInputs, baseline_session: Any, log: Callable[[str], No
     text_len = text_per_window(inputs.window_len, inputs.bos.id)
     speed = seconds_per_window(baseline_session, inputs.baseline, inputs.tokens, inputs.window_len, inputs.bos)
     plan = plan_windows(inputs.tokens, text_len, seconds_per_window=speed, windows=inputs.windows,
-                        long_context=inputs.long_context)
+                        answer_prefix=inputs.answer_prefix)
     windows = Windows(plan, inputs.window_len, speed, inputs.bos)
     log(f"tune: {inputs.tokens.size} tokens -> {windows.calibration} calibration and {windows.check} check windows "
         f"of {inputs.window_len} ({plan.note}); {inputs.bos.describe()}")
+    log(f"tune: {plan.split}")
     log(f"tune: about {_minutes(loss_pass_seconds(speed, windows.calibration, windows.check))} of loss passes at "
         f"{speed:.2f} s per window here; the layer speed, the probes and the speed check come on top")
     return windows
@@ -214,7 +232,8 @@ def calibrate_path(inputs: TuneInputs, windows: Windows, speed: layer_speed.Meas
         return losses
 
     points = search.walk(prepared, window_loss, inputs.limit, dense_losses, method=inputs.method,
-                         check_windows=windows.check, log=log)
+                         check_windows=windows.check, parts=plan.calibration_parts, check_parts=plan.check_parts,
+                         log=log)
     return CalibrationPath(prepared, loss, points)
 
 
@@ -224,7 +243,8 @@ def choose(inputs: TuneInputs, path: CalibrationPath, windows: Windows, log: Cal
     that measured faster here."""
     points = path.points
     losses = np.stack([p.losses for p in points])
-    chosen = Choice(selection.choose(losses, inputs.limit, check_windows=windows.check),
+    chosen = Choice(selection.choose(losses, inputs.limit, check_windows=windows.check,
+                                     parts=windows.plan.calibration_parts, check_parts=windows.plan.check_parts),
                     selection.bootstrap_band(losses), points, inputs.method)
     if not chosen.gates_anything:
         return chosen
@@ -236,14 +256,16 @@ def choose(inputs: TuneInputs, path: CalibrationPath, windows: Windows, log: Cal
     chosen.plan, chosen.sparsity = result.plan(), result.sparsity()
     chosen.allocation = {**result.report(), "head_placement": placement}
     log(f"tune: chose {point.skipped:.1%} of gated bytes skipped (calibration dppl {chosen.calibration_dppl:+.2%}, "
-        f"bound {chosen.bound:+.2%} for {windows.check} check windows)")
+        f"bound {chosen.bound:+.2%} for {windows.check} check windows in {windows.held_out_parts} held-out parts; "
+        f"between-part sd {chosen.selection.part_sd[chosen.index]:.4f} nats)")
     return chosen
 
 
 def check_on_probe(inputs: TuneInputs, windows: Windows, path: CalibrationPath, choice: Choice,
                    baseline_session: Any) -> ProbeCheck:
     """Stage 6: the reference's run on the check windows, and the held-out curve around the choice
-    on the probe graph (check windows: not used to choose)."""
+    on the probe graph (check windows: not used to choose), each point with the range one more part
+    of the text is expected in (its between-part spread from the calibration parts)."""
     plan, bos = windows.plan, inputs.bos
     reference_run = perplexity(inputs.baseline, plan.check.reshape(-1), windows.check, inputs.window_len,
                                session=baseline_session, bos=bos)
@@ -256,7 +278,8 @@ def check_on_probe(inputs: TuneInputs, windows: Windows, path: CalibrationPath, 
             values = (check_loss.dense_window_nll - reference_run["window_nll"] if i == 0
                       else check_loss.window_loss(allocation.thresholds_for(path.prepared.units, path.prepared.layers,
                                                                             choice.points[i].choice)))
-            mean, low, high = selection.interval(values)
+            mean, low, high = selection.interval(values, parts=plan.check_parts,
+                                                 part_variance=float(choice.selection.part_sd[i]) ** 2)
             curve.append({"skipped_fraction": choice.points[i].skipped, "dppl": float(math.expm1(mean)),
                           "low": float(math.expm1(low)), "high": float(math.expm1(high)), "chosen": offset == 0})
     return ProbeCheck(reference_run, sorted(curve, key=lambda h: h["skipped_fraction"]))
@@ -301,10 +324,12 @@ def rewrite_counts(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
-def check_written(inputs: TuneInputs, windows: Windows, staged: StagedModel, probe: ProbeCheck) -> HeldOut:
-    """Stage 8: the written decoder, every row gated, on the check windows (text chunks, a BOS first
-    when ``bos``) against the reference's run there; and at the full context when a long one was
-    asked for."""
+def check_written(inputs: TuneInputs, windows: Windows, staged: StagedModel, probe: ProbeCheck,
+                  choice: Choice) -> HeldOut:
+    """Stage 8: the written decoder, every row gated, on the check windows (text chunks of the
+    held-out parts, a BOS first when ``bos``) against the reference's run there; the interval is
+    the range one more part of the text is expected in, from the between-part spread ``choice``
+    measured on the calibration parts at the chosen point (:func:`.selection.interval`)."""
     written = every_row_gated(staged.decoder)
     check, window_len, reference = windows.plan.check, inputs.window_len, probe.reference_run
     reset_metrics()
@@ -312,16 +337,52 @@ def check_written(inputs: TuneInputs, windows: Windows, staged: StagedModel, pro
     run = perplexity(written, check.reshape(-1), check.shape[0], window_len, session=session, bos=inputs.bos)
     metrics = snapshot(written) if uses_ortsparse(written) else {}
     losses = run["window_nll"] - reference["window_nll"]
-    mean, low, high = selection.interval(losses)
-    long = None
-    if windows.plan.long_piece is not None:
-        long_check = compare_lm(inputs.baseline, written, windows.plan.long_piece, windows=1, window_len=inputs.context,
-                                bos=inputs.bos)
-        long = {k: v for k, v in long_check.items() if not isinstance(v, np.ndarray)}
+    part_sd = float(choice.selection.part_sd[choice.index])
+    mean, low, high = selection.interval(losses, parts=windows.plan.check_parts, part_variance=part_sd ** 2)
     return HeldOut(float(math.expm1(mean)), float(math.expm1(low)), float(math.expm1(high)),
                    float(np.mean(run["predictions"] == reference["predictions"])), int(check.shape[0]),
                    int(window_len), losses.tolist(), float(math.exp(reference["nll"])), float(run["ppl"]),
-                   "the written decoder, every row gated", metrics, rewrite_counts(written), long)
+                   "the written decoder, every row gated", metrics, rewrite_counts(written), windows.held_out_parts,
+                   part_sd, f"where one more part of the text is expected: mean -/+ {choice.selection.z} x "
+                   "sqrt(between-part variance (calibration parts) x (1 + 1/held-out parts) + within-part variance / "
+                   "windows)")
+
+
+def check_answers(inputs: TuneInputs, windows: Windows, staged: StagedModel, log: Callable[[str], None] = print, *,
+                  budget_s: float = ANSWER_TIME_BUDGET_S, clock: Callable[[], float] = time.perf_counter
+                  ) -> AnswerCheck:
+    """Stage 9, with a long --context: the staged model against the baseline (the reference, else
+    MODEL) on the answer windows of the held-out parts (:attr:`.windows.WindowPlan.answers`), each
+    read as an app reads a prompt — ``answer_prefix`` tokens in one call, a genai folder through
+    the Generator — and then :data:`.windows.ANSWER_STEPS` tokens teacher-forced, only those scored
+    (:func:`~ortsparse.harness.answer_quality.answer_quality_of`): where attention selection acts,
+    past its ``min_keys`` keys, instead of a window averaged over positions that run exact. The
+    first window is timed; as many more, spread over the held-out parts, as fit ``budget_s``
+    (never fewer than :data:`MIN_ANSWER_WINDOWS` in all)."""
+    planned = windows.plan.answers
+    models = {"reference": inputs.baseline.runs_as, "tuned": staged.path}
+    runners = {name: "og" if Path(path).is_dir() else "ort" for name, path in models.items()}
+    reference, tuned = (open_stepper(models[name], runners[name], inputs.threads) for name in ("reference", "tuned"))
+
+    def measured(offset: int) -> dict[str, float]:
+        one = dataclasses.replace(planned, offsets=(offset,))
+        row = answer_quality_of(reference, {"tuned": tuned}, inputs.tokens, one)["tuned"]["per_window"][0]
+        log(f"tune: answer window at tokens {offset}..{offset + planned.span - 1}: dppl {row['dppl']:+.2%}, "
+            f"top-1 {row['top1']:.3f}")
+        return row
+
+    available = len(planned.offsets)
+    start = clock()
+    rows = [measured(planned.offsets[0])]
+    seconds = clock() - start
+    count = min(available, max(MIN_ANSWER_WINDOWS, int(budget_s // max(seconds, 1e-9))))
+    note = ("every answer window the held-out parts hold" if count == available else
+            f"{count} of {available}: the answer windows fit ~{budget_s / 60:.0f} min at {seconds:.0f} s per window "
+            "here")
+    log(f"tune: answer check on {count} windows of a {planned.prefix}-token prompt + {planned.answer} answer tokens "
+        f"({note})")
+    rows += [measured(planned.offsets[i]) for i in spread_indices(available, count)[1:]]
+    return AnswerCheck(summarize(rows), rows, planned.prefix, planned.answer, available, note, runners)
 
 
 def check_speed(inputs: TuneInputs, staged: StagedModel, log: Callable[[str], None] = print,
@@ -350,19 +411,22 @@ def check_speed(inputs: TuneInputs, staged: StagedModel, log: Callable[[str], No
     return SpeedCheck(context, runner, measured, whole)
 
 
-def verdict(output: Path, held_out_dppl: float, speed: SpeedCheck | None) -> tuple[int, str]:
+def verdict(output: Path, held_out_dppl: float, speed: SpeedCheck | None,
+            answers: AnswerCheck | None = None) -> tuple[int, str]:
     """The exit status and the last line of a written model: whether it ran slower than the input
-    (:meth:`SpeedCheck.ratio`: the worst round)."""
+    (:meth:`SpeedCheck.ratio`: the worst round); the quality it was written with."""
+    quality = f"held-out dppl {held_out_dppl:+.2%}" + (
+        "" if answers is None else f", answer steps after {answers.prefix}-token prompts {answers.dppl:+.2%}")
     measured = speed.ratio() if speed is not None else None
     if measured is None:
         why = speed.error if speed is not None and speed.error else "no decode loop"
-        return EXIT_WRITTEN, f"tune: wrote {output}: held-out dppl {held_out_dppl:+.2%}; decode speed not measured ({why})"
+        return EXIT_WRITTEN, f"tune: wrote {output}: {quality}; decode speed not measured ({why})"
     ratio, what = measured
     if ratio < 1.0:
         return EXIT_WRITTEN_SLOWER, (
             f"tune: WARNING: wrote {output}, but it ran SLOWER than the input here: {ratio:.2f}x {what}, worst round "
-            f"(exit status {EXIT_WRITTEN_SLOWER}; quality {held_out_dppl:+.2%} held-out)")
-    return EXIT_WRITTEN, f"tune: wrote {output}: {ratio:.2f}x {what}, worst round; held-out dppl {held_out_dppl:+.2%}"
+            f"(exit status {EXIT_WRITTEN_SLOWER}; {quality})")
+    return EXIT_WRITTEN, f"tune: wrote {output}: {ratio:.2f}x {what}, worst round; {quality}"
 
 
 def no_fit_advice(inputs: TuneInputs, choice: Choice) -> str:
@@ -376,14 +440,21 @@ def no_fit_advice(inputs: TuneInputs, choice: Choice) -> str:
             + ", or a longer text (the margin shrinks with more windows), would be needed")
 
 
-def over_budget_advice(inputs: TuneInputs, choice: Choice, held_out: HeldOut) -> str | None:
-    """None when the written model is within the budget on the check windows (and at the full
-    context when checked there); else why nothing is written, and what would help."""
-    if held_out.worst <= inputs.max_dppl:
-        return None
-    return (f"held-out dppl {held_out.worst:+.2%} is over the budget {inputs.max_dppl:.2%} (calibration bound "
-            f"{choice.bound:+.2%}): nothing written. A longer text (more windows: a tighter bound) or a larger "
-            "--max-dppl would be needed")
+def over_budget_advice(inputs: TuneInputs, choice: Choice, held_out: HeldOut,
+                       answers: AnswerCheck | None = None) -> str | None:
+    """None when the written model is within the budget on the check windows (and on the answer
+    steps after long prompts when a long --context was checked); else why nothing is written, and
+    what would help."""
+    if held_out.dppl > inputs.max_dppl:
+        return (f"held-out dppl {held_out.dppl:+.2%} is over the budget {inputs.max_dppl:.2%} (calibration bound "
+                f"{choice.bound:+.2%}): nothing written. A longer text (more windows: a tighter bound) or a larger "
+                "--max-dppl would be needed")
+    if answers is not None and answers.dppl > inputs.max_dppl:
+        return (f"answer-step dppl {answers.dppl:+.2%} after {answers.prefix}-token prompts is over the budget "
+                f"{inputs.max_dppl:.2%} (held-out windows {held_out.dppl:+.2%}): attention selection costs too much at "
+                f"--context {inputs.context}; nothing written. A shorter --context (below {LONG_CONTEXT} attention "
+                "stays exact) or a larger --max-dppl would be needed")
+    return None
 
 
 def commit(result: TuneResult, outputs: OutputFiles, targets: Mapping[str, Path]) -> None:
@@ -456,14 +527,17 @@ def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path
         with clock("rewrite"):
             result.staged = stage_model(inputs, result.choice, outputs, targets["model"])
         with clock("held-out check"):
-            result.held_out = check_written(inputs, result.windows, result.staged, result.probe_check)
-        advice = over_budget_advice(inputs, result.choice, result.held_out)
+            result.held_out = check_written(inputs, result.windows, result.staged, result.probe_check, result.choice)
+        if inputs.long_context is not None and result.held_out.dppl <= inputs.max_dppl:  # else it is decided
+            with clock("answer check"):
+                result.answers = check_answers(inputs, result.windows, result.staged, log)
+        advice = over_budget_advice(inputs, result.choice, result.held_out, result.answers)
         if advice is not None:
             return finish(EXIT_NOT_WRITTEN, f"tune: {advice}", advice)
         with clock("speed check"):
             result.speed = check_speed(inputs, result.staged, log)
         result.written = True
-        result.finish(*verdict(inputs.output, result.held_out.dppl, result.speed))
+        result.finish(*verdict(inputs.output, result.held_out.dppl, result.speed, result.answers))
         with clock("reports"):
             commit(result, outputs, targets)
     log(reports.summary(result))  # ends with the last line
