@@ -225,7 +225,8 @@ BlockCounts BlockRun::run(char* done) {
 
   t_first_ = first_ / kKeys;
   t_end_ = first_ < last_ ? (last_ + kKeys - 1) / kKeys : t_first_;
-  const std::vector<int32_t> selectable = plan_.selective && first_ < last_ ? selectable_tiles() : std::vector<int32_t>{};
+  std::vector<int32_t> selectable;  // empty: every tile of the range
+  if (plan_.selective && first_ < last_) selectable = selectable_tiles();
   if (selectable.empty()) {
     for (size_t t = t_first_; t < t_end_; ++t) visit(t * kKeys);
   } else {
@@ -431,7 +432,8 @@ size_t BlockRun::visit_certified(const std::vector<int32_t>& selectable, const s
     const float b = bound_left[r * (S + 1) + k];
     if (b == kNegInf) return true;
     if (row_max_[r] == kNegInf) return false;
-    return static_cast<double>(b) - row_max_[r] + log_left <= plan_.log_eps + std::log(static_cast<double>(row_sum_[r]));
+    return static_cast<double>(b) - row_max_[r] + log_left <=
+           plan_.log_eps + std::log(static_cast<double>(row_sum_[r]));
   };
   auto dropped_within_eps = [&](size_t k) {
     const double log_left = std::log(static_cast<double>(keys_left[k]));

@@ -164,6 +164,71 @@ py::tuple popcount_counts(const std::string& path, const std::string& mode_name,
   return py::make_tuple(out, gq, gk);
 }
 
+// One step of the tiled prompt kernel (kernels::FlashTile) on one ISA: q [M, D] against keys
+// [N, D] and values [N, Dv] (N <= kFlashKeys), optional bias [M, N] and per-row key ranges lo/hi
+// [M]; the running state row_max, row_sum [M] and o [M, Dv] goes in and the updated copies come
+// out. The scores scratch is NaN-filled (the kernel must write before it reads).
+py::tuple flash_tile_step(const std::string& isa, FloatArray q, FloatArray keys, FloatArray values, float scale,
+                          float softcap, py::object bias, py::object lo, py::object hi, FloatArray row_max,
+                          FloatArray row_sum, FloatArray o) {
+  using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+  if (q.ndim() != 2 || keys.ndim() != 2 || values.ndim() != 2 || keys.shape(1) != q.shape(1) ||
+      values.shape(0) != keys.shape(0) || o.ndim() != 2 || o.shape(0) != q.shape(0) || o.shape(1) != values.shape(1))
+    throw py::value_error("q [M, D], keys [N, D], values [N, Dv], o [M, Dv]");
+  const size_t m = static_cast<size_t>(q.shape(0)), d = static_cast<size_t>(q.shape(1));
+  const size_t n = static_cast<size_t>(keys.shape(0)), dv = static_cast<size_t>(values.shape(1));
+  if (n == 0 || n > kernels::kFlashKeys) throw py::value_error("1 <= N <= kFlashKeys");
+  if (static_cast<size_t>(row_max.size()) != m || static_cast<size_t>(row_sum.size()) != m)
+    throw py::value_error("row_max, row_sum [M]");
+  std::vector<float> kt(d * kernels::kFlashKeys, 0.0f);
+  for (size_t j = 0; j < n; ++j)
+    for (size_t c = 0; c < d; ++c) kt[c * kernels::kFlashKeys + j] = keys.data()[j * d + c];
+  FloatArray bias_values, out_max(std::vector<size_t>{m}), out_sum(std::vector<size_t>{m});
+  FloatArray out_o(std::vector<size_t>{m, dv});
+  std::copy_n(row_max.data(), m, out_max.mutable_data());
+  std::copy_n(row_sum.data(), m, out_sum.mutable_data());
+  std::copy_n(o.data(), m * dv, out_o.mutable_data());
+  I32 lo_values, hi_values;
+  kernels::FlashTile t;
+  if (!bias.is_none()) {
+    bias_values = bias.cast<FloatArray>();
+    if (bias_values.ndim() != 2 || static_cast<size_t>(bias_values.shape(0)) != m ||
+        static_cast<size_t>(bias_values.shape(1)) != n)
+      throw py::value_error("bias [M, N]");
+    t.bias = bias_values.data();
+    t.ldb = n;
+  }
+  if (!lo.is_none()) {
+    lo_values = lo.cast<I32>();
+    hi_values = hi.cast<I32>();
+    if (static_cast<size_t>(lo_values.size()) != m || static_cast<size_t>(hi_values.size()) != m)
+      throw py::value_error("lo, hi [M]");
+    for (size_t r = 0; r < m; ++r)
+      if (lo_values.data()[r] < 0 || hi_values.data()[r] < lo_values.data()[r] ||
+          static_cast<size_t>(hi_values.data()[r]) > n)
+        throw py::value_error("0 <= lo <= hi <= N");
+    t.lo = lo_values.data();
+    t.hi = hi_values.data();
+  }
+  FloatArray scores = bindings::nan_filled(std::vector<size_t>{m * kernels::kFlashKeys});
+  t.q = q.data();
+  t.kt = kt.data();
+  t.v = values.data();
+  t.ldv = dv;
+  t.m = m;
+  t.n = n;
+  t.d = d;
+  t.dv = dv;
+  t.scale = scale;
+  t.softcap = softcap;
+  t.scores = scores.mutable_data();
+  t.row_max = out_max.mutable_data();
+  t.row_sum = out_sum.mutable_data();
+  t.o = out_o.mutable_data();
+  bindings::kernel_set(isa).attention->flash_tile(t);
+  return py::make_tuple(out_max, out_sum, out_o);
+}
+
 }  // namespace
 
 void register_attention(py::module_& m) {
@@ -229,72 +294,9 @@ void register_attention(py::module_& m) {
                                                                     out.mutable_data());
     return py::make_tuple(out, sum);
   }, py::arg("isa"), py::arg("x"), py::arg("shift"));
-  // One step of the tiled prompt kernel (kernels::FlashTile) on one ISA: q [M, D] against keys
-  // [N, D] and values [N, Dv] (N <= kFlashKeys), optional bias [M, N] and per-row key ranges lo/hi
-  // [M]; the running state row_max, row_sum [M] and o [M, Dv] goes in and the updated copies come
-  // out. The scores scratch is NaN-filled (the kernel must write before it reads).
-  m.def("flash_tile", [](const std::string& isa, FloatArray q, FloatArray keys, FloatArray values, float scale,
-                         float softcap, py::object bias, py::object lo, py::object hi, FloatArray row_max,
-                         FloatArray row_sum, FloatArray o) {
-    using I32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
-    if (q.ndim() != 2 || keys.ndim() != 2 || values.ndim() != 2 || keys.shape(1) != q.shape(1) ||
-        values.shape(0) != keys.shape(0) || o.ndim() != 2 || o.shape(0) != q.shape(0) || o.shape(1) != values.shape(1))
-      throw py::value_error("q [M, D], keys [N, D], values [N, Dv], o [M, Dv]");
-    const size_t m = static_cast<size_t>(q.shape(0)), d = static_cast<size_t>(q.shape(1));
-    const size_t n = static_cast<size_t>(keys.shape(0)), dv = static_cast<size_t>(values.shape(1));
-    if (n == 0 || n > kernels::kFlashKeys) throw py::value_error("1 <= N <= kFlashKeys");
-    if (static_cast<size_t>(row_max.size()) != m || static_cast<size_t>(row_sum.size()) != m)
-      throw py::value_error("row_max, row_sum [M]");
-    std::vector<float> kt(d * kernels::kFlashKeys, 0.0f);
-    for (size_t j = 0; j < n; ++j)
-      for (size_t c = 0; c < d; ++c) kt[c * kernels::kFlashKeys + j] = keys.data()[j * d + c];
-    FloatArray bias_values, out_max(std::vector<size_t>{m}), out_sum(std::vector<size_t>{m});
-    FloatArray out_o(std::vector<size_t>{m, dv});
-    std::copy_n(row_max.data(), m, out_max.mutable_data());
-    std::copy_n(row_sum.data(), m, out_sum.mutable_data());
-    std::copy_n(o.data(), m * dv, out_o.mutable_data());
-    I32 lo_values, hi_values;
-    kernels::FlashTile t;
-    if (!bias.is_none()) {
-      bias_values = bias.cast<FloatArray>();
-      if (bias_values.ndim() != 2 || static_cast<size_t>(bias_values.shape(0)) != m ||
-          static_cast<size_t>(bias_values.shape(1)) != n)
-        throw py::value_error("bias [M, N]");
-      t.bias = bias_values.data();
-      t.ldb = n;
-    }
-    if (!lo.is_none()) {
-      lo_values = lo.cast<I32>();
-      hi_values = hi.cast<I32>();
-      if (static_cast<size_t>(lo_values.size()) != m || static_cast<size_t>(hi_values.size()) != m)
-        throw py::value_error("lo, hi [M]");
-      for (size_t r = 0; r < m; ++r)
-        if (lo_values.data()[r] < 0 || hi_values.data()[r] < lo_values.data()[r] ||
-            static_cast<size_t>(hi_values.data()[r]) > n)
-          throw py::value_error("0 <= lo <= hi <= N");
-      t.lo = lo_values.data();
-      t.hi = hi_values.data();
-    }
-    FloatArray scores = bindings::nan_filled(std::vector<size_t>{m * kernels::kFlashKeys});
-    t.q = q.data();
-    t.kt = kt.data();
-    t.v = values.data();
-    t.ldv = dv;
-    t.m = m;
-    t.n = n;
-    t.d = d;
-    t.dv = dv;
-    t.scale = scale;
-    t.softcap = softcap;
-    t.scores = scores.mutable_data();
-    t.row_max = out_max.mutable_data();
-    t.row_sum = out_sum.mutable_data();
-    t.o = out_o.mutable_data();
-    bindings::kernel_set(isa).attention->flash_tile(t);
-    return py::make_tuple(out_max, out_sum, out_o);
-  }, py::arg("isa"), py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("softcap") = 0.0f,
-     py::arg("bias") = py::none(), py::arg("lo") = py::none(), py::arg("hi") = py::none(), py::arg("row_max"),
-     py::arg("row_sum"), py::arg("o"));
+  m.def("flash_tile", &flash_tile_step, py::arg("isa"), py::arg("q"), py::arg("keys"), py::arg("values"),
+        py::arg("scale"), py::arg("softcap") = 0.0f, py::arg("bias") = py::none(), py::arg("lo") = py::none(),
+        py::arg("hi") = py::none(), py::arg("row_max"), py::arg("row_sum"), py::arg("o"));
   m.attr("FLASH_KEYS") = kernels::kFlashKeys;
   m.def("popcount_counts", &popcount_counts, py::arg("path"), py::arg("mode"), py::arg("q"), py::arg("keys"),
         py::arg("eps") = 1e-4f, py::arg("isa") = "active");
