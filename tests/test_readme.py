@@ -80,7 +80,7 @@ def test_readme_onnxruntime_snippet_runs_as_written(tmp_path, monkeypatch):
     onnx.save(tiny_graphs.llama_like(), tmp_path / "model.onnx")
     monkeypatch.chdir(tmp_path)
     assert rewrite_onnx_main(["model.onnx", "-o", "model.gated.onnx", "-q"]) == 0
-    code = _python_block_after((ROOT / "README.md").read_text(), "ONNX Runtime directly:")
+    code = _python_block_after((ROOT / "README.md").read_text(), "ONNX Runtime directly")
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["outputs"] and namespace["outputs"][0].size > 0
