@@ -115,8 +115,8 @@ run_headline() {  # the README's table; scripts/results_table.py reads reports/h
     --rounds 3 -o reports/headline_bench_int4
   ortsparse bench int4="$S/genai-int4" --rewrite int4 --attn=popcount --runners og --request 4096:256,7936:256 \
     --threads 1 --rounds 3 -o reports/headline_request_int4_attention
-  python bench/bench_event_attention.py --contexts 4096 8192 --steps 256 --rounds 1 --variants input pages \
-    -o reports/headline_attention_quality_int4
+  python bench/answer_quality_frontier.py "$S/genai-int4" --prefixes 4096 8192 --windows 8 6 --answer 256 \
+    --settings recommended=--attn=popcount -o reports/headline_answer_quality_int4
   rm -rf "$work"
   python scripts/results_table.py --write
 }
