@@ -208,6 +208,52 @@ def run_answer_quality(args: argparse.Namespace, parser: argparse.ArgumentParser
     return code
 
 
+def _lm_windows(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Path, Any]:
+    """(token ids, their source, the BOS choice) of an LM comparison, the windows checked against them."""
+    if args.text:
+        if args.corpus:
+            parser.error("give --text or --corpus, not both")
+        corpus = Path(args.text)
+        tokens = text_tokens(args.text, args.model if args.tokenizer is None else None, args.tokenizer,
+                             vocab_size(args.model, default=None))
+    else:
+        corpus = Path(args.corpus) if args.corpus else default_corpus()
+        if not corpus.is_file():
+            parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
+        tokens = load_corpus_tokens(corpus, vocab_size(args.model, default=None))
+    bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
+    check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
+                  max_positions=context_length(args.model), bos=bos.id)
+    return tokens, corpus, bos
+
+
+def _score_lm(args: argparse.Namespace, parser: argparse.ArgumentParser, rewritten: Any, windows: tuple[Any, Path, Any],
+              options: Mapping[str, Any] | None, progress: bool) -> tuple[dict[str, Any], int]:
+    """compare_lm of MODEL and the rewritten model on the windows: (result, exit status)."""
+    import onnxruntime
+
+    tokens, corpus, bos = windows
+    onnxruntime.set_default_logger_severity(4)  # a failing run is reported below, in one line
+    # Teacher-forced windows are one call each: measured as decode steps compute every row (prompts
+    # gated and selecting keys), the loss generated tokens see (graph_rewrite/as_decoded.py).
+    decoded = as_decoded(load_proto(rewritten, load_weights=True))
+    try:
+        result = compare_lm(args.model, decoded, tokens, args.windows, args.window_len, offset=args.offset,
+                            session_options=options, progress=progress, bos=bos)
+    except Exception as error:
+        if not type(error).__module__.startswith("onnxruntime"):
+            raise
+        reason = str(error).splitlines()[0].split("Status Message:")[-1].strip()
+        parser.error(f"onnxruntime could not score windows of {args.window_len} tokens on {args.model}: "
+                     f"{reason} (a --window-len longer than the model's context does this)")
+    finally:
+        onnxruntime.set_default_logger_severity(2)
+    result["corpus"] = str(corpus)
+    result["rewritten_rows"] = "every row as a decode step computes it (max_gated_rows = prefill_rows = 0)"
+    over = args.max_dppl is not None and result["dppl"] > args.max_dppl
+    return result, EXIT_OVER_BUDGET if over else EXIT_OK
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
     from .text import tokenizer_read
@@ -233,21 +279,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = {"intra_op_num_threads": args.threads} if args.threads else None
     if args.rewritten and not Path(args.rewritten).is_file():
         parser.error(f"rewritten model {args.rewritten} does not exist")
-    if kind == "lm" and args.text:  # the text and its windows are checked before the rewrite
-        if args.corpus:
-            parser.error("give --text or --corpus, not both")
-        corpus = Path(args.text)
-        tokens = text_tokens(args.text, args.model if args.tokenizer is None else None, args.tokenizer,
-                             vocab_size(args.model, default=None))
-    elif kind == "lm":
-        corpus = Path(args.corpus) if args.corpus else default_corpus()
-        if not corpus.is_file():
-            parser.error(f"token corpus {corpus} not found (give --corpus TOKENS.npy or run `ortsparse models`)")
-        tokens = load_corpus_tokens(corpus, vocab_size(args.model, default=None))
-    if kind == "lm":
-        bos = resolve_bos(args.bos, args.model, args.tokenizer, vocab_size(args.model, default=None))
-        check_windows(tokens.size, args.windows, args.window_len, offset=args.offset, source=str(corpus),
-                      max_positions=context_length(args.model), bos=bos.id)
+    if kind == "lm":  # the text and its windows are checked before the rewrite
+        windows = _lm_windows(args, parser)
     report = None
     if args.rewritten:
         rewritten: Any = args.rewritten
@@ -257,27 +290,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     progress = not args.quiet and sys.stderr.isatty()
     code = EXIT_OK
     if kind == "lm":
-        import onnxruntime
-
-        onnxruntime.set_default_logger_severity(4)  # a failing run is reported below, in one line
-        # Teacher-forced windows are one call each: measured as decode steps compute every row (prompts
-        # gated and selecting keys), the loss generated tokens see (graph_rewrite/as_decoded.py).
-        decoded = as_decoded(load_proto(rewritten, load_weights=True))
-        try:
-            result = compare_lm(args.model, decoded, tokens, args.windows, args.window_len, offset=args.offset,
-                                session_options=options, progress=progress, bos=bos)
-        except Exception as error:
-            if not type(error).__module__.startswith("onnxruntime"):
-                raise
-            reason = str(error).splitlines()[0].split("Status Message:")[-1].strip()
-            parser.error(f"onnxruntime could not score windows of {args.window_len} tokens on {args.model}: "
-                         f"{reason} (a --window-len longer than the model's context does this)")
-        finally:
-            onnxruntime.set_default_logger_severity(2)
-        result["corpus"] = str(corpus)
-        result["rewritten_rows"] = "every row as a decode step computes it (max_gated_rows = prefill_rows = 0)"
-        if args.max_dppl is not None and result["dppl"] > args.max_dppl:
-            code = EXIT_OVER_BUDGET
+        result, code = _score_lm(args, parser, rewritten, windows, options, progress)
     elif kind == "embedding":
         sentences = Path(args.sentences) if args.sentences else default_sentences()
         if not sentences.is_file():
