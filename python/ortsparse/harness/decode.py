@@ -219,21 +219,12 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     step of every model sees the same moment of the machine. Off: each model runs its whole loop in
     turn, ``settle_s`` after the previous one — for ORT's spinning pools, whose idle threads keep
     spinning on a core for milliseconds after a Run and would slow the next model's step."""
-    tokens = np.asarray(tokens).reshape(-1)
-    if tokens.size < loop.tokens_needed:
-        raise ValueError(f"the loop needs {loop.tokens_needed} tokens (offset {loop.offset}, prompt {loop.prompt}, "
-                         f"{loop.warmup}+{loop.steps} steps); the corpus has {tokens.size}")
     if reference is not None and reference not in steppers:
         raise ValueError(f"reference {reference!r} is not one of the models ({', '.join(steppers)})")
-    start = loop.offset
-    prompt = tokens[start:start + loop.prompt].astype(np.int64)
-    forced = tokens[start + loop.prompt:start + loop.prompt + loop.warmup + loop.steps].astype(np.int64)
-    following = tokens[start + loop.prompt + 1:start + loop.prompt + loop.warmup + loop.steps + 1]
+    prompt, forced, following = _loop_slices(tokens, loop)
     names = list(steppers)
     prefill = {name: 0.0 for name in names}
-    times: dict[str, list[float]] = {name: [] for name in names}
-    predictions: dict[str, list[int]] = {name: [] for name in names}
-    nll: dict[str, list[float]] = {name: [] for name in names}
+    times, predictions, nll = ({name: [] for name in names} for _ in range(3))  # step s, argmax, next-token NLL
     say = log or (lambda text: None)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection in the middle of a timed step would land on one model only
@@ -284,24 +275,41 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     finally:
         if gc_was_enabled:
             gc.enable()
-    result: dict[str, dict] = {}
-    for name in names:
-        steps = times[name]
-        median = statistics.median(steps)
-        predicted = np.asarray(predictions[name])
-        row = {"runner": steppers[name].runner, "step_seconds": steps, "median_s": median,
-               "tokens_per_s": 1.0 / median, "p10_s": float(np.percentile(steps, 10)),
-               "p90_s": float(np.percentile(steps, 90)), "prefill_s": prefill[name],
-               "prefill_tokens_per_s": loop.prompt / prefill[name] if prefill[name] > 0 else float("nan"),
-               "predictions": predicted.tolist(),
-               "next_token_accuracy": float(np.mean(predicted == following)),
-               "mean_nll": float(np.mean(nll[name]))}
-        if reference is not None:
-            row["top1_agreement"] = float(np.mean(predicted == np.asarray(predictions[reference])))
-            row["dppl_vs_reference"] = float(np.expm1(np.mean(nll[name]) - np.mean(nll[reference])))
-        result[name] = row
+    result = {name: _loop_row(steppers[name].runner, times[name], prefill[name], loop.prompt, predictions[name],
+                              nll[name], following, predictions.get(reference), nll.get(reference))
+              for name in names}
     result["_metrics"] = counters
     return result
+
+
+def _loop_slices(tokens: Sequence[int] | np.ndarray, loop: LoopPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, teacher-forced tokens, the token after each forced one) of ``loop`` in ``tokens``."""
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.size < loop.tokens_needed:
+        raise ValueError(f"the loop needs {loop.tokens_needed} tokens (offset {loop.offset}, prompt {loop.prompt}, "
+                         f"{loop.warmup}+{loop.steps} steps); the corpus has {tokens.size}")
+    first, last = loop.offset + loop.prompt, loop.offset + loop.prompt + loop.warmup + loop.steps
+    return (tokens[loop.offset:first].astype(np.int64), tokens[first:last].astype(np.int64),
+            tokens[first + 1:last + 1])
+
+
+def _loop_row(runner: str, steps: list[float], prefill_s: float, prompt: int, predicted: list[int], nll: list[float],
+              following: np.ndarray, reference_predictions: list[int] | None,
+              reference_nll: list[float] | None) -> dict[str, Any]:
+    """One model's row of :func:`decode_loop`'s result from its timed steps, predictions and NLLs."""
+    median = statistics.median(steps)
+    predicted = np.asarray(predicted)
+    row = {"runner": runner, "step_seconds": steps, "median_s": median,
+           "tokens_per_s": 1.0 / median, "p10_s": float(np.percentile(steps, 10)),
+           "p90_s": float(np.percentile(steps, 90)), "prefill_s": prefill_s,
+           "prefill_tokens_per_s": prompt / prefill_s if prefill_s > 0 else float("nan"),
+           "predictions": predicted.tolist(),
+           "next_token_accuracy": float(np.mean(predicted == following)),
+           "mean_nll": float(np.mean(nll))}
+    if reference_predictions is not None:
+        row["top1_agreement"] = float(np.mean(predicted == np.asarray(reference_predictions)))
+        row["dppl_vs_reference"] = float(np.expm1(np.mean(nll) - np.mean(reference_nll)))
+    return row
 
 
 def _next_token_nll(logits: np.ndarray, token: int) -> float:

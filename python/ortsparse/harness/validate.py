@@ -393,7 +393,31 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
     if missing:
         result.fail("run", f"the rewritten model lacks output(s) {', '.join(missing)}")
         return
-    vocab = embedding_sizes(source)
+    worst, first_feeds = _compare_runs(original, candidate, names, embedding_sizes(source), overrides, runs, seed,
+                                       result)
+    result.outputs = [{"name": o.name, "shape": list(o.shape), "max_abs": o.max_abs, "rel_l2": o.rel_l2}
+                      for o in (worst[n] for n in names)]
+    result.worst_rel_l2 = max(o.rel_l2 for o in worst.values())
+    result.worst_max_abs = max(o.max_abs for o in worst.values())
+    result.budget = EXACT_BUDGET if report.exact else (DEFAULT_BUDGET if budget is None else budget)
+
+    if timing_runs > 0:
+        result.stage = "time"
+        _time_pair(original, candidate, names, first_feeds, timing_runs, result)
+    del original, candidate
+
+    result.stage = ""
+    over = [o for o in worst.values() if not o.rel_l2 <= result.budget]
+    if over:
+        o = max(over, key=lambda o: o.rel_l2 if math.isfinite(o.rel_l2) else float("inf"))
+        kind = "exact rewrite" if report.exact else "approximate rewrite"
+        result.fail("budget", f"output {o.name!r} relative L2 error {o.rel_l2:.3e} > budget {result.budget:g} "
+                              f"({kind})")
+
+
+def _compare_runs(original: Any, candidate: Any, names: list[str], vocab: Any, overrides: Any, runs: int, seed: int,
+                  result: ModelResult) -> tuple[dict[str, OutputError], dict[str, np.ndarray]]:
+    """Both sessions on ``runs`` sets of generated inputs: the worst error per output, and the first feeds."""
     rng = np.random.default_rng(seed)
     worst: dict[str, OutputError] = {}
     first_feeds = None
@@ -408,32 +432,21 @@ def _validate(entry: ZooEntry, result: ModelResult, workdir: Path, config: Any, 
             if name in worst:
                 max_abs, rel = max(max_abs, worst[name].max_abs), max(rel, worst[name].rel_l2)
             worst[name] = OutputError(name, tuple(np.shape(e)), max_abs, rel)
-    result.outputs = [{"name": o.name, "shape": list(o.shape), "max_abs": o.max_abs, "rel_l2": o.rel_l2}
-                      for o in (worst[n] for n in names)]
-    result.worst_rel_l2 = max(o.rel_l2 for o in worst.values())
-    result.worst_max_abs = max(o.max_abs for o in worst.values())
-    result.budget = EXACT_BUDGET if report.exact else (DEFAULT_BUDGET if budget is None else budget)
+    return worst, first_feeds
 
-    if timing_runs > 0:
-        result.stage = "time"
-        dense, sparse = [], []
-        for _ in range(timing_runs):  # alternated A B A B (both already warm from the runs above)
-            for session, times in ((original, dense), (candidate, sparse)):
-                start = time.perf_counter()
-                session.run(names, first_feeds)
-                times.append(time.perf_counter() - start)
-        result.dense_ms = 1e3 * statistics.median(dense)
-        result.rewritten_ms = 1e3 * statistics.median(sparse)
-        result.speed_ratio = result.dense_ms / result.rewritten_ms if result.rewritten_ms > 0 else None
-    del original, candidate
 
-    result.stage = ""
-    over = [o for o in worst.values() if not o.rel_l2 <= result.budget]
-    if over:
-        o = max(over, key=lambda o: o.rel_l2 if math.isfinite(o.rel_l2) else float("inf"))
-        kind = "exact rewrite" if report.exact else "approximate rewrite"
-        result.fail("budget", f"output {o.name!r} relative L2 error {o.rel_l2:.3e} > budget {result.budget:g} "
-                              f"({kind})")
+def _time_pair(original: Any, candidate: Any, names: list[str], feeds: dict[str, np.ndarray], timing_runs: int,
+               result: ModelResult) -> None:
+    """Median run times of both sessions, alternated A B A B (both already warm from the comparison)."""
+    dense, sparse = [], []
+    for _ in range(timing_runs):
+        for session, times in ((original, dense), (candidate, sparse)):
+            start = time.perf_counter()
+            session.run(names, feeds)
+            times.append(time.perf_counter() - start)
+    result.dense_ms = 1e3 * statistics.median(dense)
+    result.rewritten_ms = 1e3 * statistics.median(sparse)
+    result.speed_ratio = result.dense_ms / result.rewritten_ms if result.rewritten_ms > 0 else None
 
 
 def _generic(reason: str) -> str:
