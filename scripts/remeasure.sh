@@ -19,8 +19,8 @@
 #   headline      every row of the README's "what to expect" table: the demo's int8 tune and an int4 tune
 #                 on Python's docs, each benched against its input (3 rounds; 1 and 2 threads, ORT's
 #                 default pool and spinning off), long requests with --attn=popcount and the answer's
-#                 quality where selection acts; then rewrites the README table and docs/results.md
-#                 (reports/headline_*)                                                                ~2 h
+#                 quality where selection acts, into reports/headline/<date>-<cpu>/; then rewrites the
+#                 README table and docs/results.md                                                                ~2 h
 # usage: scripts/remeasure.sh [baselines|fp32|attention|gqa|quant|quant_attn|tune|stability|headline ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -104,23 +104,26 @@ run_tune() {
   rm -rf "$work"
 }
 
-run_headline() {  # the README's table; scripts/results_table.py reads reports/headline_* first
+run_headline() {  # the README's table: scripts/results_table.py shows the newest run of each CPU kind
   work=$(mktemp -d)
+  out=reports/headline/$(date -u +%F)-$(python -c "from ortsparse.benchmarking import machine_info as m; i = m(); \
+print('-'.join((i['cpu'] + ' ' + str(i['isa'])).lower().replace('(r)', '').split()))")
+  mkdir -p "$out"
   python -c "import pydoc_data.topics as t; print('\n\n'.join(t.topics.values()))" > "$work/python-docs.txt"
   ortsparse tune "$S/genai-int8" --reference "$S/genai-fp32" --text "$work/python-docs.txt" --max-dppl 0.02 \
-    -o "$work/int8-tuned" --report reports/headline_tune_int8 || [ $? -eq 3 ]
+    -o "$work/int8-tuned" --report "$out/tune_int8" || [ $? -eq 3 ]
   ortsparse tune "$S/genai-int4" --text "$work/python-docs.txt" --max-dppl 0.02 \
-    -o "$work/int4-tuned" --report reports/headline_tune_int4 || [ $? -eq 3 ]
+    -o "$work/int4-tuned" --report "$out/tune_int4" || [ $? -eq 3 ]
   ortsparse bench input="$S/genai-int8" tuned="$work/int8-tuned" --runners og --contexts 128 1024 --threads 1 2 \
-    --rounds 3 -o reports/headline_bench_int8
+    --rounds 3 -o "$out/bench_int8"
   ortsparse bench input="$S/genai-int8" tuned="$work/int8-tuned" --runners og --contexts 128 1024 --threads 2 \
-    --spinning --rounds 3 -o reports/headline_bench_int8_spinning
+    --spinning --rounds 3 -o "$out/bench_int8_spinning"
   ortsparse bench input="$S/genai-int4" tuned="$work/int4-tuned" --runners og --contexts 128 1024 --threads 1 \
-    --rounds 3 -o reports/headline_bench_int4
+    --rounds 3 -o "$out/bench_int4"
   ortsparse bench int4="$S/genai-int4" --rewrite int4 --attn=popcount --runners og --request 4096:256,7936:256 \
-    --threads 1 --rounds 3 -o reports/headline_request_int4_attention
+    --threads 1 --rounds 3 -o "$out/request_int4_attention"
   python bench/answer_quality_frontier.py "$S/genai-int4" --prefixes 4096 8192 --windows 8 6 --answer 256 \
-    --settings recommended=--attn=popcount -o reports/headline_answer_quality_int4
+    --settings recommended=--attn=popcount -o "$out/answer_quality_int4"
   rm -rf "$work"
   python scripts/results_table.py --write
 }

@@ -167,9 +167,40 @@ def section() -> str:
 # The README's "what to expect": the headline rows, each the worst round of a multi-round bench
 # report (docs/measure.md), with its quality, CPU, date and command.
 # ---------------------------------------------------------------------------------------------
-def _headline(stable: str, measured_before: str) -> str:
-    """The report `scripts/remeasure.sh headline` writes, else the one the row was first measured in."""
-    return stable if (REPORTS / stable).exists() else measured_before
+# One headline run: `scripts/remeasure.sh headline` writes these into reports/headline/<date>-<cpu>/.
+HEADLINE_FILES = dict(int8="bench_int8.json", int8_spinning="bench_int8_spinning.json", int4="bench_int4.json",
+                      tune_int8="tune_int8.json", tune_int4="tune_int4.json", request="request_int4_attention.json",
+                      frontier="answer_quality_int4.json")
+# The first measurement of the rows (Intel Xeon, AVX-512), before remeasure.sh had a headline section.
+FIRST_HEADLINE = dict(int8="bench_tune_int8_rotation_head.json",
+                      int8_spinning="bench_tune_int8_rotation_head_spinning.json",
+                      int4="bench_tune_int4_head_2026-11-28.json",
+                      tune_int8="tune_genai_int8_python_docs_rotation_2026-11-28.json",
+                      tune_int4="tune_genai_int4_python_docs_rotation_2026-11-28.json",
+                      request="request_genai_int4_attention.json", frontier="answer_quality_frontier_int4_4k.json")
+
+
+def _cpu_kind(reports: dict[str, str]) -> tuple[str, str] | None:
+    payload = _load(reports["int8"])
+    return None if payload is None else (payload["machine"]["cpu"], payload["machine"].get("isa", "?"))
+
+
+def headline_runs() -> list[dict[str, str]]:
+    """The report names of the newest headline run of each CPU kind (newest first), then the first
+    measurement if no run of its CPU kind replaced it: the gain depends on the CPU (its ISA above all).
+    A run's rows are those whose reports it has."""
+    runs, seen = [], set()
+    folders = sorted((REPORTS / "headline").glob("*/"), reverse=True) if (REPORTS / "headline").is_dir() else []
+    for folder in [*(f"headline/{f.name}/" for f in folders), ""]:
+        reports = ({key: folder + name for key, name in HEADLINE_FILES.items()} if folder
+                   else dict(FIRST_HEADLINE))
+        if not (REPORTS / reports["frontier"]).exists():  # quality, not speed: the newest one measured
+            reports["frontier"] = FIRST_HEADLINE["frontier"]
+        kind = _cpu_kind(reports)
+        if kind is not None and kind not in seen:
+            seen.add(kind)
+            runs.append(reports)
+    return runs
 
 
 def _ratio(payload: dict, *, model: str, context: int, threads: int) -> dict | None:
@@ -196,7 +227,8 @@ def _worst_median(speedups: list[dict | None]) -> str:
 
 def _when(payload: dict) -> str:
     machine = payload["machine"]
-    return f"{machine['cpu']}, {machine['cores']} cores; {machine['date'][:10]}"
+    isa = f" ({machine['isa'].upper().replace('AVX512', 'AVX-512')})" if machine.get("isa") else ""
+    return f"{machine['cpu']}{isa}, {machine['cores']} cores; {machine['date'][:10]}"
 
 
 def _command(payload: dict) -> str:
@@ -251,17 +283,10 @@ def _attention_quality(name: str, frontier: str) -> str:
             + "; ".join(f"{c // 1024}k {cell}" for c, cell in sorted(cells.items())))
 
 
-def expect_rows() -> list[str]:
-    lines = ["| workload | model, ortsparse setting | threads | speed vs the input model: worst round (median) | "
-             "quality | CPU, date | command |", "|---|---|---|---|---|---|---|"]
-    int8 = _headline("headline_bench_int8.json", "bench_tune_int8_rotation_head.json")
-    decode = [("int8", int8, 1, "1"),
-              ("int8", _headline("headline_bench_int8_spinning.json", "bench_tune_int8_rotation_head_spinning.json"), 2,
-               "2, ORT's default pool"),
-              ("int8", int8, 2, "2, `allow_spinning=0`"),
-              ("int4", _headline("headline_bench_int4.json", "bench_tune_int4_head_2026-11-28.json"), 1, "1")]
-    tune_reports = {"int8": _headline("headline_tune_int8.json", "tune_genai_int8_python_docs_rotation_2026-11-28.json"),
-                    "int4": _headline("headline_tune_int4.json", "tune_genai_int4_python_docs_rotation_2026-11-28.json")}
+def _decode_rows(run: dict[str, str]) -> list[str]:
+    decode = [("int8", run["int8"], 1, "1"), ("int8", run["int8_spinning"], 2, "2, ORT's default pool"),
+              ("int8", run["int8"], 2, "2, `allow_spinning=0`"), ("int4", run["int4"], 1, "1")]
+    lines = []
     for precision, name, threads, thread_label in decode:
         payload = _load(name)
         if payload is None:
@@ -269,19 +294,28 @@ def expect_rows() -> list[str]:
         speed = _worst_median([_ratio(payload, model="tuned", context=c, threads=threads) for c in (128, 1024)])
         lines.append(f"| decode, context 128 / 1024 | SmolLM2-135M genai {precision}, `ortsparse tune` "
                      f"{'--reference fp32 ' if precision == 'int8' else ''}(budget 2%) | {thread_label} | {speed} | "
-                     f"{_tune_quality(tune_reports[precision])} | {_when(payload)} | `{_command(payload)}` "
+                     f"{_tune_quality(run['tune_' + precision])} | {_when(payload)} | `{_command(payload)}` "
                      f"({_link(name.replace('.json', '.md'), 'reports/')}) |")
-    request = _headline("headline_request_int4_attention.json", "request_genai_int4_attention.json")
+    return lines
+
+
+def _request_row(run: dict[str, str]) -> list[str]:
+    payload = _load(run["request"])
+    if payload is None:
+        return []
     quality = "event_attention_genai_int4.json"  # one window per context; the frontier's windows replace it per context
-    frontier = _headline("headline_answer_quality_int4.json", "answer_quality_frontier_int4_4k.json")
-    payload = _load(request)
-    if payload is not None:
-        speed = _worst_median([_request_ratio(payload, model="int4+ortsparse", request=r, threads=1)
-                               for r in ("4096+256", "7936+256")])
-        lines.append(f"| whole request, prompt + answer: 4k + 256 / 8k + 256 tokens | SmolLM2-135M genai int4, "
-                     f"`--attn=popcount` | 1 | {speed} | {_attention_quality(quality, frontier)} | "
-                     f"{_when(payload)} | `{_command(payload)}` "
-                     f"({_link(request.replace('.json', '.md'), 'reports/')}) |")
+    speed = _worst_median([_request_ratio(payload, model="int4+ortsparse", request=r, threads=1)
+                           for r in ("4096+256", "7936+256")])
+    return [f"| whole request, prompt + answer: 4k + 256 / 8k + 256 tokens | SmolLM2-135M genai int4, "
+            f"`--attn=popcount` | 1 | {speed} | {_attention_quality(quality, run['frontier'])} | "
+            f"{_when(payload)} | `{_command(payload)}` ({_link(run['request'].replace('.json', '.md'), 'reports/')}) |"]
+
+
+def expect_rows() -> list[str]:
+    lines = ["| workload | model, ortsparse setting | threads | speed vs the input model: worst round (median) | "
+             "quality | CPU, date | command |", "|---|---|---|---|---|---|---|"]
+    for run in headline_runs():
+        lines += _decode_rows(run) + _request_row(run)
     return [EXPECT_BEGIN, *lines, EXPECT_END]
 
 
