@@ -572,7 +572,7 @@ def collect_matmul_inputs(model: Any, input_names: Sequence[str], batches: Itera
     inputs X) added as graph outputs; returns per value a [rows, K] float32 sample of at most
     ``max_rows`` rows (uniformly sub-sampled across batches). ``feeds(session, batch)`` makes the
     input dict (default: :func:`ortsparse.runtime.lm_feeds`, which also takes encoder batches).
-    ``ortsparse.harness.calibrate.layer_calibration`` picks the values of a layer target."""
+    ``ortsparse.commands.calibrate.layer_calibration`` picks the values of a layer target."""
     wanted = list(dict.fromkeys(input_names))
     session = open_session(with_outputs(model, wanted), {"intra_op_num_threads": 1})
     chunks: dict[str, list[np.ndarray]] = {v: [] for v in wanted}

@@ -1,4 +1,4 @@
-"""Per-layer sparsity allocation (ortsparse.harness.allocation) on the tiny exports: the probe graph
+"""Per-layer sparsity allocation (ortsparse.calibration.allocation) on the tiny exports: the probe graph
 computes what KwtaBlockMatMul computes, the curves and the Lagrangian behave, and the library
 function and the `calibrate --method allocated` hook run end to end (fast, no cache, nothing timed)."""
 import json
@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from ortsparse.graph_rewrite.fuse import FUSED_NAME_SEPARATOR
-from ortsparse.harness import allocation
+from ortsparse.calibration import allocation
 from ortsparse.runtime import lm_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -176,7 +176,7 @@ def test_calibrate_allocated_command(tmp_path, tokens):
 def test_allocation_on_matmulnbits_weights(model, tokens, tmp_path):
     """A quantized model (ORT's MatMulNBits, as onnxruntime-genai's int8/int4 graphs) is allocated
     on the weights its gate will see: the dequantized MatMulNBits tensors, bytes as stored."""
-    from ortsparse.harness.baselines import quantize_matmul_nbits
+    from ortsparse.zoo.baselines import quantize_matmul_nbits
 
     quantized_path = tmp_path / "llama_tiny.int8.onnx"
     quantize_matmul_nbits(LLAMA, quantized_path, bits=8, block_size=32, accuracy_level=4)

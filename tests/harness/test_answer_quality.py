@@ -1,4 +1,4 @@
-"""Quality at the point of use (harness.answer_quality): windows spread over the text, only answer
+"""Quality at the point of use (measure.answer_quality): windows spread over the text, only answer
 steps scored, pooled dppl with a t-interval over windows."""
 import math
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortsparse.harness import answer_quality as aq
-from ortsparse.harness.decode import open_stepper
+from ortsparse.measure import answer_quality as aq
+from ortsparse.measure.decode import open_stepper
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 GENAI = TINY / "llama_tiny_genai"

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from ortsparse.cli import main
-from ortsparse.harness.decode import DEFAULT_TEXT
+from ortsparse.measure.decode import DEFAULT_TEXT
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 GENAI = TINY / "llama_tiny_genai"  # has its tokenizer.json

@@ -11,9 +11,9 @@ import pytest
 
 from ortsparse.cli import main
 from ortsparse.graph_rewrite.errors import ModelFileError
-from ortsparse.harness.corpus import first_scored, lm_windows, text_per_window
-from ortsparse.harness.perplexity import compare_lm, dppl_spread, perplexity
-from ortsparse.harness.text import BosChoice, resolve_bos, tokenizer_bos
+from ortsparse.measure.corpus import first_scored, lm_windows, text_per_window
+from ortsparse.measure.perplexity import compare_lm, dppl_spread, perplexity
+from ortsparse.measure.text import BosChoice, resolve_bos, tokenizer_bos
 from ortsparse.runtime import kv_layout, lm_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"

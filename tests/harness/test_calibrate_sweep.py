@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.harness import calibrate, sweep
+from ortsparse.commands import calibrate, sweep
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 FULL = TINY / "llama_tiny.torchscript.onnx"
@@ -154,8 +154,8 @@ def _rewritten_by_file(model, entries):
 def test_our_overrides_carry_over_to_the_genai_graph(model, tokens, tmp_path):
     """Thresholds calibrated on our export, translated to the genai names (q/k/v -> the fused qkv),
     gate the genai graph exactly as they gate our export: same perplexity, same predictions."""
-    from ortsparse.harness.genai_overrides import translate
-    from ortsparse.harness.perplexity import perplexity
+    from ortsparse.zoo.genai_overrides import translate
+    from ortsparse.measure.perplexity import perplexity
 
     layers = calibrate.target_layers(model, "both")
     calibrate.capture_quantiles(model, layers, [tokens[:64]], log=lambda *_: None)

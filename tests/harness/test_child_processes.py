@@ -36,7 +36,7 @@ def run(command):
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
-PROBE = "import numpy, ortsparse.harness, sys; print(numpy.__file__); print(ortsparse.__file__); print(sys.argv)"
+PROBE = "import numpy, ortsparse.measure, sys; print(numpy.__file__); print(ortsparse.__file__); print(sys.argv)"
 
 
 @pytest.mark.parametrize("how", ["-c", "-m", "script"])
@@ -87,8 +87,8 @@ def test_every_child_python_process_is_started_isolated():
 
 
 def test_the_builders_and_downloads_run_isolated(tmp_path, monkeypatch):
-    from ortsparse.harness import export_genai, llama_cpp, packages
-    from ortsparse.harness.cache import ModelBuildError
+    from ortsparse.zoo import export_genai, llama_cpp, packages
+    from ortsparse.zoo.cache import ModelBuildError
 
     command = export_genai.builder_command(tmp_path / "hf", tmp_path / "out", "int4", tmp_path / "c")
     assert command[:2] == [sys.executable, "-I"]

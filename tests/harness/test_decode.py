@@ -1,4 +1,4 @@
-"""The real decode loop (ortsparse.harness.decode) and ortsparse.runtime's KV decoders on the tiny
+"""The real decode loop (ortsparse.measure.decode) and ortsparse.runtime's KV decoders on the tiny
 Llama (KV export, full export, and the genai builder's graph of the same weights): the cache grows
 every step, the continuation is teacher-forced, models advance round-robin, agreement is computed.
 No timing is asserted."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ortsparse.harness import decode
+from ortsparse.measure import decode
 from ortsparse.runtime import KVDecoder, kv_layout, lm_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -178,8 +178,8 @@ def test_genai_stepper_threads_and_capacity():
 def test_real_loop_ours_and_genai_fp32_predict_alike():
     """SmolLM2: our TorchScript KV export and the genai fp32 folder (both runners) in the real loop
     on the corpus: the same next-token predictions at every decode step."""
-    from ortsparse.harness import models
-    from ortsparse.harness.corpus import load_corpus_tokens
+    from ortsparse.zoo import models
+    from ortsparse.measure.corpus import load_corpus_tokens
 
     try:
         ours, folder = models.model_path("smollm2", "kv.torchscript"), models.genai_folder_path("fp32")

@@ -1,7 +1,7 @@
 """scripts/demo.sh builds only what it uses and leaves its tuned model where the README says (issue 23)."""
 from pathlib import Path
 
-from ortsparse.harness import builds, models
+from ortsparse.zoo import builds, models
 
 ROOT = Path(__file__).resolve().parents[2]
 

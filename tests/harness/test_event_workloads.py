@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ortsparse.harness import event_workloads as ew
+from ortsparse.commands import event_workloads as ew
 from ortsparse.runtime import open_session
 
 

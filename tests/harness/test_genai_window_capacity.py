@@ -16,14 +16,14 @@ PROMPT = [5, 9, 13]
 
 
 def test_greedy_ids_on_a_folder_holds_the_window():
-    from ortsparse.harness.export_genai import generator_capacity, greedy_ids
+    from ortsparse.zoo.export_genai import generator_capacity, greedy_ids
 
     assert generator_capacity(GEMMA, 5) == 8 and generator_capacity(GEMMA, 20) == 20
     assert len(greedy_ids(GEMMA, PROMPT, 2)) == 2  # 5 positions < the window of 8
 
 
 def test_the_bench_stepper_holds_the_window():
-    from ortsparse.harness.decode import GenaiStepper
+    from ortsparse.measure.decode import GenaiStepper
 
     stepper = GenaiStepper(GEMMA)
     assert stepper.window_size == 8

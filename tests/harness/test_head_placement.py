@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.harness import allocation, head_placement
-from ortsparse.harness.calibrate import gating_search
+from ortsparse.calibration import allocation, head_placement
+from ortsparse.commands.calibrate import gating_search
 from ortsparse.runtime import open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -19,7 +19,7 @@ LLAMA = TINY / "llama_tiny.torchscript.onnx"
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    from ortsparse.harness.baselines import quantize_matmul_nbits
+    from ortsparse.zoo.baselines import quantize_matmul_nbits
 
     path = tmp_path_factory.mktemp("q") / "llama_tiny.int8.onnx"
     quantize_matmul_nbits(LLAMA, path, bits=8, block_size=32, accuracy_level=4)
@@ -96,11 +96,11 @@ def test_the_timing_process_imports_the_installed_package_not_the_current_folder
     ([str(LLAMA), str(LLAMA), "4", "1", "0.1"], "Required inputs"),  # not a head's single-node graph
 ])
 def test_the_timing_module_with_bad_arguments_is_a_one_line_error(arguments, message, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ortsparse.harness.head_placement", *arguments], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "ortsparse.calibration.head_placement", *arguments], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
-    assert lines[0].startswith("python -m ortsparse.harness.head_placement: error: ")
+    assert lines[0].startswith("python -m ortsparse.calibration.head_placement: error: ")
 
 
 def test_sign_test():

@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortsparse.harness import perplexity as perplexity_module
-from ortsparse.harness.perplexity import log_softmax_blocks, perplexity, score_logits
+from ortsparse.measure import perplexity as perplexity_module
+from ortsparse.measure.perplexity import log_softmax_blocks, perplexity, score_logits
 
 VOCAB = 262_144  # Gemma-3's
 MB = 1 << 20
@@ -96,7 +96,7 @@ def test_perplexity_of_a_262k_vocabulary_in_bounded_memory(bos):
     window_len = 96
     tokens = np.random.default_rng(3).integers(0, VOCAB, 2 * window_len)
     result, peak = peak_bytes(perplexity, model, tokens, windows=2, window_len=window_len, bos=bos)
-    from ortsparse.harness.corpus import first_scored, lm_windows
+    from ortsparse.measure.corpus import first_scored, lm_windows
 
     windows = lm_windows(tokens, 2, window_len, bos=bos)
     assert result["nll"] == pytest.approx(linear_lm_nll(model, windows, first_scored(bos)), rel=1e-6)

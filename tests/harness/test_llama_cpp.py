@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ortsparse.harness import llama_cpp
+from ortsparse.zoo import llama_cpp
 
 SAMPLE = [
     {"model_type": "llama ?B Q8_0", "n_threads": 1, "n_prompt": 0, "n_gen": 64, "n_depth": 1024, "avg_ts": 75.8,

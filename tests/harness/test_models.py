@@ -1,4 +1,4 @@
-"""ortsparse.harness.models: the cache builder's bookkeeping (fast, no torch, no network) and,
+"""ortsparse.zoo.models: the cache builder's bookkeeping (fast, no torch, no network) and,
 marked slow, the real cache that ``ortsparse models`` built."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from ortsparse import runtime
-from ortsparse.harness import builds, cache, export_corpus, models, packages
-from ortsparse.harness.builds import BuildContext, ModelSpec
-from ortsparse.harness.cache import ModelBuildError, ModelNotBuiltError, atomic_write
-from ortsparse.harness.models import ensure_models, model_path
+from ortsparse.zoo import builds, cache, export_corpus, models, packages
+from ortsparse.zoo.builds import BuildContext, ModelSpec
+from ortsparse.zoo.cache import ModelBuildError, ModelNotBuiltError, atomic_write
+from ortsparse.zoo.models import ensure_models, model_path
 from ortsparse.runtime import open_session
 
 
@@ -266,7 +266,7 @@ def test_gemma3_gguf_is_assembled_from_its_chunks_and_checked(tmp_path):
     ModelBuildError naming both digests, and no file is left."""
     import hashlib
 
-    from ortsparse.harness import export_genai
+    from ortsparse.zoo import export_genai
 
     chunks = []
     for i, data in enumerate([b"GGUF", b"-part-", b"two"]):
@@ -289,7 +289,7 @@ def test_genai_builder_command_flattens_nested_rope_settings(tmp_path):
     """An HF folder whose rope settings are nested per layer type (transformers 5's Gemma-3) gets the
     builder's two steps with them flattened, with the precision and the quantized options; others
     the plain builder module."""
-    from ortsparse.harness import export_genai
+    from ortsparse.zoo import export_genai
 
     gemma, llama = tmp_path / "gemma", tmp_path / "llama"
     gemma.mkdir()
@@ -315,7 +315,7 @@ def test_quantized_model_hands_out_the_cached_level_4_baseline(monkeypatch):
 
 
 def test_genai_builder_command_states_the_options(tmp_path):
-    from ortsparse.harness import export_genai
+    from ortsparse.zoo import export_genai
 
     fp32 = export_genai.builder_command(tmp_path / "hf", tmp_path / "out", "fp32", tmp_path / "c")
     int4 = export_genai.builder_command(tmp_path / "hf", tmp_path / "out", "int4", tmp_path / "c")
@@ -327,7 +327,7 @@ def test_genai_builder_command_states_the_options(tmp_path):
 
 
 def test_genai_folders_are_written_atomically(tmp_path):
-    from ortsparse.harness import export_genai
+    from ortsparse.zoo import export_genai
 
     target = tmp_path / "genai-fp32"
     export_genai.write_folder(target, lambda tmp: (tmp / "a.txt").write_text("one"))
@@ -462,11 +462,12 @@ def test_cli_build_failure_exits_1(cache_root, monkeypatch, capsys):
     assert "build failed: base: RuntimeError: boom" in capsys.readouterr().err
 
 
-def test_harness_modules_import_without_torch():
+def test_command_and_library_modules_import_without_torch():
     """The models extra and matplotlib load only when exporting / plotting, whatever the CLI imports."""
-    code = ("import sys, pkgutil, importlib, ortsparse.harness; import ortsparse.cli; "
-            "[importlib.import_module('ortsparse.harness.' + m.name) "
-            " for m in pkgutil.iter_modules(ortsparse.harness.__path__)]; "
+    code = ("import sys, pkgutil, importlib; import ortsparse.cli; "
+            "[importlib.import_module(f'ortsparse.{package}.' + m.name) "
+            " for package in ('commands', 'tuning', 'calibration', 'measure', 'zoo') "
+            " for m in pkgutil.iter_modules(importlib.import_module('ortsparse.' + package).__path__)]; "
             "print([m for m in ('torch', 'transformers', 'tokenizers', 'matplotlib') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
@@ -491,7 +492,7 @@ def _session(path: Path):
 def test_real_kv_export_greedy_continuation_in_ort(variant):
     from tokenizers import Tokenizer
 
-    from ortsparse.harness.export_smollm2 import PROMPT, ort_greedy_kv
+    from ortsparse.zoo.export_smollm2 import PROMPT, ort_greedy_kv
 
     path = _real("smollm2", variant)
     tokenizer = Tokenizer.from_file(str(_real("smollm2", "tokenizer")))
@@ -547,7 +548,7 @@ def test_real_corpus_tokens_decode_to_the_corpus_text():
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["torchscript", "dynamo", "torchscript.ortopt"])
 def test_real_minilm_embeddings_match_the_torch_reference(variant):
-    from ortsparse.harness.export_minilm import INPUT_NAMES, embed
+    from ortsparse.zoo.export_minilm import INPUT_NAMES, embed
 
     data = np.load(_real("minilm", "sentences"))
     assert data["input_ids"].shape[0] == len(data["text"]) >= 60
@@ -566,7 +567,7 @@ def test_real_minilm_embeddings_match_the_torch_reference(variant):
 def test_real_genai_fp32_generator_equals_torch_and_its_graph_equals_our_export():
     """The genai fp32 folder: the Generator's greedy continuation is torch's, and its graph run in
     ORT (one window, empty past) gives our full export's logits."""
-    from ortsparse.harness.export_genai import generator_greedy
+    from ortsparse.zoo.export_genai import generator_greedy
 
     folder = models.genai_folder_path("fp32")
     reference = models.manifest("smollm2")["checks"]["torch_greedy"]["tokens"]
@@ -585,7 +586,7 @@ def test_real_gemma3_generator_equals_torch_and_continues_sensibly():
     """Gemma-3-270M's genai fp32 folder decodes torch's greedy tokens (the prompt with Gemma's BOS),
     which talk about France; int8 and int4 decode what their build recorded, int8 agreeing with torch
     for a while (11 of 20 tokens here; int4 re-quantizes Q4_K_M weights and differs from the 2nd)."""
-    from ortsparse.harness.export_genai import generator_greedy
+    from ortsparse.zoo.export_genai import generator_greedy
 
     data = models.manifest("gemma3")
     if data is None:
@@ -607,7 +608,7 @@ def test_real_gemma3_generator_equals_torch_and_continues_sensibly():
 def test_real_genai_folder_rewritten_runs_in_the_generator(tmp_path):
     from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
     from ortsparse.graph_rewrite.genai import rewrite_genai_folder
-    from ortsparse.harness.export_genai import generator_greedy
+    from ortsparse.zoo.export_genai import generator_greedy
 
     config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=1.0), enabled=True, target="mlp")})
     result = rewrite_genai_folder(models.genai_folder_path("fp32"), tmp_path / "kwta", config)
@@ -619,7 +620,7 @@ def test_real_genai_folder_rewritten_runs_in_the_generator(tmp_path):
 def test_a_failing_genai_builder_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
     """A builder that fails: a ModelBuildError naming the precision with the builder's last line,
     and no output folder (nor temporary) left behind."""
-    from ortsparse.harness import export_genai
+    from ortsparse.zoo import export_genai
 
     script = "import sys; print('Traceback ...', file=sys.stderr); sys.exit('ValueError: unsupported model type')"
     monkeypatch.setattr(export_genai, "builder_command", lambda *args: [sys.executable, "-c", script])

@@ -1,4 +1,4 @@
-"""ortsparse quality and the library under it (harness.perplexity, .embeddings, .output_error,
+"""ortsparse quality and the library under it (measure.perplexity, .embeddings, .output_error,
 .corpus; ortsparse.runtime) on the tiny torch exports (random weights, synthetic tokens and
 sentences); the real-model checks are marked slow."""
 from __future__ import annotations
@@ -14,8 +14,10 @@ import pytest
 from ortsparse import runtime
 from ortsparse.cli import main
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
-from ortsparse.harness import corpus, embeddings, models, output_error, quality
-from ortsparse.harness.perplexity import compare_lm, perplexity
+from ortsparse.measure import corpus, embeddings, output_error
+from ortsparse.zoo import models
+from ortsparse.commands import quality
+from ortsparse.measure.perplexity import compare_lm, perplexity
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"

@@ -1,4 +1,4 @@
-"""ortsparse.harness.export_shapes and the registry's shape entries: published configurations as
+"""ortsparse.zoo.export_shapes and the registry's shape entries: published configurations as
 random-weight onnxruntime-genai folders for speed measurements (the config table: fast, no torch;
 tiny variants through the real builder: need the models extra; the real builds: slow)."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ortsparse.harness import builds, export_genai, export_shapes, models
-from ortsparse.harness.builds import ModelSpec
-from ortsparse.harness.cache import ModelNotBuiltError
-from ortsparse.harness.export_shapes import SHAPES, parameter_count
+from ortsparse.zoo import builds, export_genai, export_shapes, models
+from ortsparse.zoo.builds import ModelSpec
+from ortsparse.zoo.cache import ModelNotBuiltError
+from ortsparse.zoo.export_shapes import SHAPES, parameter_count
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import onnx
 import pytest
 
 from ortsparse.cli import main
-from ortsparse.harness.export_genai import greedy_ids
-from ortsparse.harness.perplexity import perplexity
+from ortsparse.zoo.export_genai import greedy_ids
+from ortsparse.measure.perplexity import perplexity
 from ortsparse.runtime import KVDecoder, kv_layout, lm_feeds, open_session
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -186,7 +186,7 @@ def test_the_folder_rebuilds_from_transformers_and_matches_torch(tmp_path):
     whose Generator decodes torch's greedy tokens, with the committed folder's graph."""
     import sys
 
-    from ortsparse.harness.export_genai import build_tiny_gemma3
+    from ortsparse.zoo.export_genai import build_tiny_gemma3
 
     build_tiny_gemma3(tmp_path / "gemma", log=lambda _: None)
     sys.path.insert(0, str(MODELS))

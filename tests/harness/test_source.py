@@ -7,8 +7,9 @@ import onnx
 import pytest
 
 from ortsparse.graph_rewrite.errors import ModelFileError
-from ortsparse.harness import allocation, perplexity
-from ortsparse.harness import source as source_module
+from ortsparse.calibration import allocation
+from ortsparse.measure import perplexity
+from ortsparse.measure import source as source_module
 from ortsparse.tuning import layer_speed
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"

@@ -10,7 +10,7 @@ import pytest
 
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ortsparse.cli import main
-from ortsparse.harness import speed
+from ortsparse.measure import speed
 from ortsparse.runtime import decode_feeds, open_session
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -164,7 +164,7 @@ def test_bench_refuses_zero_rounds():
 
 
 def test_request_shapes_parse_and_refuse():
-    from ortsparse.harness.request import RequestShape, parse_requests
+    from ortsparse.measure.request import RequestShape, parse_requests
 
     assert parse_requests("512:64, 4096:256") == [RequestShape(512, 64), RequestShape(4096, 256)]
     for bad in ("512", "512:0", "0:5", "a:b", "512:64,", "-3:4"):
@@ -175,7 +175,7 @@ def test_request_shapes_parse_and_refuse():
 def test_request_bench_times_prompt_and_answer(tmp_path):
     """A whole request per model: the first token's time plus the answer's steps make the total; the
     same model twice agrees on every answer token and its ratios sit around 1."""
-    from ortsparse.harness.request import RequestShape, request_bench, request_markdown
+    from ortsparse.measure.request import RequestShape, request_bench, request_markdown
 
     candidates = [speed.Candidate("genai", GENAI, ("og", "ort")), speed.Candidate("copy", GENAI, ("og",))]
     payload = request_bench(candidates, TOKENS, [RequestShape(20, 6), RequestShape(40, 1)], rounds=2,
@@ -223,7 +223,7 @@ def test_cli_bench_spinning_writes_its_policy(tmp_path):
 
 
 def test_request_speed_gives_the_worst_round_ratio():
-    from ortsparse.harness.request import request_speed
+    from ortsparse.measure.request import request_speed
 
     out = request_speed({"input": GENAI, "copy": GENAI}, TOKENS, prompt=24, answer=4, rounds=2)
     assert set(out) == {"input", "copy"} and out["input"]["speedup"] == 1.0

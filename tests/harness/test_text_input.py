@@ -7,7 +7,7 @@ import pytest
 
 from ortsparse.cli import EXIT_USAGE, main
 from ortsparse.graph_rewrite.errors import ModelFileError
-from ortsparse.harness.text import find_tokenizer, text_tokens, tokenize_file
+from ortsparse.measure.text import find_tokenizer, text_tokens, tokenize_file
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 GENAI = TINY / "llama_tiny_genai"
@@ -41,8 +41,8 @@ def test_quality_scores_a_text(capsys, text, tmp_path):
     """The windows scored are the text's tokens (with the tokenizer's BOS first, if it adds one)."""
     import json
 
-    from ortsparse.harness.perplexity import perplexity
-    from ortsparse.harness.text import resolve_bos
+    from ortsparse.measure.perplexity import perplexity
+    from ortsparse.measure.text import resolve_bos
 
     out = tmp_path / "q.json"
     assert main(["quality", str(GENAI), "--text", str(text), "--windows", "2", "--window-len", "8",
@@ -96,7 +96,7 @@ def test_unknown_text_path_is_a_model_file_error(tmp_path):
 
 
 def test_split_held_out_halves_and_interleaved():
-    from ortsparse.harness.corpus import split_held_out
+    from ortsparse.measure.corpus import split_held_out
 
     tokens = np.arange(10)
     held, calib = split_held_out(tokens, 2, "halves")

@@ -1,5 +1,5 @@
 """Token corpora (``bench --corpus``, ``quality --corpus``, ``calibrate --tokens``, ``sweep --tokens``)
-go through one checked loader (harness.corpus.load_corpus_tokens): a file that is not a 1-D, non-empty
+go through one checked loader (measure.corpus.load_corpus_tokens): a file that is not a 1-D, non-empty
 .npy of integer ids within the model's vocabulary is a one-line error and exit 2 before any model
 runs — never a numpy or onnxruntime traceback, and never a negative id run silently (Gather wraps -1
 to the last embedding row). Windows too short to score anything are refused the same way."""
@@ -12,7 +12,7 @@ import pytest
 
 from ortsparse.cli import main
 from ortsparse.graph_rewrite.errors import ModelFileError
-from ortsparse.harness.corpus import check_windows, load_corpus_tokens, vocabulary_of
+from ortsparse.measure.corpus import check_windows, load_corpus_tokens, vocabulary_of
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"

@@ -1,4 +1,4 @@
-"""ortsparse validate (ortsparse.harness.validate): the fast zoo passes, failures are reported with a
+"""ortsparse validate (ortsparse.commands.validate): the fast zoo passes, failures are reported with a
 stage and a reason and make the exit code 1. No timing is asserted."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from ortsparse.cli import main
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
-from ortsparse.harness import validate
+from ortsparse.commands import validate
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.harness import allocation
+from ortsparse.calibration import allocation
 from ortsparse.runtime import open_session
 from ortsparse.tuning import layer_speed
 

@@ -1,6 +1,6 @@
 """What gating a layer saves on this machine, measured: the speed side of tune's allocation.
 
-The allocation (:mod:`ortsparse.harness.allocation`) trades each unit's loss against what skipping
+The allocation (:mod:`ortsparse.calibration.allocation`) trades each unit's loss against what skipping
 its inputs is worth. Counting skipped *bytes* assumes every layer turns a skipped byte into the
 same time; measured, it does not: a narrow layer pays the gate and a node's fixed cost for few
 bytes, a quantized layer's unpacking is arithmetic that skipping rows does not remove in the same
@@ -51,10 +51,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
+from ..calibration.allocation import Unit, gated_layers, units_of
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
-from ..harness.allocation import Unit, gated_layers, units_of
-from ..harness.source import ModelSource
+from ..measure.source import ModelSource
 from ..runtime import open_session, thread_options
 
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class

@@ -57,7 +57,7 @@ from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import genai_folder, open_session
 from ..verify import (DEFAULT_BUDGET, EXACT_BUDGET, OutputError, embedding_sizes, compare, make_inputs,
                       parse_shape_overrides)
-from .models import real_model_path
+from ..zoo.models import real_model_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 GROUPS = ("tiny", "generated", "onnx-light", "real")

@@ -24,23 +24,23 @@ import numpy as np
 import onnx
 
 from .. import flag_types, tt
+from ..calibration import allocation, head_placement
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.errors import ModelFileError
 from ..graph_rewrite.genai import model_input, rewrite_genai_folder
 from ..graph_rewrite.layer_settings import rewritten_with, selected_layers
 from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
+from ..measure.corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens,
+                              split_held_out, text_per_window)
+from ..measure.decode import plan
+from ..measure.embeddings import compare_embeddings
+from ..measure.perplexity import compare_lm, describe_spread, perplexity
+from ..measure.speed import decode_speed
+from ..measure.text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
 from ..runtime import (context_length, genai_folder, kv_layout, lm_feeds, load_proto, open_session, vocab_size,
                        with_outputs)
-from . import allocation, head_placement
-from .corpus import (SPLITS, check_windows, encoder_batches, lm_windows, load_corpus_tokens, split_held_out,
-                     text_per_window)
-from .decode import plan
-from .embeddings import compare_embeddings
-from .models import model_path
-from .perplexity import compare_lm, describe_spread, perplexity
-from .speed import decode_speed
-from .text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
+from ..zoo.models import model_path
 
 # --bench: the decode loop's contexts, timed steps and untimed warm-up steps.
 BENCH_CONTEXTS = (128, 1024)
@@ -174,7 +174,7 @@ def gating_search(model, calib_tokens: np.ndarray, budget: float, *, windows: in
     measured against (e.g. the fp32 model when ``model`` is its quantized version: the budget is then
     the total loss of quantization and gating); default ``model`` itself. ``method``: ``uniform`` (one
     sparsity for every layer, then optional ``greedy`` per-role steps) or ``allocated`` (per-layer
-    sparsities from measured sensitivities, :mod:`ortsparse.harness.allocation`; ``score`` l2 or
+    sparsities from measured sensitivities, :mod:`ortsparse.calibration.allocation`; ``score`` l2 or
     l2_weighted). ``bos``: the token every window starts with (see perplexity.perplexity). An ungated
     quantized LM head is put dense on our kernel only when a measurement with ``threads`` threads finds
     it faster there (head_placement; the record is under ``allocation.head_placement``)."""
@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers to calibrate (all-decoder = mlp + attn; the head stays dense; all = with the head)")
     parser.add_argument("--method", choices=["uniform", "allocated"], default="uniform",
                         help="uniform: one sparsity for every layer (+ --greedy); allocated: per-layer sparsity from "
-                             "measured sensitivities (ortsparse.harness.allocation)")
+                             "measured sensitivities (ortsparse.calibration.allocation)")
     parser.add_argument("--score", choices=allocation.SCORES, default="l2",
                         help="gate score of --method allocated (l2 = |x|; l2_weighted = |x_k|*||W_k||)")
     parser.add_argument("--tokens", help="token ids (.npy) (default: the cached britannica corpus), split into "

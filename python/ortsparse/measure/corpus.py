@@ -4,7 +4,7 @@ batches (encoders), and where the cache keeps both.
 Window ``i`` of a corpus is ``token_ids[offset + i*L : offset + (i+1)*L]``: consecutive,
 non-overlapping, from the start of the array unless ``offset`` says otherwise (calibration takes
 later windows so it never sees the evaluation ones). With a BOS token (the model's tokenizer adds
-one, :func:`ortsparse.harness.text.tokenizer_bos`) window ``i`` is ``[bos] + token_ids[offset +
+one, :func:`ortsparse.measure.text.tokenizer_bos`) window ``i`` is ``[bos] + token_ids[offset +
 i*(L-1) : offset + (i+1)*(L-1)]``: still L positions, L-1 of them text. A sentence set is ``input_ids`` and
 ``attention_mask`` ``[n, S]`` (padded), optionally ``token_type_ids`` (a ``.npz`` or a mapping).
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from ..graph_rewrite.errors import ModelFileError
 from ..runtime import vocab_size as logits_width
-from .cache import models_dir
-from .models import cached_file
+from ..zoo.cache import models_dir
+from ..zoo.models import cached_file
 
 
 NPY_MAGIC = b"\x93NUMPY"

@@ -10,8 +10,8 @@ where row t of a call is compared with row t of the previous call.
 Each stream starts from a reset (the harness adds a bool ``event_reset`` graph input wired to every
 EventDrivenMatMul and feeds True on a stream's first call), so streams do not leak into each other
 and an auto-disabled op re-arms. Quality is measured per call against the dense model on the same
-input: MiniLM embedding cosine (mean-pooled last hidden state, as harness.embeddings) and the relative L2
-gap of the model output. ``python -m ortsparse.harness.event_workloads --help`` runs the quality
+input: MiniLM embedding cosine (mean-pooled last hidden state, as measure.embeddings) and the relative L2
+gap of the model output. ``python -m ortsparse.commands.event_workloads --help`` runs the quality
 part; bench/bench_event.py times the same streams against the dense model.
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ from .. import flag_types
 from .._library import DOMAIN, metrics, reset_metrics
 from ..graph_rewrite import RewriteConfig
 from ..graph_rewrite.techniques import EventSettings, KwtaSettings, TechniqueChoice
+from ..measure.corpus import default_corpus, default_sentences, load_corpus_tokens
+from ..measure.embeddings import mean_pool
+from ..measure.perplexity import compare_lm
 from ..runtime import open_session
-from .corpus import default_corpus, default_sentences, load_corpus_tokens
-from .embeddings import mean_pool
-from .models import real_model_path
-from .perplexity import compare_lm
+from ..zoo.models import real_model_path
 from .quality import rewrite_in_memory
 
 RESET_INPUT = "event_reset"

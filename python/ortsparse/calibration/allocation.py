@@ -41,8 +41,7 @@ from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with, selected_layers
 from ..graph_rewrite.layers import LinearLayer
 from ..graph_rewrite.rules import FloatWeight
-from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
-from .corpus import (
+from ..measure.corpus import (
     default_sentences,
     first_scored,
     lm_windows,
@@ -52,11 +51,12 @@ from .corpus import (
     text_per_window,
     vocabulary_of,
 )
-from .embeddings import compare_embeddings, mean_pool
+from ..measure.embeddings import compare_embeddings, mean_pool
+from ..measure.perplexity import compare_lm, log_softmax_blocks, perplexity, score_logits
+from ..measure.source import ModelSource
+from ..runtime import kv_layout, lm_feeds, load_proto, open_session, with_outputs
+from ..zoo.models import model_path
 from .head_placement import DENSE_ON_OURS
-from .models import model_path
-from .perplexity import compare_lm, log_softmax_blocks, perplexity, score_logits
-from .source import ModelSource
 
 THRESHOLD_PREFIX = "ortsparse_probe_threshold/"
 SCORES = ("l2", "l2_weighted")

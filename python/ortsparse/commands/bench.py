@@ -1,11 +1,11 @@
-"""``ortsparse bench``: the command over :mod:`ortsparse.harness.speed` (decode tokens/s in the real loop,
+"""``ortsparse bench``: the command over :mod:`ortsparse.measure.speed` (decode tokens/s in the real loop,
 every model side by side in one process; docs/measure.md "Speed").
 
 Models are cache names or ``NAME=PATH`` (KV-cache decoder graphs, onnxruntime-genai folders). The
 technique flags (``--config``, ``--kwta-*``, ``--attn`` ...; only when given) add the rewrite of one
 model (``--rewrite``, default the first): a KV graph is rewritten into a temporary file, a genai folder
 into a temporary rewritten folder (:func:`ortsparse.graph_rewrite.genai.rewrite_genai_folder`) that
-both runners use. ``--request`` measures whole requests instead (:mod:`ortsparse.harness.request`).
+both runners use. ``--request`` measures whole requests instead (:mod:`ortsparse.measure.request`).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from ..graph_rewrite import rewrite_model
 from ..graph_rewrite.genai import rewrite_genai_folder
 from ..graph_rewrite.output_paths import Inputs, resolve_report_stem
 from ..graph_rewrite.techniques import flag_groups
+from ..measure.corpus import vocabulary_of
+from ..measure.decode import loop_tokens
+from ..measure.request import RequestShape, parse_requests, request_bench, request_markdown
+from ..measure.speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import load_proto
-from .corpus import vocabulary_of
-from .decode import loop_tokens
-from .request import RequestShape, parse_requests, request_bench, request_markdown
-from .speed import CACHE_MODELS, RUNNERS, Candidate, add_loop_arguments, bench, markdown, resolve_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

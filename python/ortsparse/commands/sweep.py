@@ -15,12 +15,12 @@ import numpy as np
 from .. import flag_types
 from ..benchmarking import check_report, machine_info, plot_skipped
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
-from ..runtime import load_proto
 from ..graph_rewrite.output_paths import Inputs, resolve_report_stem, write_files
-from .corpus import load_corpus_tokens, vocabulary_of
-from .models import model_path
-from .perplexity import perplexity
-from .speed import decode_speed
+from ..measure.corpus import load_corpus_tokens, vocabulary_of
+from ..measure.perplexity import perplexity
+from ..measure.speed import decode_speed
+from ..runtime import load_proto
+from ..zoo.models import model_path
 
 
 def grid(scopes, keeps, blocks, scores) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """How an entry of the model cache is built and recorded (``ortsparse models``' machinery; the entries
-themselves are :data:`ortsparse.harness.models.MODELS`).
+themselves are :data:`ortsparse.zoo.models.MODELS`).
 
 An entry (:class:`ModelSpec`) is one build unit with a manifest JSON: what was built, from which
 package versions, with which tools, sizes and sha256 of the files, check results. An entry whose

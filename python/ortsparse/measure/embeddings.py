@@ -47,7 +47,7 @@ def compare_embeddings(dense_model: Any, rewritten_model: Any, sentences_npz: An
                        *, session_options: Any = None) -> dict[str, Any]:
     """Cosine between the dense and rewritten sentence embedding of every sentence: ``cosine_mean``,
     ``cosine_min`` (and which sentence), plus the rewritten run's ``metrics``. ``sentences_npz``:
-    a path or mapping (:func:`ortsparse.harness.corpus.load_sentences`); None = the cache's MiniLM
+    a path or mapping (:func:`ortsparse.measure.corpus.load_sentences`); None = the cache's MiniLM
     sentence set."""
     arrays = load_sentences(default_sentences() if sentences_npz is None else sentences_npz)
     dense = sentence_embeddings(dense_model, arrays, batch_size, session_options)

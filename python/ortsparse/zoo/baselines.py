@@ -4,7 +4,7 @@
 turn every MatMul with a constant weight of an ONNX model into ORT's com.microsoft MatMulNBits
 (``onnxruntime.quantization.matmul_nbits_quantizer``, block-wise, symmetric by default).
 ``ortsparse models baselines`` applies it to the SmolLM2 KV export (int4 and int8, block 32);
-``ortsparse.harness.models.quantized_model`` hands benchmarks the cached file when there is one.
+``ortsparse.zoo.models.quantized_model`` hands benchmarks the cached file when there is one.
 Needs only onnx and onnxruntime (no torch).
 """
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 The library underneath (use it directly from Python):
 
-- :mod:`ortsparse.harness.perplexity` (``perplexity``, ``compare_lm``): language models on token
-  windows of :mod:`ortsparse.harness.corpus`;
-- :mod:`ortsparse.harness.embeddings` (``sentence_embeddings``, ``compare_embeddings``): sentence
+- :mod:`ortsparse.measure.perplexity` (``perplexity``, ``compare_lm``): language models on token
+  windows of :mod:`ortsparse.measure.corpus`;
+- :mod:`ortsparse.measure.embeddings` (``sentence_embeddings``, ``compare_embeddings``): sentence
   embedding cosine of encoders;
-- :mod:`ortsparse.harness.output_error` (``compare_outputs``, ``gated_layers_exact``): any model,
+- :mod:`ortsparse.measure.output_error` (``compare_outputs``, ``gated_layers_exact``): any model,
   every output on generated inputs against a budget.
 
 This module picks the kind (:func:`detect_kind`), rewrites in memory when no rewritten file is
@@ -30,13 +30,13 @@ from ..benchmarking import json_default, versions
 from ..graph_rewrite import ModelFileError, rewrite_model
 from ..graph_rewrite.as_decoded import as_decoded
 from ..graph_rewrite.genai import model_input
+from ..measure.corpus import check_windows, default_corpus, default_sentences, load_corpus_tokens
+from ..measure.embeddings import compare_embeddings
+from ..measure.output_error import compare_outputs
+from ..measure.perplexity import compare_lm, describe_spread
+from ..measure.text import resolve_bos, text_tokens
 from ..rewrite_flags import add_technique_arguments, config_from_args
 from ..runtime import context_length, load_proto, vocab_size
-from .corpus import check_windows, default_corpus, default_sentences, load_corpus_tokens
-from .embeddings import compare_embeddings
-from .output_error import compare_outputs
-from .perplexity import compare_lm, describe_spread
-from .text import resolve_bos, text_tokens
 
 EXIT_OK, EXIT_OVER_BUDGET, EXIT_USAGE = 0, 1, 2
 KINDS = ("auto", "lm", "embedding", "generic")
@@ -161,13 +161,13 @@ def _candidate_model(args: argparse.Namespace, workdir: Path, say) -> Path:
 
 
 def run_answer_quality(args: argparse.Namespace, parser: argparse.ArgumentParser, inputs, say) -> int:
-    """``--prefix``: :mod:`ortsparse.harness.answer_quality` on MODEL vs the rewritten model."""
+    """``--prefix``: :mod:`ortsparse.measure.answer_quality` on MODEL vs the rewritten model."""
     import tempfile
 
     from ..graph_rewrite.output_paths import write_text_files
-    from .answer_quality import answer_quality, describe, plan_answer_windows
-    from .corpus import vocabulary_of
-    from .decode import loop_tokens, open_stepper
+    from ..measure.answer_quality import answer_quality, describe, plan_answer_windows
+    from ..measure.corpus import vocabulary_of
+    from ..measure.decode import loop_tokens, open_stepper
 
     if args.text and args.corpus:
         parser.error("give --text or --corpus, not both")
@@ -256,7 +256,7 @@ def _score_lm(args: argparse.Namespace, parser: argparse.ArgumentParser, rewritt
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..graph_rewrite.output_paths import Inputs, check_outputs, write_text_files
-    from .text import tokenizer_read
+    from ..measure.text import tokenizer_read
 
     say = (lambda text: None) if args.quiet else print
     inputs = (Inputs().add_model(args.model).add_model(args.rewritten, "the rewritten model")  # never overwritten
