@@ -10,7 +10,7 @@ import pytest
 
 from ortsparse.calibration import allocation
 from ortsparse.runtime import open_session
-from ortsparse.tuning import layer_speed
+from ortsparse.tuning import layer_speed, selection
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
@@ -20,12 +20,6 @@ LLAMA = TINY / "llama_tiny.torchscript.onnx"
 def model_units():
     model = onnx.load(str(LLAMA))
     return model, allocation.units_of(allocation.gated_layers(model, "both"))
-
-
-def test_non_decreasing_is_the_pooled_fit():
-    assert layer_speed.non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert layer_speed.non_decreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
-    assert layer_speed.non_decreasing([2.0, 1.0, 3.0, 2.5]) == pytest.approx([1.5, 1.5, 2.75, 2.75])
 
 
 @pytest.mark.parametrize("keep", layer_speed.KEEPS)
@@ -127,7 +121,7 @@ def test_an_unmeasurable_class_keeps_its_place_among_the_records(model_units):
 
 def _speed(input_us, ours, p):
     keeps = sorted(ours)
-    monotone = dict(zip(keeps, layer_speed.non_decreasing([ours[k] for k in keeps])))
+    monotone = dict(zip(keeps, selection.non_decreasing([ours[k] for k in keeps]).tolist()))
     return layer_speed.ClassSpeed("c", 2, input_us, dict(ours), 20, "", monotone, {k: p for k in keeps})
 
 

@@ -56,6 +56,7 @@ from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
 from ..measure.source import ModelSource
 from ..runtime import open_session, thread_options
+from .selection import non_decreasing
 
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
 SIGNIFICANCE = 0.05  # one-sided sign test: ours faster than the input in this many pairs by chance
@@ -192,17 +193,6 @@ def keep_threshold(row: np.ndarray, keep: float) -> float:
     return float((magnitudes[kept - 1] + magnitudes[kept]) / 2.0) if kept > 0 else float(magnitudes[0]) * 2.0 + 1.0
 
 
-def non_decreasing(values: Sequence[float]) -> list[float]:
-    """The least-squares non-decreasing sequence closest to ``values`` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([float(value), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (a, n), (b, m) = blocks[-2], blocks.pop()
-            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
-    return [mean for mean, count in blocks for _ in range(int(count))]
-
-
 @dataclasses.dataclass
 class _ClassRun:
     """One class ready to time: its sessions ("input" and each keep) and what to feed them."""
@@ -246,7 +236,7 @@ def _class_speed(run: _ClassRun, times: dict[Any, list[float]]) -> ClassSpeed:
     input_us = 1e6 * float(np.median(base)) / run.units
     measured = sorted(key for key in times if key != "input")
     ours_us = {keep: input_us * float(np.median(np.asarray(times[keep]) / base)) for keep in measured}
-    monotone = dict(zip(measured, non_decreasing([ours_us[k] for k in measured])))
+    monotone = dict(zip(measured, non_decreasing([ours_us[k] for k in measured]).tolist()))
     p_values = {keep: sign_test(int(np.sum(np.asarray(times[keep]) < base)), base.size) for keep in measured}
     return ClassSpeed(run.name, run.class_size, input_us, ours_us, len(base),
                       f"{run.units} units timed in one rotation with the other classes; paired ratios to the input "
