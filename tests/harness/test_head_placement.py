@@ -36,7 +36,8 @@ def test_single_node_graph_computes_the_head(quantized):
     assert [node.op_type for node in single.graph.node] == ["MatMulNBits"]
     x = np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)
     weight = next(layer for layer in allocation.gated_layers(quantized, "all") if layer.name == name).weight
-    (y,) = open_session(single).run(None, {"A": x})
+    assert [i.name for i in single.graph.input] == [next(n for n in quantized.graph.node if n.name == name).input[0]]
+    (y,) = open_session(single).run(None, {single.graph.input[0].name: x})
     assert y.shape == (1, 1, n)
     expected = x[0, 0] @ weight
     assert np.linalg.norm(y[0, 0] - expected) < 0.02 * np.linalg.norm(expected)  # accuracy_level 4: int8 A
@@ -80,8 +81,8 @@ def test_a_failed_timing_process_leaves_the_head_where_it_is(quantized, monkeypa
 def test_the_timing_process_imports_the_installed_package_not_the_current_folders(quantized, tmp_path, monkeypatch):
     """Run from a folder holding an ortsparse/ source tree and a numpy.py, the child still times the
     head with the installed package (``python -m`` would import the folder's)."""
-    (tmp_path / "ortsparse" / "harness").mkdir(parents=True)
-    for init in (tmp_path / "ortsparse" / "__init__.py", tmp_path / "ortsparse" / "harness" / "__init__.py"):
+    (tmp_path / "ortsparse" / "calibration").mkdir(parents=True)
+    for init in (tmp_path / "ortsparse" / "__init__.py", tmp_path / "ortsparse" / "calibration" / "__init__.py"):
         init.write_text("raise SystemExit('the ortsparse/ of the current folder was imported')\n")
     (tmp_path / "numpy.py").write_text("raise SystemExit('the numpy.py of the current folder was imported')\n")
     monkeypatch.chdir(tmp_path)

@@ -42,9 +42,9 @@ def test_the_class_graph_is_the_units_own_layers_and_computes_them(model_units):
     signature, members = next((s, m) for s, m in layer_speed.speed_classes(model, units).items() if len(s) == 3)
     graph = layer_speed.class_model(model, members)
     assert [node.name for node in graph.graph.node] == [layer.name for unit in members for layer in unit.layers]
-    assert [i.name for i in graph.graph.input] == ["X0", "X1"]
+    assert [i.name for i in graph.graph.input] == [unit.input_name for unit in members]  # each unit its own X
     row = np.random.default_rng(0).standard_normal((1, 1, members[0].layers[0].weight.shape[0])).astype(np.float32)
-    outputs = open_session(graph).run(None, {"X0": row, "X1": row})
+    outputs = open_session(graph).run(None, {unit.input_name: row for unit in members})
     expected = [row[0] @ layer.weight for unit in members for layer in unit.layers]
     for got, want in zip(outputs, expected):
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-5)

@@ -38,6 +38,7 @@ from .. import flag_types
 from ..benchmarking import cache_flusher, python_command, sign_test, time_sessions
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
+from ..graph_rewrite.node_models import layers_alone
 from ..runtime import open_session, thread_options
 
 # KwtaBlockMatMul settings that keep every row: the layer runs dense on our kernel.
@@ -77,31 +78,14 @@ class HeadTiming:
 
 
 def single_node_model(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int, int]:
-    """(a graph of the node ``name`` alone with its constant inputs, K, N); input ``A`` [1, 1, K]."""
+    """(the node ``name`` alone with its weights, reading its input [1, 1, K]
+    (:func:`~ortsparse.graph_rewrite.node_models.layers_alone`), K, N)."""
     node = next((n for n in model.graph.node if n.name == name), None)
     if node is None:
         raise ValueError(f"no node {name!r} in the model")
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     k, n = int(attributes["K"]), int(attributes["N"])
-    initializers = {t.name: t for t in model.graph.initializer}
-    constants = []
-    for value in node.input[1:]:
-        if not value:
-            continue
-        if value not in initializers:
-            raise ValueError(f"input {value!r} is not a constant initializer")
-        constants.append(initializers[value])
-    single = onnx.NodeProto()
-    single.CopyFrom(node)
-    single.input[0] = "A"
-    del single.output[:]
-    single.output.append("Y")
-    graph = helper.make_graph([single], "head", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [1, 1, k])],
-                              [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [1, 1, n])], constants)
-    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx", node.domain)]
-    head = helper.make_model(graph, opset_imports=opsets)
-    head.ir_version = model.ir_version
-    return head, k, n
+    return layers_alone(model, [name], {node.input[0]: [1, 1, k]}), k, n
 
 
 def time_head(model: onnx.ModelProto, name: str, *, threads: int = 1, seconds: float = 1.5,
@@ -144,9 +128,11 @@ def _time_pair(nbits: bytes | str, ours: bytes | str, k: int, threads: int, seco
     """Both single-node graphs' run times, paired (the i-th runs back to back), caches flushed before each."""
     options = thread_options(threads)
     sessions = {"matmulnbits": open_session(nbits, options), "ours": open_session(ours, options)}
-    feed = {"A": np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)}
+    row = np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)
+    feeds = {key: {session.get_inputs()[0].name: row} for key, session in sessions.items()}
     # Warm-up: first-run allocations and packing.
-    return time_sessions(sessions, feed, repeats=5, warmup=1, min_seconds=seconds, before=cache_flusher())
+    return time_sessions(sessions, feeds, repeats=5, warmup=1, min_seconds=seconds, per_session=True,
+                         before=cache_flusher())
 
 
 def _timing(name: str, k: int, n: int, times: dict[str, list[float]]) -> HeadTiming:

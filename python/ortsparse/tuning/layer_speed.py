@@ -54,6 +54,7 @@ from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_tes
 from ..calibration.allocation import Unit, gated_layers, units_of
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
+from ..graph_rewrite.node_models import layers_alone
 from ..measure.source import ModelSource
 from ..runtime import open_session, thread_options
 from .selection import non_decreasing
@@ -152,36 +153,12 @@ def speed_classes(model: onnx.ModelProto, units: Sequence[Unit]) -> dict[tuple[s
 
 
 def class_model(model: onnx.ModelProto, units: Sequence[Unit]) -> onnx.ModelProto:
-    """A graph of the ``units``' layer nodes with their constant inputs, unit ``i`` reading input
-    ``X{i}`` [1, 1, K]; raises ValueError when a node reads a non-constant beyond its first input."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    nodes = {node.name: node for node in model.graph.node}
+    """A graph of the ``units``' layer nodes with their weights, each unit reading its own input (its
+    X, [1, 1, K]) (:func:`~ortsparse.graph_rewrite.node_models.layers_alone`); raises ValueError when
+    a node reads a non-constant beyond its first input."""
     k = units[0].layers[0].weight.shape[0]
-    copies, constants, outputs, used = [], [], [], set()
-    for index, unit in enumerate(units):
-        for layer in unit.layers:
-            node = onnx.NodeProto()
-            node.CopyFrom(nodes[layer.name])
-            for value in node.input[1:]:
-                if not value:
-                    continue
-                if value not in initializers:
-                    raise ValueError(f"{layer.name}: input {value!r} is not a constant initializer")
-                if value not in used:
-                    used.add(value)
-                    constants.append(initializers[value])
-            node.input[0] = f"X{index}"
-            del node.output[1:]
-            node.output[0] = f"Y{len(outputs)}"
-            outputs.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
-            copies.append(node)
-    inputs = [helper.make_tensor_value_info(f"X{i}", onnx.TensorProto.FLOAT, [1, 1, k]) for i in range(len(units))]
-    graph = helper.make_graph(copies, "speed_class", inputs, outputs, constants)
-    domains = {node.domain for node in copies} | {""}
-    single = helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in domains
-                                                     or (o.domain == "ai.onnx" and "" in domains)])
-    single.ir_version = model.ir_version
-    return single
+    return layers_alone(model, [layer.name for unit in units for layer in unit.layers],
+                        {unit.input_name: [1, 1, k] for unit in units})
 
 
 def keep_threshold(row: np.ndarray, keep: float) -> float:
@@ -227,7 +204,7 @@ def _prepare_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequ
             return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
         sessions[float(keep)] = open_session(ours, options)
     weight_bytes = sum(numpy_helper.to_array(t).nbytes for t in graph.graph.initializer)
-    return _ClassRun(name, class_size, len(units), sessions, {f"X{i}": row for i in range(len(units))}, weight_bytes)
+    return _ClassRun(name, class_size, len(units), sessions, {unit.input_name: row for unit in units}, weight_bytes)
 
 
 def _class_speed(run: _ClassRun, times: dict[Any, list[float]]) -> ClassSpeed:
