@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
+from ortsparse import benchmarking
 from ortsparse.calibration import allocation, head_placement
 from ortsparse.commands.calibrate import gating_search
 from ortsparse.runtime import open_session
@@ -57,7 +58,7 @@ def test_time_head_measures_both(quantized):
 def test_the_head_goes_on_ours_only_when_it_wins_more_pairs_than_chance(quantized, monkeypatch, wins, p_value,
                                                                          on_ours):
     times = {"matmulnbits": [2.0] * 20, "ours": [1.0] * wins + [3.0] * (20 - wins)}
-    monkeypatch.setattr(head_placement, "time_sessions", lambda *a, **k: times)
+    monkeypatch.setattr(head_placement, "time_from_memory", lambda *a, **k: times)
     timing = head_placement.time_head(quantized, head_name(quantized), fresh_process=False)
     assert (timing.ours_wins, timing.runs) == (wins, 20) and timing.on_ours == on_ours
     assert timing.p_value == pytest.approx(p_value, abs=1e-4)
@@ -67,7 +68,7 @@ def test_time_head_flushes_the_caches_before_every_timed_run(quantized, monkeypa
     # In a decode step the head's weights come from memory; timed warm they sat in the L3 and the
     # answer flipped for SmolLM2's head.
     flushes = []
-    monkeypatch.setattr(head_placement, "cache_flusher", lambda: lambda: flushes.append(1))
+    monkeypatch.setattr(benchmarking, "cache_flusher", lambda: lambda: flushes.append(1))
     timing = head_placement.time_head(quantized, head_name(quantized), seconds=0.1, fresh_process=False)
     assert len(flushes) == 2 * timing.runs
 

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from ortsparse import benchmarking
 from ortsparse.calibration import allocation
 from ortsparse.runtime import open_session
 from ortsparse.tuning import layer_speed, selection
@@ -80,15 +81,15 @@ def test_every_class_is_timed_in_one_rotation(model_units, monkeypatch):
     model, units = model_units
     classes = list(layer_speed.speed_classes(model, units).items())
     calls = []
-    real_alternate = layer_speed.alternate
+    real_alternate = benchmarking.alternate
 
     def spy(runners, **kwargs):
         calls.append((set(runners), kwargs.get("before")))
         return real_alternate(runners, **kwargs)
 
-    monkeypatch.setattr(layer_speed, "alternate", spy)
+    monkeypatch.setattr(benchmarking, "alternate", spy)
     flushes = []
-    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: lambda: flushes.append(1))
+    monkeypatch.setattr(benchmarking, "cache_flusher", lambda: lambda: flushes.append(1))
     records = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
     assert len(calls) == 1  # one rotation, not one per class
     runners, before = calls[0]
@@ -102,8 +103,8 @@ def test_every_class_is_timed_in_one_rotation(model_units, monkeypatch):
 def test_a_large_rotation_runs_without_a_flush(model_units, monkeypatch):
     model, units = model_units
     classes = list(layer_speed.speed_classes(model, units).items())[:1]
-    monkeypatch.setattr(layer_speed, "cache_flush_bytes", lambda: 0)  # as if the weights dwarfed the cache
-    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: pytest.fail("flushed a rotation larger than the cache"))
+    monkeypatch.setattr(benchmarking, "cache_flush_bytes", lambda: 0)  # as if the weights dwarfed the cache
+    monkeypatch.setattr(benchmarking, "cache_flusher", lambda: pytest.fail("flushed a rotation larger than the cache"))
     (record,) = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
     assert record.measured
 

@@ -6,12 +6,10 @@ the machine: on Gemma-3's 640 x 262144 head ours was slower (issue 29). So each 
 timed: a single-node graph holding the head's real weights, as MatMulNBits and as its rewrite, fed
 one decode row ``[1, 1, K]``, both sessions in this process with the same threads, alternating for a
 second or two (session set-up included, 4-12 s for a 640 x 262144 int8 head on this 2-core machine
-under load, ~4 s for SmolLM2's). The caches are flushed before each run
-(:func:`ortsparse.benchmarking.cache_flusher`): in a decode step the whole model's weights pass
-between two uses of the head, so its weights come from memory. Timed warm instead, SmolLM2's 28 MiB
-int8 head sat in the 32 MiB L3 and the answer flipped: MatMulNBits 1.02-1.08x faster warm, ours
-1.17x faster flushed (2442-2522 vs 2901-2915 us) — and in the decode step's own profile the head
-took MatMulNBits 2554 us. Each alternation is a pair of runs back to back (the same load on both).
+under load, ~4 s for SmolLM2's), by :func:`ortsparse.benchmarking.time_from_memory` with a flush
+before each run (in a decode step the whole model's weights pass between two uses of the head; a
+rotation of two forms of one head would keep it in the cache: the protocol states what that did).
+Each alternation is a pair of runs back to back (the same load on both).
 Ours is kept only when it is faster in more pairs than chance explains (one-sided sign test, p <
 :data:`SIGNIFICANCE`): under load the two medians of the same 640 x 262144 head came out 1.08x one
 way and 0.92x the other in two runs, so a plain "faster median" flipped. Otherwise — slower, a tie,
@@ -35,7 +33,7 @@ import onnx
 from onnx import helper
 
 from .. import flag_types
-from ..benchmarking import cache_flusher, python_command, sign_test, time_sessions
+from ..benchmarking import python_command, sign_test, time_from_memory
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
 from ..graph_rewrite.node_models import layers_alone
@@ -130,9 +128,9 @@ def _time_pair(nbits: bytes | str, ours: bytes | str, k: int, threads: int, seco
     sessions = {"matmulnbits": open_session(nbits, options), "ours": open_session(ours, options)}
     row = np.random.default_rng(0).standard_normal((1, 1, k)).astype(np.float32)
     feeds = {key: {session.get_inputs()[0].name: row} for key, session in sessions.items()}
+    runners = {key: (lambda s=session, f=feeds[key]: s.run(None, f)) for key, session in sessions.items()}
     # Warm-up: first-run allocations and packing.
-    return time_sessions(sessions, feeds, repeats=5, warmup=1, min_seconds=seconds, per_session=True,
-                         before=cache_flusher())
+    return time_from_memory(runners, flush=True, repeats=5, warmup=1, min_seconds=seconds)
 
 
 def _timing(name: str, k: int, n: int, times: dict[str, list[float]]) -> HeadTiming:

@@ -13,19 +13,10 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   one decode row ``[1, 1, K]`` (units apart, as in the model: the rewrite fuses a unit's layers only),
   once as the input model has them and once on our op at each keep of :data:`KEEPS` (a
   threshold on a fixed row putting exactly that fraction of the inputs through);
-- every class's sessions run in **one rotation**, no flush: between two runs of a session, the
-  other sessions' weights (five forms of every class's units) pass through the caches, as in a
-  decode step every other layer's weights pass between two uses of a layer's — the weights come
-  from memory while the code and ONNX Runtime's own state stay warm, as they do in a decode step.
-  (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
-  int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
-  profile; per class the rotation was within 0-7% of the profile in two runs (11-16% under in a
-  third, during another experiment), the flush 21-68% slower: reports/layer_speed_regimes_2026-11-28.md
-  and ..._rerun.md. On int4, whose 84 MiB rotation keeps part of itself in
-  the 32 MiB L3, the rotation was 6-18% under the profile and the flush 28-71% over it; an earlier
-  run had the rotation 28-38% under. A spacer read between runs overshot instead, +20-34%: not kept.) When the rotation's weights fit in the last-level
-  cache (a small model; sysfs's size capped at 64 MiB, as virtual machines overstate it), each run
-  is preceded by a flush after all;
+- every class's sessions run in **one rotation** (:func:`ortsparse.benchmarking.time_from_memory`,
+  the protocol and its measured reasons): between two runs of a session the other sessions'
+  weights (five forms of every class's units) pass through the caches, as in a decode step; a
+  rotation that fits in the last-level cache (a small model) is flushed before each run after all;
   the same threads as the speed check;
 - per class and keep: ours' time as the median of the paired ratios to the input (run back to
   back: the same load on both) times the input's median, made non-decreasing in the keep (fewer
@@ -50,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
+from ..benchmarking import sign_test, time_from_memory
 from ..calibration.allocation import Unit, gated_layers, units_of
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
@@ -226,9 +217,8 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
     """Each (signature, units) class: the input form and our op at each of ``keeps`` on its class
     graph (real weights), every class's sessions in one rotation for about ``seconds`` per class
     (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds`` rotations), one warm-up run each
-    (allocations, packing); a flush before each run only when the rotation's weights are under the
-    last-level cache's size (half :func:`ortsparse.benchmarking.cache_flush_bytes`: sysfs's figure,
-    capped at 64 MiB) (``flush``: True / False forces it either way)."""
+    (allocations, packing), by :func:`ortsparse.benchmarking.time_from_memory` (``flush``: True /
+    False forces a flush before each run either way)."""
     keeps = tuple(keeps)
     prepared = [_prepare_class(model, signature, units, threads, keeps) for signature, units in classes]
     runs = [run for run in prepared if isinstance(run, _ClassRun)]
@@ -238,10 +228,8 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
                    for index, run in enumerate(runs) for key, session in run.sessions.items()}
         rotation_bytes = sum(run.weight_bytes * len(run.sessions) for run in runs)
         per_class = SECONDS_PER_CLASS if seconds is None else seconds
-        if flush is None:  # a rotation within the last-level cache (capped estimate) would time cached weights
-            flush = rotation_bytes < cache_flush_bytes() // 2
-        times = alternate(runners, repeats=min_rounds, warmup=1, min_seconds=per_class * len(runs),
-                          before=cache_flusher() if flush else None)
+        times = time_from_memory(runners, rotation_bytes=rotation_bytes, flush=flush, repeats=min_rounds,
+                                 warmup=1, min_seconds=per_class * len(runs))
     records, timed = [], iter(range(len(runs)))
     for item in prepared:
         if isinstance(item, ClassSpeed):
