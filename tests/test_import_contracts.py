@@ -48,7 +48,8 @@ def test_import_contracts_hold(tmp_path):
 @pytest.mark.parametrize("module, line, contract", [
     ("tt.py", "from .measure import corpus", "the rewriter and the offline builders never import the commands"),
     ("runtime/sessions.py", "from .. import cli", "nothing but the entry points imports ortsparse.cli"),
-    ("runtime/model_files.py", "from . import feeds", "runtime: feeds > kv_cache"),
+    ("runtime/model_files.py", "from . import feeds", "runtime: capture > feeds > kv_cache"),
+    ("runtime/feeds.py", "from . import capture", "runtime: capture > feeds"),
     ("zoo/cache.py", "from . import models", "no import cycles"),
     ("graph_rewrite/targets.py", "from .. import verify", "cli > commands > tuning"),
     ("measure/corpus.py", "from . import perplexity", "measure: whole runs > measurements"),

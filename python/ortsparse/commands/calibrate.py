@@ -38,8 +38,7 @@ from ..measure.embeddings import compare_embeddings
 from ..measure.perplexity import compare_lm, describe_spread, perplexity
 from ..measure.speed import decode_speed
 from ..measure.text import BosChoice, as_bos, resolve_bos, text_tokens, tokenizer_read
-from ..runtime import (context_length, genai_folder, kv_layout, lm_feeds, load_proto, open_session, vocab_size,
-                       with_outputs)
+from ..runtime import captured_values, context_length, genai_folder, lm_feeds, load_proto, vocab_size
 from ..zoo.models import model_path
 
 # --bench: the decode loop's contexts, timed steps and untimed warm-up steps.
@@ -80,12 +79,10 @@ def capture_quantiles(model, layers: list[TargetLayer], windows,
     (mean over windows), for each s of the grid. windows: token windows of an LM, or named sentence
     batches of an encoder (anything ortsparse.runtime.lm_feeds takes)."""
     wanted = sorted({layer.input_name for layer in layers})
-    session = open_session(with_outputs(model, wanted))
-    kv = kv_layout(session, model)  # a decoder graph (e.g. onnxruntime-genai's) prefills from an empty past
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {name: np.zeros(len(grid)) for name in wanted}
-    for i, tokens in enumerate(windows):
-        values = session.run(wanted, lm_feeds(session, tokens, kv))
+    # A decoder graph (e.g. onnxruntime-genai's) prefills from an empty past.
+    for i, (_, values) in enumerate(captured_values(model, wanted, windows)):
         for name, value in zip(wanted, values):
             flat = np.abs(value.reshape(-1))
             if flat.size > samples_per_window:
