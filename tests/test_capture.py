@@ -11,7 +11,7 @@ from ortsparse import tt
 from ortsparse.calibration import allocation
 from ortsparse.runtime import captured_values, lm_feeds, open_session, with_outputs
 
-TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
 FULL = TINY / "llama_tiny.torchscript.onnx"
 KV = TINY / "llama_tiny_kv.torchscript.onnx"
 

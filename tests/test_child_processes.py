@@ -17,16 +17,16 @@ from ortsparse import benchmarking
 from ortsparse.benchmarking import StreamNeighbour, python_command, shown_command
 
 PACKAGE = Path(ortsparse.__file__).resolve().parent
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def hostile_folder(tmp_path, monkeypatch):
     """The current directory holds a numpy.py and an ortsparse/ package that fail on import."""
     folder = tmp_path / "user"
-    (folder / "ortsparse" / "harness").mkdir(parents=True)
+    (folder / "ortsparse" / "measure").mkdir(parents=True)
     (folder / "numpy.py").write_text("raise SystemExit('the numpy.py of the current folder was imported')\n")
-    for init in (folder / "ortsparse" / "__init__.py", folder / "ortsparse" / "harness" / "__init__.py"):
+    for init in (folder / "ortsparse" / "__init__.py", folder / "ortsparse" / "measure" / "__init__.py"):
         init.write_text("raise SystemExit('the ortsparse/ of the current folder was imported')\n")
     monkeypatch.chdir(folder)
     return folder
