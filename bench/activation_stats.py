@@ -24,11 +24,11 @@ from collections import defaultdict
 import numpy as np
 
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
-from ortsparse.harness.allocation import (LmLoss, capture_inputs, gated_layers, prepare_lm, thresholds_for,
-                                          uniform_choice, units_of)
-from ortsparse.harness.decode import loop_tokens
-from ortsparse.harness.source import open_model
-from ortsparse.harness.text import resolve_bos
+from ortsparse.calibration.allocation import (LmLoss, capture_inputs, gated_layers, prepare_lm, thresholds_for,
+                                              uniform_choice, units_of)
+from ortsparse.measure.decode import loop_tokens
+from ortsparse.measure.source import open_model
+from ortsparse.measure.text import resolve_bos
 from ortsparse.runtime import lm_feeds
 
 SPARSITIES = (0.25, 0.5)

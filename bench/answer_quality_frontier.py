@@ -1,7 +1,7 @@
 """Long-context attention settings judged at the point of use (docs/measure.md "Quality"): the input
 onnxruntime-genai folder is rewritten once per setting (`--attn=popcount` plus the setting's flags),
 and every rewrite decodes the same answer windows as the input model through the Generator, in one
-loop (harness.answer_quality: each window's prompt read in one call, then the answer's decode steps
+loop (measure.answer_quality: each window's prompt read in one call, then the answer's decode steps
 teacher-forced and scored; windows spread over the text). The report gives, per prefix length and
 setting, the pooled dppl of the answer tokens vs exact attention with a 95% t-interval over windows,
 top-1 agreement (mean and worst window), and the selection the setting makes.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
 from ortsparse.graph_rewrite.genai import rewrite_genai_folder
-from ortsparse.harness.answer_quality import answer_quality_of, plan_answer_windows
-from ortsparse.harness.corpus import vocabulary_of
-from ortsparse.harness.decode import loop_tokens, open_stepper
+from ortsparse.measure.answer_quality import answer_quality_of, plan_answer_windows
+from ortsparse.measure.corpus import vocabulary_of
+from ortsparse.measure.decode import loop_tokens, open_stepper
 from ortsparse.rewrite_flags import add_technique_arguments, config_from_args
 from ortsparse.runtime import context_length, genai_decoder
 

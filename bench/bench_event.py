@@ -5,7 +5,7 @@ Two parts (both axis = call, the mode where delta coding can pay):
    amortised; each copy keeps its own streams) vs ORT MatMul on the real models' shapes, M rows per
    call, a stream where a fraction ``change`` of the input features changes per call; exact mode
    (topk 1, delta_theta 0: the refresh rate equals the change fraction, the result equals dense).
-2. workloads (python/ortsparse/harness/event_workloads.py): MiniLM search-as-you-type and sentence
+2. workloads (python/ortsparse/commands/event_workloads.py): MiniLM search-as-you-type and sentence
    edits, and the smooth stream through a generated MLP. Per setting: seconds per call of the event
    model vs the dense model on the same streams (MiniLM: also vs ORT's optimized dense export), and
    quality of the same run (embedding cosine, relative L2 gap of the output) with the refresh rate.
@@ -22,8 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ortsparse
 from ortsparse.benchmarking import alternate, machine_info, median, session, write_report
-from ortsparse.harness import event_workloads as ew
-from ortsparse.harness.models import real_model_path
+from ortsparse.commands import event_workloads as ew
+from ortsparse.zoo.models import real_model_path
 from ortsparse.runtime import open_session, thread_options
 
 SHAPES = [(384, 1536), (1536, 384), (576, 1536), (1536, 576)]

@@ -1,6 +1,6 @@
 """Event-driven attention by heads on SmolLM2's onnxruntime-genai decoder (issue 28, decode half).
 
-The real decode loop (ortsparse.harness.decode: corpus prompt, growing KV cache, teacher-forced
+The real decode loop (ortsparse.measure.decode: corpus prompt, growing KV cache, teacher-forced
 steps, models advanced round-robin in one process) over the folder's decoder graph in ONNX Runtime
 sessions, 1 thread:
 
@@ -34,7 +34,7 @@ import onnx
 from ortsparse.benchmarking import machine_info, ratio_summary, report_header
 from ortsparse.cli import add_rewrite_arguments, config_from_args
 from ortsparse.graph_rewrite import rewrite_model
-from ortsparse.harness import decode
+from ortsparse.measure import decode
 from ortsparse.runtime import genai_decoder
 
 MODELS = Path.home() / ".cache" / "ortsparse" / "models" / "smollm2"

@@ -26,9 +26,9 @@ import onnx
 import ortsparse
 from ortsparse.benchmarking import machine_info, write_report
 from ortsparse.graph_rewrite import config_from_flags, rewrite_model
-from ortsparse.harness.event_workloads import minilm_texts
-from ortsparse.harness.export_minilm import embed
-from ortsparse.harness.models import real_model_path
+from ortsparse.commands.event_workloads import minilm_texts
+from ortsparse.zoo.export_minilm import embed
+from ortsparse.zoo.models import real_model_path
 
 FRACTIONS = [("1 token", None), ("2%", 0.02), ("10%", 0.10), ("50%", 0.50)]
 TOLERANCES = [0.0, 1e-3, 1e-2]

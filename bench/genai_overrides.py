@@ -6,7 +6,7 @@ The genai builder fuses q/k/v into one `qkv_proj` MatMul and renames the layers
 threshold is a quantile of the layer's input, and q, k and v read the same input, so the three
 thresholds of a layer are equal (refused otherwise) and become the fused layer's.
 
-The translation is ortsparse.harness.genai_overrides.translate.
+The translation is ortsparse.zoo.genai_overrides.translate.
 
 usage: python bench/genai_overrides.py reports/smollm2_calibrated.json -o reports/smollm2_calibrated.genai.json
 """
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from ortsparse.harness.genai_overrides import translate
+from ortsparse.zoo.genai_overrides import translate
 
 
 def main(argv=None) -> int:

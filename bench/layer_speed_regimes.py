@@ -24,8 +24,8 @@ import profile_decode  # noqa: E402
 
 from ortsparse.benchmarking import command_line, machine_info, report_header, write_report  # noqa: E402
 from ortsparse.graph_rewrite.genai import model_input  # noqa: E402
-from ortsparse.harness.allocation import gated_layers, units_of  # noqa: E402
-from ortsparse.harness.corpus import load_corpus_tokens  # noqa: E402
+from ortsparse.calibration.allocation import gated_layers, units_of  # noqa: E402
+from ortsparse.measure.corpus import load_corpus_tokens  # noqa: E402
 from ortsparse.tuning import layer_speed  # noqa: E402
 
 

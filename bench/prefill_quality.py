@@ -24,8 +24,8 @@ import numpy as np
 
 import ortsparse
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
-from ortsparse.harness.decode import open_stepper
-from ortsparse.harness.perplexity import score_logits
+from ortsparse.measure.decode import open_stepper
+from ortsparse.measure.perplexity import score_logits
 
 
 def continuation_logits(stepper, ids: np.ndarray) -> np.ndarray:

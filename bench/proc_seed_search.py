@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortsparse.graph_rewrite.layers import survey
-from ortsparse.harness.models import model_path
+from ortsparse.zoo.models import model_path
 from ortsparse.proc_sparse import hash_base
 
 BLOCK = 32

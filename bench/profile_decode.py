@@ -25,8 +25,8 @@ from ortsparse import metrics, reset_metrics
 from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice, rewrite_model
 from ortsparse.graph_rewrite.config import load_overrides
 from ortsparse.graph_rewrite.genai import model_input
-from ortsparse.harness.corpus import load_corpus_tokens
-from ortsparse.harness.models import model_path
+from ortsparse.measure.corpus import load_corpus_tokens
+from ortsparse.zoo.models import model_path
 from ortsparse.runtime import KVDecoder, kv_layout, open_session, thread_options
 
 

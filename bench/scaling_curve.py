@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
 from ortsparse.graph_rewrite.genai import rewrite_genai_folder
-from ortsparse.harness.speed import weight_table
+from ortsparse.measure.speed import weight_table
 from ortsparse.rewrite_flags import add_technique_arguments, config_from_args
 from ortsparse.runtime import genai_decoder
 

@@ -27,11 +27,11 @@ from ortsparse.graph_rewrite import RewriteConfig, rewrite_model
 from ortsparse.graph_rewrite.layers import survey
 from ortsparse.graph_rewrite.targets import target_includes
 from ortsparse.graph_rewrite.techniques import ProcSettings, TechniqueChoice
-from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
-from ortsparse.harness.embeddings import compare_embeddings
-from ortsparse.harness.models import model_path
-from ortsparse.harness.perplexity import perplexity
-from ortsparse.harness.speed import decode_speed
+from ortsparse.measure.corpus import lm_windows, load_corpus_tokens
+from ortsparse.measure.embeddings import compare_embeddings
+from ortsparse.zoo.models import model_path
+from ortsparse.measure.perplexity import perplexity
+from ortsparse.measure.speed import decode_speed
 from ortsparse.runtime import lm_feeds, open_session, with_outputs
 
 

@@ -40,12 +40,12 @@ from ortsparse.graph_rewrite.config import parse_overrides  # noqa: E402
 from ortsparse.graph_rewrite.layers import survey  # noqa: E402
 from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings  # noqa: E402
 from ortsparse.graph_rewrite.layer_settings import override_entries  # noqa: E402
-from ortsparse.harness.calibrate import target_layers  # noqa: E402
-from ortsparse.harness.corpus import encoder_batches, lm_windows, load_corpus_tokens  # noqa: E402
-from ortsparse.harness.embeddings import compare_embeddings  # noqa: E402
-from ortsparse.harness.models import model_path  # noqa: E402
-from ortsparse.harness.perplexity import perplexity  # noqa: E402
-from ortsparse.harness.speed import decode_speed  # noqa: E402
+from ortsparse.commands.calibrate import target_layers  # noqa: E402
+from ortsparse.measure.corpus import encoder_batches, lm_windows, load_corpus_tokens  # noqa: E402
+from ortsparse.measure.embeddings import compare_embeddings  # noqa: E402
+from ortsparse.zoo.models import model_path  # noqa: E402
+from ortsparse.measure.perplexity import perplexity  # noqa: E402
+from ortsparse.measure.speed import decode_speed  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ONE_THREAD = {"intra_op_num_threads": 1}  # quality runs share the machine
@@ -56,7 +56,7 @@ def log(msg: str) -> None:
 
 
 def calibration(model, layers, batches, max_rows: int) -> dict[str, np.ndarray]:
-    """Node name -> X [rows, K] for the given layers (harness.calibrate.layer_calibration does this for
+    """Node name -> X [rows, K] for the given layers (commands.calibrate.layer_calibration does this for
     a whole target)."""
     by_input = tt.collect_matmul_inputs(model, [layer.input_name for layer in layers], batches, max_rows=max_rows)
     return {layer.name: by_input[layer.input_name] for layer in layers}

@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from ortsparse.harness.perplexity import perplexity
-from ortsparse.harness.text import text_tokens
+from ortsparse.measure.perplexity import perplexity
+from ortsparse.measure.text import text_tokens
 from ortsparse.tuning.tune import every_row_gated
 from ortsparse.tuning.windows import WINDOW_LEN, spread_indices
 

@@ -13,6 +13,7 @@ from onnx import helper
 
 from ..runtime import open_session
 from .errors import RewriteError
+from .node_models import nodes_alone
 from .rules import DOMAIN
 from .techniques.popcount import GQA_OP_TYPE, OP_TYPE
 
@@ -23,19 +24,16 @@ class UnloadableOutputError(RewriteError):
     """The rewrite produced a node the op library refuses (nothing is written)."""
 
 
+# The opsets a rewritten attention node may need; a one-node model keeps those its node's domain uses.
+_OPSETS = (helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1), helper.make_opsetid("com.microsoft", 1))
+
+
 def _one_node_model(node: ir.Node) -> onnx.ModelProto:
-    proto = ir.serde.serialize_node(node)
-    inputs, seen = [], set()
-    for value in node.inputs:
-        if value is None or value.name in seen:
-            continue
-        seen.add(value.name)
-        dtype = value.dtype.value if value.dtype is not None else onnx.TensorProto.FLOAT
-        inputs.append(helper.make_tensor_value_info(value.name, dtype, None))
-    outputs = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in proto.output if name]
-    graph = helper.make_graph([proto], "load_check", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1),
-                                                   helper.make_opsetid("com.microsoft", 1)], ir_version=9)
+    """``node`` alone, every input a graph input of unknown shape (no weights: the op checks its
+    attributes when the session is created)."""
+    types = {value.name: value.dtype.value for value in node.inputs if value is not None and value.dtype is not None}
+    return nodes_alone([ir.serde.serialize_node(node)], {}, _OPSETS, ir_version=9, input_types=types,
+                       name="load_check")
 
 
 def refused_nodes(model: ir.Model) -> list[tuple[str, str]]:

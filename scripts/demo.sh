@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ORTSPARSE_EXTRAS=models,plot . scripts/env.sh
 ortsparse models genai
-M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")
+M=$(python -c "from ortsparse.zoo.cache import models_dir; print(models_dir())")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python -c "import pydoc_data.topics as t; print('\n\n'.join(t.topics.values()))" > "$work/python-docs.txt"

@@ -1,9 +1,9 @@
 """Quality / sparsity frontier of calibrated KWTA gating on SmolLM2 (reports/frontier_smollm2.*).
 
 Every point is an override file applied by the rewriter (KwtaBlockMatMul, threshold per layer,
-block 1) and measured with ortsparse.harness.perplexity.compare_lm on the held-out windows (the
+block 1) and measured with ortsparse.measure.perplexity.compare_lm on the held-out windows (the
 first half of the corpus, 8 x 512 tokens) — what `ortsparse quality MODEL --config FILE` runs.
-The per-layer curves and probes come from ortsparse.harness.allocation on the calibration half
+The per-layer curves and probes come from ortsparse.calibration.allocation on the calibration half
 (cached in ~/.cache/ortsparse/frontier). Points: uniform sparsity (every layer the same), the
 Lagrangian allocation at several prices (score l2 and l2_weighted, head excluded / included), and
 the library's own pick (`ortsparse calibrate --method allocated`, read from its report).
@@ -29,10 +29,10 @@ import numpy as np
 import onnx
 
 from ortsparse.graph_rewrite.layer_settings import rewritten_with
-from ortsparse.harness import allocation
-from ortsparse.harness.corpus import lm_windows, load_corpus_tokens
-from ortsparse.harness.models import model_path
-from ortsparse.harness.perplexity import compare_lm
+from ortsparse.calibration import allocation
+from ortsparse.measure.corpus import lm_windows, load_corpus_tokens
+from ortsparse.zoo.models import model_path
+from ortsparse.measure.perplexity import compare_lm
 
 CACHE = Path(os.path.expanduser("~/.cache/ortsparse/frontier"))
 POINTS = [("uniform", "l2", False, s) for s in (0.2, 0.225, 0.25, 0.275, 0.3)] + \
@@ -112,8 +112,8 @@ def main() -> int:
 
 
 def minilm(out: str) -> int:
-    from ortsparse.harness.corpus import default_sentences, load_sentences, sentence_batches
-    from ortsparse.harness.embeddings import compare_embeddings
+    from ortsparse.measure.corpus import default_sentences, load_sentences, sentence_batches
+    from ortsparse.measure.embeddings import compare_embeddings
 
     model_file = model_path("minilm", "torchscript")
     model = onnx.load(str(model_file))

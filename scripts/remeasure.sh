@@ -24,7 +24,7 @@
 # usage: scripts/remeasure.sh [baselines|fp32|attention|gqa|quant|quant_attn|tune|stability|headline ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")
+M=$(python -c "from ortsparse.zoo.cache import models_dir; print(models_dir())")
 S=$M/smollm2
 # What each section reads from the model cache (built on first use, idempotent): headline and tune read
 # the genai folders alone (their text is Python's docs); the older sections also read our own exports,

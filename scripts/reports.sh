@@ -5,7 +5,7 @@
 #   pip install -e ".[models,plot]"   (torch==2.13.0 CPU, transformers 5.x, gguf, accelerate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")
+M=$(python -c "from ortsparse.zoo.cache import models_dir; print(models_dir())")
 mkdir -p reports
 ortsparse models
 ortsparse validate --kwta-k 0.9 --json reports/zoo.json --markdown reports/zoo.md

@@ -12,7 +12,7 @@ set -euo pipefail
 out=$(realpath -m "$1"); shift
 runs=("$@")
 [[ ${#runs[@]} -gt 0 ]] || runs=(prose-fp32 manual-fp32 apidocs-fp32 prose-int8 manual-int8 apidocs-int8)
-M=$(python -c "from ortsparse.harness.cache import models_dir; print(models_dir())")/smollm2
+M=$(python -c "from ortsparse.zoo.cache import models_dir; print(models_dir())")/smollm2
 mkdir -p "$out"
 declare -A source=(
   [prose]="cat $HOME/.cache/ortsparse/corpus/britannica-11th.txt"

@@ -5,7 +5,7 @@ import hashlib
 
 from ortsparse import digest
 from ortsparse.graph_rewrite import genai
-from ortsparse.harness import builds
+from ortsparse.zoo import builds
 
 
 def test_sha256_reads_the_whole_file_in_chunks(tmp_path):

@@ -1,6 +1,6 @@
 """The package's import contracts ([tool.importlinter] in pyproject.toml): layers, the rewriter and
-builders below the harness, cli imported by nobody, no cycles. import-linter runs in a subprocess on
-a copy of the package laid out as the wheel is (python/ortsparse + graph_rewrite/ as
+builders below the commands, calibration, measurements and zoo, cli imported by nobody, no cycles.
+import-linter runs in a subprocess on a copy of the package laid out as the wheel is (python/ortsparse + graph_rewrite/ as
 ortsparse.graph_rewrite): the editable install also puts the repository root on ortsparse.__path__,
 which would make tests/ and bench/ look like subpackages."""
 from __future__ import annotations
@@ -46,14 +46,19 @@ def test_import_contracts_hold(tmp_path):
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("tt.py", "from .harness import corpus", "the rewriter and the offline builders never import the harness"),
+    ("tt.py", "from .measure import corpus", "the rewriter and the offline builders never import the commands"),
     ("runtime/sessions.py", "from .. import cli", "nothing but the entry points imports ortsparse.cli"),
-    ("runtime/model_files.py", "from . import feeds", "runtime: feeds > kv_cache"),
-    ("harness/cache.py", "from . import models", "no import cycles"),
-    ("graph_rewrite/targets.py", "from .. import verify", "cli > tuning > harness"),
-    ("harness/corpus.py", "from . import perplexity", "harness: commands > measurements"),
+    ("runtime/model_files.py", "from . import feeds", "runtime: capture > feeds > kv_cache"),
+    ("runtime/feeds.py", "from . import capture", "runtime: capture > feeds"),
+    ("zoo/cache.py", "from . import models", "no import cycles"),
+    ("graph_rewrite/targets.py", "from .. import verify", "cli > commands > tuning"),
+    ("measure/corpus.py", "from . import perplexity", "measure: whole runs > measurements"),
     ("tuning/selection.py", "from . import tune", "tuning: command > tune"),
-    ("harness/speed.py", "from .. import tuning", "cli > tuning > harness"),
+    ("zoo/cache.py", "from ..measure import corpus", "cli > commands > tuning"),
+    ("calibration/head_placement.py", "from . import allocation", "calibration: allocation > head_placement"),
+    ("commands/quality.py", "from . import bench", "commands: studies and commands > quality"),
+    ("zoo/builds.py", "from . import models", "zoo: registry > shape builder"),
+    ("measure/speed.py", "from .. import tuning", "cli > commands > tuning"),
 ])
 def test_a_new_import_against_a_contract_breaks_it(tmp_path, module, line, contract):
     view = package_view(tmp_path)

@@ -320,6 +320,38 @@ def cache_flusher() -> Callable[[], object]:
     return buffer.sum
 
 
+def time_from_memory(runners: dict[Any, Callable[[], object]], *, rotation_bytes: int = 0, flush: bool | None = None,
+                     repeats: int = 5, warmup: int = 1, min_seconds: float = 0.0) -> dict[Any, list[float]]:
+    """The one protocol for timing layers as a decode step runs them — weights from memory, code and
+    ONNX Runtime's own state warm — used by tune's layer speed and by head placement: the
+    ``runners`` (sessions of single layers or classes of layers, :mod:`ortsparse.graph_rewrite.node_models`)
+    run in **one rotation** (:func:`alternate`: A B C ... A B C, ``warmup`` untimed rounds first,
+    then at least ``repeats`` rounds and ``min_seconds``); the i-th runs of two runners are a pair
+    (the same load on both). ``rotation_bytes``: the weights one round reads (every runner's).
+
+    No flush by default: between two runs of a session the other sessions' weights pass through the
+    caches, as in a decode step every other layer's weights pass between two uses of a layer's.
+    Flushing before every run made everything cold, code included: SmolLM2's int8 q/k/v unit took
+    90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own profile; per class the
+    rotation was within 0-7% of the profile in two runs (11-16% under in a third, during another
+    experiment), the flush 21-68% slower (reports/layer_speed_regimes_2026-11-28.md and
+    ..._rerun.md). On int4, whose 84 MiB rotation keeps part of itself in the 32 MiB L3, the rotation
+    was 6-18% under the profile and the flush 28-71% over it (an earlier run: rotation 28-38% under).
+    A spacer read between runs overshot instead, +20-34%: not kept.
+
+    A flush before each timed run (:func:`cache_flusher`) when the rotation would keep its weights
+    in the cache: ``rotation_bytes`` under the last-level cache (half :func:`cache_flush_bytes`:
+    sysfs's size capped at 64 MiB, as virtual machines overstate it), or ``flush=True``. Head
+    placement asks for it: its rotation is two forms of one head, and timed without a flush
+    SmolLM2's 28 MiB int8 head sat in the 32 MiB L3 and the answer flipped — MatMulNBits 1.02-1.08x
+    faster warm, ours 1.17x faster flushed (2442-2522 vs 2901-2915 us), and in the decode step's own
+    profile the head took MatMulNBits 2554 us. ``flush=False`` forces the rotation alone."""
+    if flush is None:
+        flush = rotation_bytes < cache_flush_bytes() // 2
+    return alternate(runners, repeats=repeats, warmup=warmup, min_seconds=min_seconds,
+                     before=cache_flusher() if flush else None)
+
+
 class StreamNeighbour:
     """A child process on the machine's last CPU that sums a 256 MiB buffer (8x this machine kind's
     32 MiB L3; at least 4x the last-level cache sysfs reports, which virtual machines may overstate)

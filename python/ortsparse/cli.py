@@ -256,11 +256,11 @@ class Subcommand:
 
 
 def _module_path(module_name: str) -> str:
-    """``ortsparse.<name>`` for a dotted name (``tuning.command``), else ``ortsparse.harness.<name>``."""
-    return f"ortsparse.{module_name}" if "." in module_name else f"ortsparse.harness.{module_name}"
+    """``ortsparse.<name>`` (``tuning.command``, ``commands.bench``)."""
+    return f"ortsparse.{module_name}"
 
 
-def _harness_command(module_name: str, help_text: str) -> Subcommand:
+def _module_command(module_name: str, help_text: str) -> Subcommand:
     """A subcommand implemented by the module ``_module_path(module_name)`` (add_arguments / run),
     imported only when the parser is built, so heavy imports stay inside its functions."""
     import importlib
@@ -289,15 +289,15 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 for _name, _module, _help in [
     ("tune", "tuning.command", "tune MODEL on your text: calibrated gating (+ attention at long contexts) within a "
                      "held-out quality budget, verified, with its decode speed"),
-    ("models", "models", "fetch and export the real models into the cache (idempotent)"),
-    ("quality", "quality", "perplexity / embedding cosine / output error, dense vs rewritten"),
-    ("bench", "bench", "decode tokens/s in a real loop (text, growing KV cache): models side by side"),
-    ("validate", "validate", "rewrite, check, load and compare every model of a zoo"),
-    ("sweep", "sweep", "grid of op settings on a model: JSON + speedup-vs-quality PNG"),
-    ("calibrate", "calibrate", "per-layer KWTA settings that meet a quality budget"),
+    ("models", "zoo.models", "fetch and export the real models into the cache (idempotent)"),
+    ("quality", "commands.quality", "perplexity / embedding cosine / output error, dense vs rewritten"),
+    ("bench", "commands.bench", "decode tokens/s in a real loop (text, growing KV cache): models side by side"),
+    ("validate", "commands.validate", "rewrite, check, load and compare every model of a zoo"),
+    ("sweep", "commands.sweep", "grid of op settings on a model: JSON + speedup-vs-quality PNG"),
+    ("calibrate", "commands.calibrate", "per-layer KWTA settings that meet a quality budget"),
 ]:
     if _available(_module):
-        SUBCOMMANDS[_name] = _harness_command(_module, _help)
+        SUBCOMMANDS[_name] = _module_command(_module, _help)
 
 
 from .benchmarking import command_line  # noqa: E402 (cli is the top layer)

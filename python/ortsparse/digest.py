@@ -1,4 +1,4 @@
-"""The one file digest of the package: the sha256 that model manifests (harness/models.py) and the
+"""The one file digest of the package: the sha256 that model manifests (zoo/models.py) and the
 genai folder record (graph_rewrite/genai.py: the op library's copy) write and compare."""
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from .runtime import lm_feeds, open_session, with_outputs
+from .runtime import captured_values, lm_feeds
 
 LAYOUTS = ("lowrank", "balanced")
 METHODS = ("svd", "svd-whitened", "cross")
@@ -571,13 +571,13 @@ def collect_matmul_inputs(model: Any, input_names: Sequence[str], batches: Itera
     """Runs ``model`` (ONNX proto) in ORT on calibration batches with the given values (MatMul
     inputs X) added as graph outputs; returns per value a [rows, K] float32 sample of at most
     ``max_rows`` rows (uniformly sub-sampled across batches). ``feeds(session, batch)`` makes the
-    input dict (default: :func:`ortsparse.runtime.lm_feeds`, which also takes encoder batches).
-    ``ortsparse.harness.calibrate.layer_calibration`` picks the values of a layer target."""
+    input dict (default: :func:`ortsparse.runtime.lm_feeds`, which also takes encoder batches; a
+    KV-cache decoder then prefills from an empty past: :func:`ortsparse.runtime.captured_values`).
+    ``ortsparse.commands.calibrate.layer_calibration`` picks the values of a layer target."""
     wanted = list(dict.fromkeys(input_names))
-    session = open_session(with_outputs(model, wanted), {"intra_op_num_threads": 1})
     chunks: dict[str, list[np.ndarray]] = {v: [] for v in wanted}
-    for batch in batches:
-        outputs = session.run(wanted, feeds(session, batch))
+    one_thread = {"intra_op_num_threads": 1}
+    for _, outputs in captured_values(model, wanted, batches, feeds=feeds, session_options=one_thread):
         for value, out in zip(wanted, outputs):
             chunks[value].append(out.reshape(-1, out.shape[-1]).astype(np.float32))
     rng = np.random.default_rng(seed)

@@ -177,7 +177,7 @@ def test_finding12_a_bad_report_leaves_no_output_folder(src, tmp_path, capsys):
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, ModelFileError])
 def test_finding13_calibrate_writes_nothing_when_the_held_out_check_fails(failure, text, tmp_path, monkeypatch,
                                                                           capsys):
-    from ortsparse.harness import calibrate
+    from ortsparse.commands import calibrate
 
     def fail(*args, **kwargs):
         raise failure("the held-out check failed") if failure is ModelFileError else failure()
@@ -611,7 +611,7 @@ def test_36_errors_after_the_long_part_are_one_line_exit_2_and_nothing_written(f
     libraries refuse) is one line and exit 2 from the top level, and the staged outputs are gone."""
     import onnx
 
-    from ortsparse.harness import calibrate
+    from ortsparse.commands import calibrate
 
     def fail(*args, **kwargs):
         if failure == "onnx":

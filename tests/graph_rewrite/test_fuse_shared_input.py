@@ -90,7 +90,7 @@ def test_near_misses_stay_apart_with_a_reason():
 
 def test_fused_node_metrics_speak_for_each_layer():
     """The op reports per node; the harness attributes a fused node's keep ratio to its layers."""
-    from ortsparse.harness.op_metrics import metrics_summary
+    from ortsparse.measure.op_metrics import metrics_summary
 
     fused = FUSED_NAME_SEPARATOR.join(["/l0/MatMul_Q8", "/l1/MatMul_Q8"])
     raw = {f"KwtaBlockMatMul/{fused}": {"node": fused, "calls": 3, "blocks_total": 100, "blocks_kept": 75},

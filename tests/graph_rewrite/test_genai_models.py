@@ -86,7 +86,7 @@ def test_a_default_domain_op_unknown_to_onnxruntime_too_is_still_refused(tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 def genai_model(kind: str) -> Path:
-    from ortsparse.harness.cache import models_dir
+    from ortsparse.zoo.cache import models_dir
 
     path = models_dir() / "smollm2" / f"genai-{kind}" / "model.onnx"
     if not path.is_file():

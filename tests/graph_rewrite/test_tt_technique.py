@@ -16,7 +16,7 @@ from ortsparse.cli import add_technique_arguments, config_from_args
 from ortsparse.graph_rewrite import ConfigError, KwtaSettings, RewriteConfig, rewrite_model
 from ortsparse.graph_rewrite import compose as compose_module
 from ortsparse.graph_rewrite.techniques import TechniqueChoice, TTSettings
-from ortsparse.harness.calibrate import layer_calibration
+from ortsparse.commands.calibrate import layer_calibration
 
 
 def tt_config(target="mlp", **settings):

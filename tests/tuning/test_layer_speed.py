@@ -8,9 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
-from ortsparse.harness import allocation
+from ortsparse import benchmarking
+from ortsparse.calibration import allocation
 from ortsparse.runtime import open_session
-from ortsparse.tuning import layer_speed
+from ortsparse.tuning import layer_speed, selection
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 LLAMA = TINY / "llama_tiny.torchscript.onnx"
@@ -20,12 +21,6 @@ LLAMA = TINY / "llama_tiny.torchscript.onnx"
 def model_units():
     model = onnx.load(str(LLAMA))
     return model, allocation.units_of(allocation.gated_layers(model, "both"))
-
-
-def test_non_decreasing_is_the_pooled_fit():
-    assert layer_speed.non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert layer_speed.non_decreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
-    assert layer_speed.non_decreasing([2.0, 1.0, 3.0, 2.5]) == pytest.approx([1.5, 1.5, 2.75, 2.75])
 
 
 @pytest.mark.parametrize("keep", layer_speed.KEEPS)
@@ -48,9 +43,9 @@ def test_the_class_graph_is_the_units_own_layers_and_computes_them(model_units):
     signature, members = next((s, m) for s, m in layer_speed.speed_classes(model, units).items() if len(s) == 3)
     graph = layer_speed.class_model(model, members)
     assert [node.name for node in graph.graph.node] == [layer.name for unit in members for layer in unit.layers]
-    assert [i.name for i in graph.graph.input] == ["X0", "X1"]
+    assert [i.name for i in graph.graph.input] == [unit.input_name for unit in members]  # each unit its own X
     row = np.random.default_rng(0).standard_normal((1, 1, members[0].layers[0].weight.shape[0])).astype(np.float32)
-    outputs = open_session(graph).run(None, {"X0": row, "X1": row})
+    outputs = open_session(graph).run(None, {unit.input_name: row for unit in members})
     expected = [row[0] @ layer.weight for unit in members for layer in unit.layers]
     for got, want in zip(outputs, expected):
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-5)
@@ -86,15 +81,15 @@ def test_every_class_is_timed_in_one_rotation(model_units, monkeypatch):
     model, units = model_units
     classes = list(layer_speed.speed_classes(model, units).items())
     calls = []
-    real_alternate = layer_speed.alternate
+    real_alternate = benchmarking.alternate
 
     def spy(runners, **kwargs):
         calls.append((set(runners), kwargs.get("before")))
         return real_alternate(runners, **kwargs)
 
-    monkeypatch.setattr(layer_speed, "alternate", spy)
+    monkeypatch.setattr(benchmarking, "alternate", spy)
     flushes = []
-    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: lambda: flushes.append(1))
+    monkeypatch.setattr(benchmarking, "cache_flusher", lambda: lambda: flushes.append(1))
     records = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
     assert len(calls) == 1  # one rotation, not one per class
     runners, before = calls[0]
@@ -108,8 +103,8 @@ def test_every_class_is_timed_in_one_rotation(model_units, monkeypatch):
 def test_a_large_rotation_runs_without_a_flush(model_units, monkeypatch):
     model, units = model_units
     classes = list(layer_speed.speed_classes(model, units).items())[:1]
-    monkeypatch.setattr(layer_speed, "cache_flush_bytes", lambda: 0)  # as if the weights dwarfed the cache
-    monkeypatch.setattr(layer_speed, "cache_flusher", lambda: pytest.fail("flushed a rotation larger than the cache"))
+    monkeypatch.setattr(benchmarking, "cache_flush_bytes", lambda: 0)  # as if the weights dwarfed the cache
+    monkeypatch.setattr(benchmarking, "cache_flusher", lambda: pytest.fail("flushed a rotation larger than the cache"))
     (record,) = layer_speed.measure_classes(model, classes, seconds=0.0, min_rounds=3)
     assert record.measured
 
@@ -127,7 +122,7 @@ def test_an_unmeasurable_class_keeps_its_place_among_the_records(model_units):
 
 def _speed(input_us, ours, p):
     keeps = sorted(ours)
-    monotone = dict(zip(keeps, layer_speed.non_decreasing([ours[k] for k in keeps])))
+    monotone = dict(zip(keeps, selection.non_decreasing([ours[k] for k in keeps]).tolist()))
     return layer_speed.ClassSpeed("c", 2, input_us, dict(ours), 20, "", monotone, {k: p for k in keeps})
 
 

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ortsparse.harness import allocation
+from ortsparse.calibration import allocation
 from ortsparse.tuning import search, selection
 
 

@@ -27,6 +27,15 @@ def test_non_decreasing_pools_violators():
     assert np.all(np.diff(fit) >= 0)
     assert np.allclose(fit, [0.0, 0.2, 0.2, 0.2, 0.5])
     assert np.allclose(selection.non_decreasing([1.0, 2.0, 3.0]), [1.0, 2.0, 3.0])
+    assert np.allclose(selection.non_decreasing([3.0, 1.0, 2.0]), [2.0, 2.0, 2.0])
+    assert np.allclose(selection.non_decreasing([2.0, 1.0, 3.0, 2.5]), [1.5, 1.5, 2.75, 2.75])
+
+
+def test_non_decreasing_weights_the_pooled_means():
+    """The one isotonic fit (the path's trend and layer speed's curves): a pooled block takes the
+    weighted mean of its members."""
+    assert np.allclose(selection.non_decreasing([2.0, 1.0], weights=[1.0, 3.0]), [1.25, 1.25])
+    assert np.allclose(selection.non_decreasing([2.0, 1.0, 5.0], weights=[3.0, 1.0, 2.0]), [1.75, 1.75, 5.0])
 
 
 def test_a_dip_at_the_cliff_edge_is_not_chosen():

@@ -76,7 +76,7 @@ def test_tune_a_genai_folder(tmp_path, text, steady_tune_speed, capsys):
 @pytest.fixture
 def staged_run(tmp_path, text):
     """tune's stages 1-7 on the tiny genai folder, as the pipeline chains them."""
-    from ortsparse.harness.text import resolve_bos, tokenize_file
+    from ortsparse.measure.text import resolve_bos, tokenize_file
 
     tokens = tokenize_file(text, GENAI / "tokenizer.json")
     outputs, targets = tune_module.tune_outputs(GENAI, tmp_path / "tuned")
@@ -301,7 +301,7 @@ def _class_speed(pays):
 
 def test_where_no_layer_pays_tune_says_so_before_calibrating(tmp_path, text, monkeypatch, measured_layer_speed,
                                                              capsys):
-    from ortsparse.harness import allocation
+    from ortsparse.calibration import allocation
     from ortsparse.tuning import layer_speed
 
     monkeypatch.setattr(layer_speed, "measure_classes", _class_speed(pays=False))
@@ -315,7 +315,7 @@ def test_where_no_layer_pays_tune_says_so_before_calibrating(tmp_path, text, mon
 
 def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, text, monkeypatch, measured_layer_speed,
                                                                    steady_tune_speed):
-    from ortsparse.harness import allocation
+    from ortsparse.calibration import allocation
     from ortsparse.tuning import layer_speed
 
     monkeypatch.setattr(layer_speed, "measure_classes", _class_speed(pays=True))
@@ -464,8 +464,8 @@ def test_the_answer_check_measures_as_many_windows_as_the_time_budget_allows(tmp
     never fewer than two in all. The model against itself: dppl 0, every top-1 equal."""
     import dataclasses
 
-    from ortsparse.harness.answer_quality import AnswerWindows
-    from ortsparse.harness.text import as_bos
+    from ortsparse.measure.answer_quality import AnswerWindows
+    from ortsparse.measure.text import as_bos
     from ortsparse.tuning.results import StagedModel, Windows
     from ortsparse.tuning.windows import plan_windows
 

@@ -1,7 +1,7 @@
 """Running models in ONNX Runtime: model sources, CPU sessions with the right options, and feeds.
 
-One module a subject (model_files > sessions > genai_config > kv_cache > feeds, each importing only
-the ones before it); this package re-exports their names, so ``from ortsparse.runtime import X`` reads
+One module a subject (model_files > sessions > genai_config > kv_cache > feeds > capture, each
+importing only the ones before it); this package re-exports their names, so ``from ortsparse.runtime import X`` reads
 as before.
 
 One place for what every measurement, benchmark and offline builder needs:
@@ -24,7 +24,9 @@ One place for what every measurement, benchmark and offline builder needs:
   or from the graph; window-sized buffers of sliding-window layers, GroupQueryAttention's
   ``sliding_window_cache=1``, from the graph), :func:`genai_decoder` (what a genai model folder's
   config says about its decoder), and :class:`KVDecoder`, which advances a decoder session step by step with the
-  present K/V kept as ONNX Runtime values (IOBinding: the cache is never copied through numpy).
+  present K/V kept as ONNX Runtime values (IOBinding: the cache is never copied through numpy);
+- activation capture: :func:`captured_values` (inner values over calibration batches, a decoder
+  prefilling from an empty past).
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ from .sessions import thread_options, options_for, open_session
 from .genai_config import GENAI_CONFIG, GenaiConfigError, GenaiDecoder, genai_folder, genai_decoder, context_length
 from .kv_cache import past_inputs, KVLayout, GENAI_CPU_WINDOW_SLACK, window_capacities, kv_layout, KVDecoder
 from .feeds import lm_feeds, named_feeds, decode_feeds, vocab_size, empty_past, kv_step_feeds
+from .capture import captured_values
 
 __all__ = [
     "GENAI_CONFIG", "GENAI_CPU_WINDOW_SLACK", "GenaiConfigError", "GenaiDecoder", "KVDecoder", "KVLayout",
-    "ModelFileUnreadable", "check_external_bytes", "check_model_file", "context_length", "decode_feeds",
+    "ModelFileUnreadable", "captured_values", "check_external_bytes", "check_model_file", "context_length", "decode_feeds",
     "external_data_file", "empty_past", "genai_decoder", "genai_folder", "is_onnx_file",
     "kv_layout", "kv_step_feeds", "lm_feeds", "load_proto", "named_feeds", "open_session", "opset_domains",
     "options_for", "past_inputs", "thread_options", "uses_ortsparse", "vocab_size", "window_capacities",

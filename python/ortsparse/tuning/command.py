@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 
 from .. import flag_types
-from ..harness.source import open_model
-from ..harness.text import check_vocabulary, resolve_bos, tokenize_file
+from ..measure.source import open_model
+from ..measure.text import check_vocabulary, resolve_bos, tokenize_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """What gating a layer saves on this machine, measured: the speed side of tune's allocation.
 
-The allocation (:mod:`ortsparse.harness.allocation`) trades each unit's loss against what skipping
+The allocation (:mod:`ortsparse.calibration.allocation`) trades each unit's loss against what skipping
 its inputs is worth. Counting skipped *bytes* assumes every layer turns a skipped byte into the
 same time; measured, it does not: a narrow layer pays the gate and a node's fixed cost for few
 bytes, a quantized layer's unpacking is arithmetic that skipping rows does not remove in the same
@@ -13,19 +13,10 @@ same kernels, hence the same time — SmolLM2 has four: q/k/v, o, gate/up, down)
   one decode row ``[1, 1, K]`` (units apart, as in the model: the rewrite fuses a unit's layers only),
   once as the input model has them and once on our op at each keep of :data:`KEEPS` (a
   threshold on a fixed row putting exactly that fraction of the inputs through);
-- every class's sessions run in **one rotation**, no flush: between two runs of a session, the
-  other sessions' weights (five forms of every class's units) pass through the caches, as in a
-  decode step every other layer's weights pass between two uses of a layer's — the weights come
-  from memory while the code and ONNX Runtime's own state stay warm, as they do in a decode step.
-  (Flushing the caches before each run, as an earlier version did, made everything cold: SmolLM2's
-  int8 q/k/v unit took 90.4 us flushed, 59.2 in the rotation and 59.3 in the decode step's own
-  profile; per class the rotation was within 0-7% of the profile in two runs (11-16% under in a
-  third, during another experiment), the flush 21-68% slower: reports/layer_speed_regimes_2026-11-28.md
-  and ..._rerun.md. On int4, whose 84 MiB rotation keeps part of itself in
-  the 32 MiB L3, the rotation was 6-18% under the profile and the flush 28-71% over it; an earlier
-  run had the rotation 28-38% under. A spacer read between runs overshot instead, +20-34%: not kept.) When the rotation's weights fit in the last-level
-  cache (a small model; sysfs's size capped at 64 MiB, as virtual machines overstate it), each run
-  is preceded by a flush after all;
+- every class's sessions run in **one rotation** (:func:`ortsparse.benchmarking.time_from_memory`,
+  the protocol and its measured reasons): between two runs of a session the other sessions'
+  weights (five forms of every class's units) pass through the caches, as in a decode step; a
+  rotation that fits in the last-level cache (a small model) is flushed before each run after all;
   the same threads as the speed check;
 - per class and keep: ours' time as the median of the paired ratios to the input (run back to
   back: the same load on both) times the input's median, made non-decreasing in the keep (fewer
@@ -50,12 +41,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..benchmarking import alternate, cache_flush_bytes, cache_flusher, sign_test
+from ..benchmarking import sign_test, time_from_memory
+from ..calibration.allocation import Unit, gated_layers, units_of
 from ..graph_rewrite.config import NodePlan
 from ..graph_rewrite.layer_settings import rewritten_with
-from ..harness.allocation import Unit, gated_layers, units_of
-from ..harness.source import ModelSource
+from ..graph_rewrite.node_models import layers_alone
+from ..measure.source import ModelSource
 from ..runtime import open_session, thread_options
+from .selection import non_decreasing
 
 KEEPS = (1.0, 0.75, 0.5, 0.25)  # our op's keep fractions measured per class
 SIGNIFICANCE = 0.05  # one-sided sign test: ours faster than the input in this many pairs by chance
@@ -151,36 +144,12 @@ def speed_classes(model: onnx.ModelProto, units: Sequence[Unit]) -> dict[tuple[s
 
 
 def class_model(model: onnx.ModelProto, units: Sequence[Unit]) -> onnx.ModelProto:
-    """A graph of the ``units``' layer nodes with their constant inputs, unit ``i`` reading input
-    ``X{i}`` [1, 1, K]; raises ValueError when a node reads a non-constant beyond its first input."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    nodes = {node.name: node for node in model.graph.node}
+    """A graph of the ``units``' layer nodes with their weights, each unit reading its own input (its
+    X, [1, 1, K]) (:func:`~ortsparse.graph_rewrite.node_models.layers_alone`); raises ValueError when
+    a node reads a non-constant beyond its first input."""
     k = units[0].layers[0].weight.shape[0]
-    copies, constants, outputs, used = [], [], [], set()
-    for index, unit in enumerate(units):
-        for layer in unit.layers:
-            node = onnx.NodeProto()
-            node.CopyFrom(nodes[layer.name])
-            for value in node.input[1:]:
-                if not value:
-                    continue
-                if value not in initializers:
-                    raise ValueError(f"{layer.name}: input {value!r} is not a constant initializer")
-                if value not in used:
-                    used.add(value)
-                    constants.append(initializers[value])
-            node.input[0] = f"X{index}"
-            del node.output[1:]
-            node.output[0] = f"Y{len(outputs)}"
-            outputs.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
-            copies.append(node)
-    inputs = [helper.make_tensor_value_info(f"X{i}", onnx.TensorProto.FLOAT, [1, 1, k]) for i in range(len(units))]
-    graph = helper.make_graph(copies, "speed_class", inputs, outputs, constants)
-    domains = {node.domain for node in copies} | {""}
-    single = helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in domains
-                                                     or (o.domain == "ai.onnx" and "" in domains)])
-    single.ir_version = model.ir_version
-    return single
+    return layers_alone(model, [layer.name for unit in units for layer in unit.layers],
+                        {unit.input_name: [1, 1, k] for unit in units})
 
 
 def keep_threshold(row: np.ndarray, keep: float) -> float:
@@ -190,17 +159,6 @@ def keep_threshold(row: np.ndarray, keep: float) -> float:
     if kept >= magnitudes.size:
         return 0.0
     return float((magnitudes[kept - 1] + magnitudes[kept]) / 2.0) if kept > 0 else float(magnitudes[0]) * 2.0 + 1.0
-
-
-def non_decreasing(values: Sequence[float]) -> list[float]:
-    """The least-squares non-decreasing sequence closest to ``values`` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([float(value), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (a, n), (b, m) = blocks[-2], blocks.pop()
-            blocks[-1] = [(a * n + b * m) / (n + m), n + m]
-    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 @dataclasses.dataclass
@@ -237,7 +195,7 @@ def _prepare_class(model: onnx.ModelProto, signature: Sequence[str], units: Sequ
             return ClassSpeed(name, class_size, None, {}, 0, "our rewrite does not take every layer of the class")
         sessions[float(keep)] = open_session(ours, options)
     weight_bytes = sum(numpy_helper.to_array(t).nbytes for t in graph.graph.initializer)
-    return _ClassRun(name, class_size, len(units), sessions, {f"X{i}": row for i in range(len(units))}, weight_bytes)
+    return _ClassRun(name, class_size, len(units), sessions, {unit.input_name: row for unit in units}, weight_bytes)
 
 
 def _class_speed(run: _ClassRun, times: dict[Any, list[float]]) -> ClassSpeed:
@@ -246,7 +204,7 @@ def _class_speed(run: _ClassRun, times: dict[Any, list[float]]) -> ClassSpeed:
     input_us = 1e6 * float(np.median(base)) / run.units
     measured = sorted(key for key in times if key != "input")
     ours_us = {keep: input_us * float(np.median(np.asarray(times[keep]) / base)) for keep in measured}
-    monotone = dict(zip(measured, non_decreasing([ours_us[k] for k in measured])))
+    monotone = dict(zip(measured, non_decreasing([ours_us[k] for k in measured]).tolist()))
     p_values = {keep: sign_test(int(np.sum(np.asarray(times[keep]) < base)), base.size) for keep in measured}
     return ClassSpeed(run.name, run.class_size, input_us, ours_us, len(base),
                       f"{run.units} units timed in one rotation with the other classes; paired ratios to the input "
@@ -259,9 +217,8 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
     """Each (signature, units) class: the input form and our op at each of ``keeps`` on its class
     graph (real weights), every class's sessions in one rotation for about ``seconds`` per class
     (default :data:`SECONDS_PER_CLASS`; at least ``min_rounds`` rotations), one warm-up run each
-    (allocations, packing); a flush before each run only when the rotation's weights are under the
-    last-level cache's size (half :func:`ortsparse.benchmarking.cache_flush_bytes`: sysfs's figure,
-    capped at 64 MiB) (``flush``: True / False forces it either way)."""
+    (allocations, packing), by :func:`ortsparse.benchmarking.time_from_memory` (``flush``: True /
+    False forces a flush before each run either way)."""
     keeps = tuple(keeps)
     prepared = [_prepare_class(model, signature, units, threads, keeps) for signature, units in classes]
     runs = [run for run in prepared if isinstance(run, _ClassRun)]
@@ -271,10 +228,8 @@ def measure_classes(model: onnx.ModelProto, classes: Sequence[tuple[Sequence[str
                    for index, run in enumerate(runs) for key, session in run.sessions.items()}
         rotation_bytes = sum(run.weight_bytes * len(run.sessions) for run in runs)
         per_class = SECONDS_PER_CLASS if seconds is None else seconds
-        if flush is None:  # a rotation within the last-level cache (capped estimate) would time cached weights
-            flush = rotation_bytes < cache_flush_bytes() // 2
-        times = alternate(runners, repeats=min_rounds, warmup=1, min_seconds=per_class * len(runs),
-                          before=cache_flusher() if flush else None)
+        times = time_from_memory(runners, rotation_bytes=rotation_bytes, flush=flush, repeats=min_rounds,
+                                 warmup=1, min_seconds=per_class * len(runs))
     records, timed = [], iter(range(len(runs)))
     for item in prepared:
         if isinstance(item, ClassSpeed):

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from ..calibration.allocation import LmLoss, Prepared
 from ..graph_rewrite.config import NodePlan
-from ..harness.allocation import LmLoss, Prepared
-from ..harness.source import ModelSource
-from ..harness.text import BosChoice
+from ..measure.source import ModelSource
+from ..measure.text import BosChoice
 from .layer_speed import Measured
 from .search import PathPoint, history
 from .selection import Selection
@@ -210,8 +210,8 @@ class AnswerCheck:
     """Stage 9, with a long ``--context``: attention selection judged where it acts. Windows of the
     held-out parts (text tune never calibrated on), each a ``prefix``-token prompt read in one call
     and then ``answer`` tokens teacher-forced, only those scored
-    (:mod:`ortsparse.harness.answer_quality`); the written model against the baseline, a genai
-    folder through the Generator. ``summary``: :func:`~ortsparse.harness.answer_quality.summarize`
+    (:mod:`ortsparse.measure.answer_quality`); the written model against the baseline, a genai
+    folder through the Generator. ``summary``: :func:`~ortsparse.measure.answer_quality.summarize`
     (dppl, its 95% t-interval over windows, top-1 mean and worst) and ``per_window``."""
 
     summary: Mapping[str, Any]

@@ -1,7 +1,7 @@
 """The path tune chooses from: allocations of increasing skipped bytes, each measured window by
 window on the calibration windows (probe graph: every threshold set without a rebuild).
 
-``allocated``: the Lagrangian allocations (:mod:`ortsparse.harness.allocation`) whose *predicted*
+``allocated``: the Lagrangian allocations (:mod:`ortsparse.calibration.allocation`) whose *predicted*
 loss is a range of fractions of the budget (the prediction only places the points; every point is
 measured). ``uniform``: one sparsity of the grid for every layer. Points are measured from the
 fewest skipped bytes up and the walk stops once a point is over the budget beyond its noise;
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..harness import allocation
+from ..calibration import allocation
 from .selection import choose, clearly_over
 
 # Predicted loss of the allocated path's points, as fractions of log(1 + budget).

@@ -3,7 +3,7 @@
 A pipeline of stages, each a function of the previous stages' results (:mod:`.results`), so each
 can be run (and tested) on its own:
 
-1. :func:`resolve_inputs` — the model opened once (:class:`ortsparse.harness.source.ModelSource`),
+1. :func:`resolve_inputs` — the model opened once (:class:`ortsparse.measure.source.ModelSource`),
    the outputs declared and checked, the context and the text's length checked: too short a text
    is refused before anything is measured.
 2. :func:`plan_text` — one forward pass timed, the text cut into contiguous parts, some held out
@@ -11,7 +11,7 @@ can be run (and tested) on its own:
    apart: :mod:`.windows`), and the loss passes' duration estimated from that speed.
 3. :func:`profile_speed` — what gating each layer saves in time on this machine (:mod:`.layer_speed`:
    a layer stays dense where gating does not pay); nothing pays: stop before calibrating.
-4. :func:`calibrate_path` — each gated unit's cost curve and probe (:mod:`ortsparse.harness.allocation`),
+4. :func:`calibrate_path` — each gated unit's cost curve and probe (:mod:`ortsparse.calibration.allocation`),
    then a **path** of allocations of increasing skipped bytes, each measured window by window
    (:mod:`.search`), with progress and the remaining time.
 5. :func:`choose` — the point skipping the most bytes whose monotone-fitted loss plus a margin from
@@ -25,7 +25,7 @@ can be run (and tested) on its own:
    or choose —, with the range one more part of the text is expected in.
 9. :func:`check_answers` — with a long ``--context`` only: attention selection judged where it
    acts, on answer windows of the held-out parts (a prompt of the context read in one call, then
-   answer tokens teacher-forced and scored, :mod:`ortsparse.harness.answer_quality`), the staged
+   answer tokens teacher-forced and scored, :mod:`ortsparse.measure.answer_quality`), the staged
    model as an app runs it. Either check over the budget: nothing is moved into place.
 10. :func:`check_speed` — the staged model against MODEL in the real decode loop.
 11. :func:`commit` — reports rendered from the result beside the model, everything moved into place
@@ -48,6 +48,7 @@ import onnx
 
 from .._library import reset_metrics
 from ..benchmarking import machine_info, versions
+from ..calibration import allocation, head_placement
 from ..graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
 from ..graph_rewrite.as_decoded import as_decoded
 from ..graph_rewrite.errors import ModelFileError
@@ -56,16 +57,15 @@ from ..graph_rewrite.genai import rewrite_genai_folder, source_entries, written_
 from ..graph_rewrite.output_paths import Inputs, OutputFiles, resolve_report_stem
 from ..graph_rewrite.rules import DOMAIN
 from ..graph_rewrite.techniques.popcount import AttentionSettings
-from ..harness import allocation, head_placement
-from ..harness.answer_quality import answer_quality_of, summarize
-from ..harness.corpus import first_scored, text_per_window
-from ..harness.decode import open_stepper
-from ..harness.op_metrics import snapshot
-from ..harness.perplexity import perplexity
-from ..harness.request import request_speed
-from ..harness.source import ModelSource, open_model
-from ..harness.speed import decode_speed
-from ..harness.text import BosChoice, as_bos
+from ..measure.answer_quality import answer_quality_of, summarize
+from ..measure.corpus import first_scored, text_per_window
+from ..measure.decode import open_stepper
+from ..measure.op_metrics import snapshot
+from ..measure.perplexity import perplexity
+from ..measure.request import request_speed
+from ..measure.source import ModelSource, open_model
+from ..measure.speed import decode_speed
+from ..measure.text import BosChoice, as_bos
 from ..runtime import genai_folder, open_session, uses_ortsparse
 from . import layer_speed, report as reports, search, selection
 from .results import (EXIT_NOT_WRITTEN, EXIT_WRITTEN, EXIT_WRITTEN_SLOWER, AnswerCheck, CalibrationPath, Choice,
@@ -355,7 +355,7 @@ def check_answers(inputs: TuneInputs, windows: Windows, staged: StagedModel, log
     MODEL) on the answer windows of the held-out parts (:attr:`.windows.WindowPlan.answers`), each
     read as an app reads a prompt — ``answer_prefix`` tokens in one call, a genai folder through
     the Generator — and then :data:`.windows.ANSWER_STEPS` tokens teacher-forced, only those scored
-    (:func:`~ortsparse.harness.answer_quality.answer_quality_of`): where attention selection acts,
+    (:func:`~ortsparse.measure.answer_quality.answer_quality_of`): where attention selection acts,
     past its ``min_keys`` keys, instead of a window averaged over positions that run exact. The
     first window is timed; as many more, spread over the held-out parts, as fit ``budget_s``
     (never fewer than :data:`MIN_ANSWER_WINDOWS` in all)."""
@@ -392,7 +392,7 @@ def check_speed(inputs: TuneInputs, staged: StagedModel, log: Callable[[str], No
     own text — all of it (check_length made it longer than any context the loop runs at), not the
     check windows alone, which may be shorter —; at a long --context the whole request (prompt,
     then the answer: docs/measure.md). ``decode`` / ``request``: the measurements (default
-    :func:`~ortsparse.harness.speed.decode_speed`, :func:`~ortsparse.harness.request.request_speed`)."""
+    :func:`~ortsparse.measure.speed.decode_speed`, :func:`~ortsparse.measure.request.request_speed`)."""
     decode, request = decode or decode_speed, request or request_speed
     source = inputs.source
     positions = source.context_length or 1 << 30
@@ -484,7 +484,7 @@ def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path
     budget (default: the bound's own margin only). ``windows``: calibration windows and at most as
     many check windows (default: what the text gives within the time budget). ``command``: the
     command line the report quotes. ``bos``: the token every window starts with (the command asks
-    the model's tokenizer: harness.text.resolve_bos). ``speed_aware``: value each layer's sparsity
+    the model's tokenizer: measure.text.resolve_bos). ``speed_aware``: value each layer's sparsity
     by the time it measurably saves here, at ``threads`` (:mod:`.layer_speed`); False: by the bytes
     it skips, every layer gated from 10% sparsity."""
     seconds: dict[str, float] = {}

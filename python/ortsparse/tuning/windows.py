@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..graph_rewrite.errors import ModelFileError
-from ..harness.answer_quality import AnswerWindows, plan_answer_windows
+from ..measure.answer_quality import AnswerWindows, plan_answer_windows
 
 WINDOW_LEN = 512
 MIN_WINDOW = 64

@@ -1,0 +1,112 @@
+"""Quality at the point of use (measure.answer_quality): windows spread over the text, only answer
+steps scored, pooled dppl with a t-interval over windows."""
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortsparse.measure import answer_quality as aq
+from ortsparse.measure.decode import open_stepper
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+GENAI = TINY / "llama_tiny_genai"
+
+
+def test_windows_spread_from_the_start_to_the_end_of_the_text():
+    plan = aq.plan_answer_windows(1000, prefix=100, answer=20, windows=5)
+    assert plan.offsets[0] == 0 and plan.offsets[-1] == 1000 - plan.span
+    assert not plan.overlapping and all(b - a >= plan.span for a, b in zip(plan.offsets, plan.offsets[1:]))
+    assert aq.plan_answer_windows(300, prefix=100, answer=20, windows=5).overlapping
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefix": 900, "answer": 200, "windows": 2}, "needs 1101"),
+    ({"prefix": 100, "answer": 20, "windows": 2, "max_positions": 64}, "the model holds 64"),
+    ({"prefix": 0, "answer": 20, "windows": 2}, "--prefix >= 1"),
+])
+def test_windows_that_do_not_fit_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as error:
+        aq.plan_answer_windows(1000, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_summary_pools_answer_steps_and_gives_a_t_interval():
+    rows = [{"nll_reference": 2.0, "nll_candidate": 2.0 + d, "top1": t} for d, t in ((0.01, 0.9), (0.03, 0.8), (0.02, 1.0))]
+    out = aq.summarize(rows)
+    assert out["dppl"] == pytest.approx(math.expm1(0.02))
+    half = 4.302652729911275 * 0.01 / math.sqrt(3)  # t(0.975, 2) x sd / sqrt(n)
+    assert out["dppl_low"] == pytest.approx(math.expm1(0.02 - half))
+    assert out["dppl_high"] == pytest.approx(math.expm1(0.02 + half))
+    assert out["top1_agreement"] == pytest.approx(0.9) and out["top1_worst_window"] == 0.8
+    assert aq.summarize(rows[:1])["dppl_low"] is None
+
+
+def test_a_model_against_itself_is_exact_at_the_point_of_use():
+    tokens = np.random.default_rng(3).integers(0, 256, size=200)
+    plan = aq.plan_answer_windows(tokens.size, prefix=40, answer=8, windows=3)
+    result = aq.answer_quality(open_stepper(GENAI, "og", 1), open_stepper(GENAI, "og", 1), tokens, plan)
+    assert result["dppl"] == 0.0 and result["top1_agreement"] == 1.0
+    assert [w["offset"] for w in result["per_window"]] == list(plan.offsets)
+    assert "no prompt position" in result["scored"]
+    assert "3 x 8 answer tokens" in aq.describe(result)
+
+
+def test_a_changed_model_shows_at_the_point_of_use(tmp_path):
+    from ortsparse.graph_rewrite import KwtaSettings, RewriteConfig, TechniqueChoice
+    from ortsparse.graph_rewrite.genai import rewrite_genai_folder
+
+    config = RewriteConfig(techniques={"kwta": TechniqueChoice(KwtaSettings(k_frac=0.3), enabled=True, target="all")})
+    gated = rewrite_genai_folder(GENAI, tmp_path / "gated", config).folder
+    tokens = np.random.default_rng(4).integers(0, 256, size=200)
+    plan = aq.plan_answer_windows(tokens.size, prefix=40, answer=8, windows=2)
+    result = aq.answer_quality(open_stepper(GENAI, "og", 1), open_stepper(gated, "og", 1), tokens, plan)
+    assert result["dppl"] != 0.0
+    assert all(w["nll_candidate"] != w["nll_reference"] for w in result["per_window"])
+
+
+def test_quality_command_scores_answers_after_prompts(tmp_path, capsys):
+    import json
+
+    from ortsparse.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
+    report = tmp_path / "answer.json"
+    code = main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8", "--windows", "2",
+                 "--kwta-k", "0.3", "--kwta-target", "all", "--json", str(report)])
+    assert code == 0
+    result = json.loads(report.read_text())["result"]
+    assert result["kind"] == "answer" and result["runner"] == "og" and len(result["per_window"]) == 2
+    assert result["prefix"] == 40 and result["answer"] == 8 and result["dppl"] != 0.0
+    assert "answer quality after 40-token prompts" in capsys.readouterr().out
+    assert main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8", "--windows", "2",
+                 "--kwta-k", "0.3", "--max-dppl", "-1"]) == 1
+
+
+def test_quality_command_refuses_windows_past_the_text_in_one_line(tmp_path, capsys):
+    from ortsparse.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("a few words only")
+    assert main(["quality", str(GENAI), "--text", str(text), "--prefix", "40", "--answer", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 49" in err[0]
+
+
+def test_the_frontier_script_reports_every_setting_at_every_prefix(tmp_path):
+    import importlib.util
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "answer_quality_frontier.py"
+    spec = importlib.util.spec_from_file_location("answer_quality_frontier", script)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    stem = tmp_path / "frontier"
+    assert frontier.main([str(GENAI), "--settings", "exact=--attn=none", "gated=--kwta-k 0.3 --kwta-target all",
+                          "--prefixes", "30", "40", "--windows", "2", "--answer", "6", "-o", str(stem)]) == 0
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert [(r["prefix"], r["setting"]) for r in rows] == [(30, "exact"), (30, "gated"), (40, "exact"), (40, "gated")]
+    exact = [r for r in rows if r["setting"] == "exact"]
+    assert all(r["top1_agreement"] == 1.0 and abs(r["dppl"]) < 1e-3 for r in exact)  # exact attention in our op
+    assert any(r["dppl"] != 0.0 for r in rows if r["setting"] == "gated")
