@@ -115,6 +115,11 @@ def test_two_probes_fit_the_curve_a_straight_line_misses():
 
     allocation.probe_units(units, layers, probe_loss, level=0.02, second_level=0.08)
     assert [round(u.exponent, 2) for u in units] == [1.0, 3.0]
+    assert all(u.second_probe["sparsity"] > u.probe["sparsity"] for u in units)
+    below = _fake_units([0.0, 0.0])
+    allocation.probe_units(below, layers, probe_loss, level=0.02, second_level=0.005)  # a probe below the first
+    assert all(u.second_probe["sparsity"] < u.probe["sparsity"] for u in below)
+    assert [round(u.exponent, 2) for u in below] == [1.0, 3.0]
     for unit in units:  # the fitted curve passes through both probes
         for probe in (unit.probe, unit.second_probe):
             j = allocation.GRID.index(probe["sparsity"])
