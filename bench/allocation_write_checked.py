@@ -3,7 +3,7 @@ bench/allocation_low_probes.py for "power-*"), at a target skip of the pool's by
 check windows of tune's held-out parts (256 positions, vs the reference), then written as a genai
 folder as tune writes it (gated calls of up to 8 rows) for `ortsparse quality` at the point of use.
 
-    python bench/allocation_write_checked.py INT8 FP32 first60.txt OUT/probe1.json STRATEGY FRACTION OUTDIR
+    python bench/allocation_write_checked.py INT8 FP32 first60.txt OUT/probe1.json STRATEGY FRACTION OUTDIR [--no-write]
 """
 import json, math, sys, time, types
 from pathlib import Path
@@ -81,6 +81,8 @@ result = {"strategy": strategy, "target": fraction, "skipped_pool": skipped_pool
           "gated_window": gated.tolist(), "sparsity": found.sparsity(), "plan": found.plan().entries()}
 log(f"held-out ({nwin} windows of {L}): input {result['dense_dppl']:+.2%}, gated {result['gated_dppl']:+.2%}")
 Path(out + ".json").write_text(json.dumps(result, indent=1, default=float))
+if "--no-write" in sys.argv:
+    sys.exit(0)
 del probe, loss
 source.release_weights() if hasattr(source, "release_weights") else None
 written = rewrite_genai_folder(source.folder, Path(out), rewrite_config(types.SimpleNamespace(plan=found.plan()), None))

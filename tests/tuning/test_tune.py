@@ -344,8 +344,6 @@ def test_gate_head_makes_the_head_a_timed_candidate_unit(tmp_path, text, monkeyp
     # q/k/v, o, gate/up, down and the head: each class timed, the head among the units
     assert len(report["layer_speed"]) == 5 and report["gated_target"] == "all"
     assert "lm_head" in " ".join(report["gating"]["sparsity"])
-    units = report["gating"]["allocation"]["units"]
-    assert all(unit["second_probe"]["error"] < unit["probe"]["error"] for unit in units)  # probed twice, below
 
 
 def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer_speed, steady_tune_speed):

@@ -47,8 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of by the time gating that layer measurably saves on this machine")
     parser.add_argument("--gate-head", action="store_true",
                         help="make the LM head a candidate unit like any layer, gated where its measured loss and "
-                             "speed say it pays (a large-vocabulary head is much of the bytes: Gemma-3's is 63%%); "
-                             "each unit is then probed twice, its loss fitted as a power of its output error")
+                             "speed say it pays (a large-vocabulary head is much of the bytes: Gemma-3's is 63%%)")
     parser.add_argument("--windows", type=flag_types.int_in(1, 256), default=None, metavar="N",
                         help="calibration windows, and at most as many check windows (default: every window the "
                              "text gives, within ~15 min of loss passes)")

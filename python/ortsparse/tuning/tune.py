@@ -85,11 +85,6 @@ HELD_OUT_NEIGHBOURS = (-1, 1, 2)  # path points around the choice measured on th
 ANSWER_TIME_BUDGET_S = 600.0
 MIN_ANSWER_WINDOWS = 2
 REPORT_FILES = ((".json", "JSON report"), (".md", "markdown report"), (".png", "plot"))
-# With the head a candidate, each unit is probed a second time where its output error reaches this
-# (the 2% probe's a fifth): attention and MLP units' loss is concave in the error (Gemma-3-270M:
-# KL ~ error^0.1-0.8) and the head's linear, so one line through the 2% probe would rank the head
-# against them wrongly (docs/results.md).
-LOW_PROBE_LEVEL = 0.004
 
 __all__ = ["EXIT_NOT_WRITTEN", "EXIT_WRITTEN", "EXIT_WRITTEN_SLOWER", "tune", "tune_outputs", "every_row_gated"]
 
@@ -218,8 +213,7 @@ def calibrate_path(inputs: TuneInputs, windows: Windows, speed: layer_speed.Meas
     """Stage 4: curves and probes on the calibration windows, then the path, window by window."""
     plan, bos, first = windows.plan, inputs.bos, first_scored(inputs.bos.id)
     prepared = allocation.prepare_lm(inputs.source, with_bos(plan.calibration, bos.id), with_bos(plan.probe, bos.id),
-                                     target=inputs.target, second_level=LOW_PROBE_LEVEL if inputs.gate_head else None,
-                                     log=log)
+                                     target=inputs.target, log=log)
     for unit in prepared.units:
         unit.saving = speed.savings.get(unit.input_name) if speed and speed.savings else None
     log(f"tune: the probes predict {search.forecast(prepared.units, inputs.limit):.1%} of gated bytes skipped "
