@@ -104,6 +104,41 @@ def test_lagrangian_spares_sensitive_units_and_grows_with_the_price():
     assert allocation.allocate(units, 5.0, cap=0.3)["x0"] == allocation.GRID.index(0.3)
 
 
+def test_two_probes_fit_the_curve_a_straight_line_misses():
+    units = _fake_units([0.0, 0.0])  # error = s^2; the scales come from the probes
+    layers = [unit.layers[0] for unit in units]
+    # True loss: unit 0 linear in its error, unit 1 grows with the error cubed (steep past the probe).
+    powers = {0: 1.0, 1: 3.0}
+
+    def probe_loss(thresholds):  # the fake thresholds are the grid sparsities
+        return sum(0.5 * (t ** 2) ** powers[i] for i, t in thresholds.items() if t > 0)
+
+    allocation.probe_units(units, layers, probe_loss, level=0.02, second_level=0.08)
+    assert [round(u.exponent, 2) for u in units] == [1.0, 3.0]
+    assert all(u.second_probe["sparsity"] > u.probe["sparsity"] for u in units)
+    below = _fake_units([0.0, 0.0])
+    allocation.probe_units(below, layers, probe_loss, level=0.02, second_level=0.005)  # a probe below the first
+    assert all(u.second_probe["sparsity"] < u.probe["sparsity"] for u in below)
+    assert [round(u.exponent, 2) for u in below] == [1.0, 3.0]
+    for unit in units:  # the fitted curve passes through both probes
+        for probe in (unit.probe, unit.second_probe):
+            j = allocation.GRID.index(probe["sparsity"])
+            assert unit.loss()[j] == pytest.approx(probe["loss"], rel=1e-6)
+    truth = [0.5 * np.asarray(u.error) ** powers[i] for i, u in enumerate(units)]
+    assert np.allclose(units[1].loss(), truth[1], rtol=1e-6)
+    straight = allocation.Unit("x", units[1].layers, units[1].grid, error=units[1].error, scale=units[1].scale,
+                               probe=units[1].probe)
+    assert straight.loss()[-1] < 0.1 * truth[1][-1]  # one probe, a line: far under where the curve steepens
+
+
+def test_the_exponent_is_one_where_two_probes_cannot_tell():
+    near = {"error": 0.02, "loss": 0.01}
+    assert allocation.loss_exponent(near, {"error": 0.0201, "loss": 0.05}) == 1.0  # errors too close
+    assert allocation.loss_exponent(near, {"error": 0.08, "loss": 0.0}) == 1.0  # no loss measured
+    assert allocation.loss_exponent(near, {"error": 0.08, "loss": 0.04}) == pytest.approx(1.0)
+    assert allocation.loss_exponent(near, {"error": 0.08, "loss": 100.0}) == allocation.EXPONENT_RANGE[1]
+
+
 def test_bisection_meets_the_budget_with_the_true_loss():
     units = _fake_units([1.0, 3.0, 0.5, 2.0])
     layers = [unit.layers[0] for unit in units]

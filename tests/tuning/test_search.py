@@ -61,3 +61,14 @@ def test_the_walk_stops_once_clearly_over():
     points = search.walk(prepared, window_loss, 0.02, np.zeros(10), check_windows=6, log=lambda s: None)
     over = [p for p in points if math.expm1(p.losses.mean()) > 0.05]
     assert len(over) <= 2
+
+
+def test_the_forecast_is_the_allocation_the_probes_place_at_the_budget():
+    prepared, _, _ = synthetic()
+    units = prepared.units
+    forecasts = [search.forecast(units, budget) for budget in (0.005, 0.02, 0.1)]
+    assert 0.0 < forecasts[0] < forecasts[1] < forecasts[2] <= 0.9
+    mu = allocation.price_for(units, math.log1p(0.02), floor=search.MIN_PAYING_SPARSITY)
+    choice = allocation.allocate(units, mu, floor=search.MIN_PAYING_SPARSITY)
+    assert allocation.predicted_loss(units, choice) <= math.log1p(0.02)
+    assert forecasts[1] == allocation.skipped_fraction(units, choice)

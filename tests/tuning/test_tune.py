@@ -328,8 +328,22 @@ def test_measured_layer_speed_drives_the_allocation_and_the_report(tmp_path, tex
     assert timed and all(timed)  # every allocation valued the measured time
     report = json.loads((tmp_path / "tuned.tune.json").read_text())
     assert len(report["layer_speed"]) == 4 and all(c["break_even"] == 0.0 for c in report["layer_speed"])
+    assert report["gated_target"] == "both" and "lm_head" not in " ".join(report["gating"]["sparsity"])
     markdown = (tmp_path / "tuned.tune.md").read_text()
     assert "## What gating saves here" in markdown and "| 100.0 | 95.0 / 80.0 / 60.0 / 40.0 | 0% |" in markdown
+
+
+def test_gate_head_makes_the_head_a_timed_candidate_unit(tmp_path, text, monkeypatch, measured_layer_speed,
+                                                        steady_tune_speed):
+    from ortsparse.tuning import layer_speed
+
+    monkeypatch.setattr(layer_speed, "measure_classes", _class_speed(pays=True))
+    out = tmp_path / "tuned"
+    assert main(["tune", str(GENAI), "--text", str(text), "-o", str(out), "--max-dppl", "1.0", "--gate-head"]) == 0
+    report = json.loads((tmp_path / "tuned.tune.json").read_text())
+    # q/k/v, o, gate/up, down and the head: each class timed, the head among the units
+    assert len(report["layer_speed"]) == 5 and report["gated_target"] == "all"
+    assert "lm_head" in " ".join(report["gating"]["sparsity"])
 
 
 def test_no_speed_aware_values_bytes(tmp_path, text, monkeypatch, measured_layer_speed, steady_tune_speed):

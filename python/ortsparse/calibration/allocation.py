@@ -96,6 +96,10 @@ class Unit:
     error: np.ndarray | None = None  # relative output error per grid s (summed over the unit's layers)
     scale: float = 0.0  # loss per unit of output error (from the probe)
     probe: dict[str, float] = dataclasses.field(default_factory=dict)
+    # How the loss grows with the output error, loss ~ error^exponent through the probe (1: linear;
+    # fitted through a second probe by :func:`probe_units`).
+    exponent: float = 1.0
+    second_probe: dict[str, float] = dataclasses.field(default_factory=dict)
     # Time saved per decode row at each grid sparsity, measured (ortsparse.tuning.layer_speed); None:
     # not measured, the allocation values skipped bytes.
     saving: np.ndarray | None = None
@@ -109,8 +113,12 @@ class Unit:
         return sum(layer.weight_bytes for layer in self.layers)
 
     def loss(self) -> np.ndarray:
-        """Predicted loss per grid sparsity."""
-        return self.scale * self.error
+        """Predicted loss per grid sparsity: through the probe, ``scale * e_probe * (e / e_probe)^exponent``
+        (``scale * e`` when the exponent is 1)."""
+        if self.exponent == 1.0 or not self.probe:
+            return self.scale * self.error
+        at = max(self.probe["error"], 1e-12)
+        return self.scale * at * (np.maximum(self.error, 0.0) / at) ** self.exponent
 
 
 _BLOCK_RE = re.compile(r"(?:layers?|blocks?|h|layer)[./_](\d+)[./]")
@@ -430,22 +438,62 @@ def skipped_fraction(units: Sequence[Unit], choice: Mapping[str, int]) -> float:
     return skipped / total if total else 0.0
 
 
+# The exponents a two-probe fit is trusted with: Gemma-3-270M's body units measured 0.12-0.76, and
+# the predictions that matched the measured losses (docs/results.md) used them clipped at 0.5.
+EXPONENT_RANGE = (0.5, 3.0)
+
+
+def _first_reaching(unit: Unit, level: float, lowest: float, highest: float, after: int = -1) -> int:
+    """The grid index (past ``after``) where the unit's error first reaches ``level``, within
+    [lowest, highest] (the last allowed index when it never does)."""
+    grid = np.asarray(unit.grid)
+    allowed = [j for j in np.flatnonzero((grid >= lowest) & (grid <= highest)) if j > after]
+    reaching = [j for j in allowed if unit.error[j] >= level]
+    return int(reaching[0] if reaching else allowed[-1] if allowed else len(grid) - 1)
+
+
 def probe_units(units: Sequence[Unit], layers: Sequence[GatedLayer], probe_loss: Callable[[Mapping[int, float]], float],
-                level: float = 0.02, lowest: float = 0.1, highest: float = 0.7,
+                level: float = 0.02, lowest: float = 0.1, highest: float = 0.7, second_level: float | None = None,
                 progress: Callable[[int], None] | None = None) -> None:
     """Sets each unit's ``scale`` (loss per unit of relative output error): gate the unit alone at
     the grid sparsity where its error first reaches ``level`` (clipped to [lowest, highest]) and
-    measure ``probe_loss``."""
+    measure ``probe_loss``. With ``second_level``, a second probe where the error reaches that
+    (below the first, or further along up to 0.9) sets the unit's ``exponent``: loss ~ error^p
+    through both probes (clipped to :data:`EXPONENT_RANGE`). Measured on Gemma-3-270M int8
+    (docs/results.md), attention and MLP units' KL grows like error^0.1-0.8 between 0.4% and 2%
+    output error while the head's is linear: a line through the 2% probe puts the small errors an
+    allocation actually chooses at a half to a third of their loss, and undervalues the head
+    against them."""
     for i, unit in enumerate(units):
         grid = np.asarray(unit.grid)
-        allowed = np.flatnonzero((grid >= lowest) & (grid <= highest))
-        reaching = [j for j in allowed if unit.error[j] >= level]
-        j = int(reaching[0] if reaching else allowed[-1])
+        j = _first_reaching(unit, level, lowest, highest)
         loss = probe_loss(thresholds_for(units, layers, {unit.input_name: j}))
         unit.probe = {"sparsity": float(grid[j]), "error": float(unit.error[j]), "loss": float(loss)}
         unit.scale = max(loss, 0.0) / max(float(unit.error[j]), 1e-12)
+        if second_level is not None:
+            k = (_first_reaching(unit, second_level, lowest, 0.9, after=j) if second_level > level
+                 else _last_below(unit, second_level, j))
+            second = probe_loss(thresholds_for(units, layers, {unit.input_name: k}))
+            unit.second_probe = {"sparsity": float(grid[k]), "error": float(unit.error[k]), "loss": float(second)}
+            unit.exponent = loss_exponent(*sorted((unit.probe, unit.second_probe), key=lambda probe: probe["error"]))
         if progress:
             progress(i)
+
+
+def _last_below(unit: Unit, level: float, before: int) -> int:
+    """The grid index (below ``before``, from 1) where the unit's error first reaches ``level``; four
+    steps below ``before`` when none does (the error rises too steeply to meet it between points)."""
+    reaching = [j for j in range(1, before) if unit.error[j] >= level]
+    return int(reaching[0]) if reaching else max(1, before - 4)
+
+
+def loss_exponent(near: Mapping[str, float], far: Mapping[str, float]) -> float:
+    """p of loss ~ error^p through two probes ({"error", "loss"} each); 1 where they cannot tell
+    (the errors too close, a loss not positive)."""
+    if far["error"] <= 1.05 * near["error"] or near["loss"] <= 0.0 or far["loss"] <= 0.0:
+        return 1.0
+    p = math.log(far["loss"] / near["loss"]) / math.log(far["error"] / near["error"])
+    return float(min(max(p, EXPONENT_RANGE[0]), EXPONENT_RANGE[1]))
 
 
 def allocate(units: Sequence[Unit], mu: float, cap: float = 1.0, floor: float = 0.0) -> dict[str, int]:
@@ -568,7 +616,8 @@ class Allocation:
             "seconds": self.seconds, "history": self.history, "dense_on_ours": self.dense_on_ours,
             "units": [{"layers": [layer.name for layer in unit.layers], "weight_bytes": unit.weight_bytes,
                        "sparsity": float(unit.grid[self.choice.get(unit.input_name, 0)]),
-                       "probe": unit.probe, "loss_per_error": unit.scale} for unit in self.units],
+                       "probe": unit.probe, "loss_per_error": unit.scale, "second_probe": unit.second_probe,
+                       "loss_exponent": unit.exponent} for unit in self.units],
         }
 
 
@@ -603,17 +652,19 @@ class Prepared:
 
     def allocation(self, choice: Mapping[str, int], budget: float, calibration_loss: float,
                    history: list[dict[str, Any]]) -> Allocation:
-        """The :class:`Allocation` of ``choice`` (unit input name -> grid index)."""
+        """The :class:`Allocation` of ``choice`` (unit input name -> grid index). A candidate head the
+        choice leaves ungated may still run dense on our kernel (:func:`dense_quantized_heads`)."""
+        gated = [layer.name for unit in self.units if choice.get(unit.input_name, 0) > 0 for layer in unit.layers]
         return Allocation(self.score, list(self.layers), self.units, dict(choice), budget, calibration_loss, history,
-                          self.seconds, dense_quantized_heads(self.model, [layer.name for layer in self.layers],
-                                                              self.surveyed))
+                          self.seconds, dense_quantized_heads(self.model, gated, self.surveyed))
 
 
 def prepare(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capture_batches: Sequence[Any],
             probe_loss_of: Callable[[ProbeSession], Callable[[Mapping[int, float]], float]], *,
             level: float, max_rows: int, log: Callable[[str], None],
-            surveyed: Sequence[LinearLayer] | None = None) -> Prepared:
-    """Capture and curves (step 1) on ``capture_batches``, then one probe per unit (step 2)."""
+            surveyed: Sequence[LinearLayer] | None = None, second_level: float | None = None) -> Prepared:
+    """Capture and curves (step 1) on ``capture_batches``, then one probe per unit (step 2; two with
+    ``second_level``: :func:`probe_units`)."""
     if not layers:
         raise ValueError("no linear layer to gate (the target selects none)")
     seconds: dict[str, float] = {}
@@ -627,8 +678,8 @@ def prepare(model: onnx.ModelProto, layers: list[GatedLayer], score: str, captur
     clock = time.perf_counter()
     session = ProbeSession(model, layers, score)
     probe_loss = probe_loss_of(session)
-    log(f"allocation: probing {len(units)} units one at a time")
-    probe_units(units, layers, probe_loss, level=level,
+    log(f"allocation: probing {len(units)} units one at a time" + ("" if second_level is None else ", twice each"))
+    probe_units(units, layers, probe_loss, level=level, second_level=second_level,
                 progress=lambda i: log(f"allocation: probed {i + 1}/{len(units)}") if (i + 1) % 20 == 0 else None)
     seconds["probes"] = time.perf_counter() - clock
     return Prepared(model, score, list(layers), units, session, seconds, surveyed)
@@ -649,11 +700,12 @@ def _allocate(model: onnx.ModelProto, layers: list[GatedLayer], score: str, capt
 
 
 def prepare_lm(model: Any, calibration_windows: np.ndarray, probe_window: np.ndarray, *, target: str = "both",
-               score: str = "l2", level: float = 0.02, max_rows: int = 2048,
+               score: str = "l2", level: float = 0.02, max_rows: int = 2048, second_level: float | None = None,
                log: Callable[[str], None] = print) -> Prepared:
     """Steps 1-2 for an LM: curves captured on ``calibration_windows`` (``[n, L]`` token ids), each
-    unit probed (KL vs dense) on ``probe_window`` (``[1, L]``). ``model``: a path, a proto, or a
-    ModelSource (its weighted graph and survey are used, not read again)."""
+    unit probed (KL vs dense) on ``probe_window`` (``[1, L]``; a second time at ``second_level``:
+    :func:`probe_units`). ``model``: a path, a proto, or a ModelSource (its weighted graph and
+    survey are used, not read again)."""
     if isinstance(model, ModelSource):
         layers, surveyed, model = gated_layers(model, target), model.linear_layers, model.weights
     else:
@@ -661,7 +713,7 @@ def prepare_lm(model: Any, calibration_windows: np.ndarray, probe_window: np.nda
         layers, surveyed = gated_layers(model, target), None
     return prepare(model, layers, score, list(np.asarray(calibration_windows)),
                    lambda session: LmLoss(session, probe_window, keep_logprobs=True).kl,
-                   level=level, max_rows=max_rows, log=log, surveyed=surveyed)
+                   level=level, max_rows=max_rows, log=log, surveyed=surveyed, second_level=second_level)
 
 
 def price_for(units: Sequence[Unit], predicted: float, cap: float = 1.0, floor: float = 0.0) -> float:

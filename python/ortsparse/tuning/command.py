@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speed-aware", dest="speed_aware", action="store_false",
                         help="value every skipped weight byte alike (gating each layer from 10%% sparsity) instead "
                              "of by the time gating that layer measurably saves on this machine")
+    parser.add_argument("--gate-head", action="store_true",
+                        help="make the LM head a candidate unit like any layer, gated where its measured loss and "
+                             "speed say it pays (a large-vocabulary head is much of the bytes: Gemma-3's is 63%%)")
     parser.add_argument("--windows", type=flag_types.int_in(1, 256), default=None, metavar="N",
                         help="calibration windows, and at most as many check windows (default: every window the "
                              "text gives, within ~15 min of loss passes)")
@@ -65,5 +68,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     result = tune(source, tokens, args.output, max_dppl=args.max_dppl, margin=args.margin, context=args.context,
                   threads=args.threads, report_stem=args.report, reference=args.reference, method=args.method,
                   windows=args.windows, command=getattr(args, "command_line", None), bos=bos, protected=protected,
-                  speed_aware=args.speed_aware)
+                  speed_aware=args.speed_aware, gate_head=args.gate_head)
     return result.exit_status

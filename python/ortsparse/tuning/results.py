@@ -48,6 +48,17 @@ class TuneInputs:
     windows: int | None
     speed_aware: bool
     command: str | None
+    # The LM head a candidate unit like the others (gated where its probes say it is cheap and,
+    # speed-aware, where gating it pays here): Gemma-3's 262k-vocabulary head is 63% of its int8
+    # linear bytes; left out, the budget has a third of the bytes to spend on (docs/results.md).
+    # Off by default: on SmolLM2 it is not measured yet, and on the tiny test model it costs more
+    # than its probe predicts.
+    gate_head: bool = False
+
+    @property
+    def target(self) -> str:
+        """KWTA's target of the units tune may gate: ``all`` (attention, MLP and the head) or ``both``."""
+        return "all" if self.gate_head else "both"
 
     @property
     def baseline(self) -> ModelSource:
@@ -317,7 +328,8 @@ class TuneResult:
             report.update({
                 "reference": None if inputs.reference is None else str(inputs.reference.path),
                 "output": str(inputs.output), "max_dppl": inputs.max_dppl, "margin": inputs.margin,
-                "context": inputs.context, "method": inputs.method, "tokens": int(inputs.tokens.size),
+                "context": inputs.context, "method": inputs.method, "gated_target": inputs.target,
+                "tokens": int(inputs.tokens.size),
                 "window_len": inputs.window_len, "calibration_windows": windows.calibration,
                 "check_windows": windows.check, "bos": inputs.bos.to_dict(),
                 "window_construction": windows.construction, "windows_available": list(windows.plan.available),

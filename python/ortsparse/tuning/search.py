@@ -52,6 +52,14 @@ def _candidates(units: Sequence[allocation.Unit], method: str, fractions: Sequen
     return out
 
 
+def forecast(units: Sequence[allocation.Unit], budget: float) -> float:
+    """The skipped fraction of gated bytes the probes predict within a dppl ``budget`` (the
+    allocation whose predicted loss is ``log(1 + budget)``): said before the path is measured, so a
+    model that gates little is known in the first minutes, not the last."""
+    mu = allocation.price_for(units, math.log1p(budget), floor=MIN_PAYING_SPARSITY)
+    return allocation.skipped_fraction(units, allocation.allocate(units, mu, floor=MIN_PAYING_SPARSITY))
+
+
 def walk(prepared: allocation.Prepared, window_loss: Callable[[Mapping[int, float]], np.ndarray], budget: float,
          dense_losses: np.ndarray, *, method: str = "allocated", check_windows: int = 1,
          parts: np.ndarray | None = None, check_parts: np.ndarray | None = None,

@@ -151,7 +151,7 @@ def resolve_inputs(model: str | Path | ModelSource, tokens: np.ndarray, output: 
                    max_dppl: float = 0.02, margin: float | None = None, context: int | None = None,
                    threads: int = 1, speed_steps: int = 32, reference: str | Path | ModelSource | None = None,
                    method: str = "allocated", windows: int | None = None, command: str | None = None,
-                   bos: BosChoice | int | None = None, speed_aware: bool = True) -> TuneInputs:
+                   bos: BosChoice | int | None = None, speed_aware: bool = True, gate_head: bool = False) -> TuneInputs:
     """Stage 1: the models opened, the context checked against their positions, the window length
     from the shorter of them, and the text's length checked (ModelFileError: a one-line refusal)."""
     source = model if isinstance(model, ModelSource) else open_model(model)
@@ -172,7 +172,7 @@ def resolve_inputs(model: str | Path | ModelSource, tokens: np.ndarray, output: 
     tokens = np.asarray(tokens)
     check_length(int(tokens.size), text_per_window(window_len, bos.id), answer_prefix)  # a BOS takes a position
     return TuneInputs(source, ref, tokens, Path(output), max_dppl, margin, context, long_context, answer_prefix,
-                      window_len, bos, threads, speed_steps, method, windows, speed_aware, command)
+                      window_len, bos, threads, speed_steps, method, windows, speed_aware, command, gate_head)
 
 
 def seconds_per_window(session: Any, model: ModelSource, tokens: np.ndarray, window_len: int, bos: BosChoice) -> float:
@@ -205,7 +205,7 @@ def profile_speed(inputs: TuneInputs, log: Callable[[str], None] = print) -> lay
     """Stage 3: what gating each speed class saves here (None with ``speed_aware`` off: bytes valued alike)."""
     if not inputs.speed_aware:
         return None
-    return layer_speed.measure_model(inputs.source, threads=inputs.threads, log=log)
+    return layer_speed.measure_model(inputs.source, inputs.target, threads=inputs.threads, log=log)
 
 
 def calibrate_path(inputs: TuneInputs, windows: Windows, speed: layer_speed.Measured | None,
@@ -213,9 +213,11 @@ def calibrate_path(inputs: TuneInputs, windows: Windows, speed: layer_speed.Meas
     """Stage 4: curves and probes on the calibration windows, then the path, window by window."""
     plan, bos, first = windows.plan, inputs.bos, first_scored(inputs.bos.id)
     prepared = allocation.prepare_lm(inputs.source, with_bos(plan.calibration, bos.id), with_bos(plan.probe, bos.id),
-                                     log=log)
+                                     target=inputs.target, log=log)
     for unit in prepared.units:
         unit.saving = speed.savings.get(unit.input_name) if speed and speed.savings else None
+    log(f"tune: the probes predict {search.forecast(prepared.units, inputs.limit):.1%} of gated bytes skipped "
+        f"within {inputs.limit_text} (a forecast: the path measures it)")
     # Against the input itself its dense run on the probe graph is the baseline; against a reference
     # (the fp32 model of a quantized one) the reference's NLL per window.
     baseline_nll = None if inputs.reference is None else perplexity(
@@ -474,7 +476,7 @@ def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path
          report_stem: str | Path | None = None, protected: Mapping[str | os.PathLike, str] | None = None,
          reference: str | Path | ModelSource | None = None, method: str = "allocated",
          log: Callable[[str], None] = print, windows: int | None = None, command: str | None = None,
-         bos: BosChoice | int | None = None, speed_aware: bool = True) -> TuneResult:
+         bos: BosChoice | int | None = None, speed_aware: bool = True, gate_head: bool = False) -> TuneResult:
     """Tune ``model`` (an ONNX decoder or a genai folder, or it opened) on ``tokens`` within
     ``max_dppl`` on check windows; write ``output`` and the report ``<report_stem>.{json,md,png}``
     together, or nothing. Returns the :class:`~.results.TuneResult` (``written``, ``exit_status``:
@@ -486,7 +488,8 @@ def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path
     command line the report quotes. ``bos``: the token every window starts with (the command asks
     the model's tokenizer: measure.text.resolve_bos). ``speed_aware``: value each layer's sparsity
     by the time it measurably saves here, at ``threads`` (:mod:`.layer_speed`); False: by the bytes
-    it skips, every layer gated from 10% sparsity."""
+    it skips, every layer gated from 10% sparsity. ``gate_head``: the LM head a candidate unit like
+    the others (default: attention and MLP layers only)."""
     seconds: dict[str, float] = {}
     clock = StageClock(seconds)
     with clock("inputs"):
@@ -495,7 +498,8 @@ def tune(model: str | Path | ModelSource, tokens: np.ndarray, output: str | Path
         outputs, targets = tune_outputs(source_path, output, report_stem, protected, reference_path)  # before the long part
         inputs = resolve_inputs(model, tokens, output, max_dppl=max_dppl, margin=margin, context=context,
                                 threads=threads, speed_steps=speed_steps, reference=reference, method=method,
-                                windows=windows, command=command, bos=bos, speed_aware=speed_aware)
+                                windows=windows, command=command, bos=bos, speed_aware=speed_aware,
+                                gate_head=gate_head)
     result = TuneResult(inputs, stage_seconds=seconds)
 
     def finish(status: int, line: str, advice: str | None = None) -> TuneResult:
