@@ -9,11 +9,11 @@ import json, math, pickle, sys, time
 from pathlib import Path
 import numpy as np
 
-from ortsparse.harness import allocation
-from ortsparse.harness.source import open_model
-from ortsparse.harness.text import tokenize_file, resolve_bos
-from ortsparse.harness.corpus import first_scored
-from ortsparse.harness.perplexity import perplexity
+from ortsparse.calibration import allocation
+from ortsparse.measure.source import open_model
+from ortsparse.measure.text import tokenize_file, resolve_bos
+from ortsparse.measure.corpus import first_scored
+from ortsparse.measure.perplexity import perplexity
 from ortsparse.runtime import open_session
 from ortsparse.tuning.tune import resolve_inputs, plan_text, with_bos
 

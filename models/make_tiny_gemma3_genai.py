@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Build ``models/tiny/gemma3_tiny_genai/``: the onnxruntime-genai model builder's fp32 CPU folder of
-a random-weight Gemma-3-style model (``ortsparse.harness.export_genai.build_tiny_gemma3``: 3
+a random-weight Gemma-3-style model (``ortsparse.zoo.export_genai.build_tiny_gemma3``: 3
 sliding-window layers of 8 keys and 1 global layer, hidden 64, vocab 256), with the builder's
 defaults, so its sliding-window layers use window-sized KV buffers (GroupQueryAttention with
 ``sliding_window_cache=1``). Tests of such folders (the harness feeds, rewrite-onnx --attn, every
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortsparse.harness.export_genai import greedy_ids
+from ortsparse.zoo.export_genai import greedy_ids
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "tiny" / "gemma3_tiny_genai"
@@ -34,7 +34,7 @@ def torch_greedy(ids=PROMPT_IDS, tokens: int = TOKENS) -> list[int]:
     import torch
     from transformers import Gemma3ForCausalLM
 
-    from ortsparse.harness.export_genai import save_tiny_gemma3_hf
+    from ortsparse.zoo.export_genai import save_tiny_gemma3_hf
 
     with tempfile.TemporaryDirectory() as tmp:
         save_tiny_gemma3_hf(Path(tmp))
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.check:
         sys.path.insert(0, str(HERE.parent / "python"))
-        from ortsparse.harness.export_genai import build_tiny_gemma3
+        from ortsparse.zoo.export_genai import build_tiny_gemma3
 
         build_tiny_gemma3(OUT)
     genai, reference = generator_greedy(OUT), torch_greedy()

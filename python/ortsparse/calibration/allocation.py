@@ -628,7 +628,7 @@ def dense_quantized_heads(model: onnx.ModelProto, gated: Sequence[str] = (),
     decode step's weight bytes); whether our kernel streams it faster than MatMulNBits depends on the
     shape and the machine (faster on SmolLM2's head, reports/quant_kernel.md; slower on Gemma-3's
     640 x 262144), so ``calibrate.gating_search`` keeps only the ones a measurement finds faster
-    (:func:`ortsparse.harness.head_placement.place_heads`). They keep the MatMulNBits node's
+    (:func:`ortsparse.calibration.head_placement.place_heads`). They keep the MatMulNBits node's
     accuracy_level (its numerics), which the held-out check then measures.
     Other ungated MatMulNBits layers stay as they are: at narrow shapes dense ours is not always
     faster (bench/bench_quant_op.py, 1536x576). ``surveyed``: the survey's layers of ``model``, when
@@ -775,7 +775,7 @@ def allocate_encoder(model: Any, batches: Sequence[Mapping[str, np.ndarray]], mi
 
 def bytes_summary(model: onnx.ModelProto, measured: Mapping[str, Any], dense: Sequence[str] = ()) -> dict[str, Any]:
     """Gated weight bytes skipped as the op measured them (``1 - weighted_keep_ratio`` of
-    :func:`ortsparse.harness.op_metrics.snapshot`) and that skip as a fraction of every linear
+    :func:`ortsparse.measure.op_metrics.snapshot`) and that skip as a fraction of every linear
     layer's weight bytes (head included: what one decode step reads, the embedding row aside).
     ``dense``: layers on our op that keep every row (not counted as gated)."""
     nodes = measured.get("nodes", {})

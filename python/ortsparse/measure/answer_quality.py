@@ -86,7 +86,7 @@ def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tok
                       windows: AnswerWindows, *, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Every candidate against one reference, window by window: each model reads the window's
     prompt in one call and decodes its answer teacher-forced
-    (:func:`ortsparse.harness.decode.decode_loop`, the models taking turns step by step, so the
+    (:func:`ortsparse.measure.decode.decode_loop`, the models taking turns step by step, so the
     reference runs once for all candidates). Per candidate name: :func:`summarize`'s figures plus
     ``per_window`` rows and the plan."""
     if "reference" in candidates:
