@@ -78,12 +78,19 @@ def main(argv=None) -> int:
                   f"in one call by each model, then {args.answer} answer tokens decoded teacher-forced through the "
                   "Generator; only the answer steps are scored. dppl: pooled over the windows' answer steps, with a "
                   f"95% t-interval over windows; top-1: agreement with exact attention (mean, worst window). {done}",
-                  "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) |",
-                  "|---|---|---|---|---|---|"]
+                  "Keys read: keys scored exactly per head and answer step / keys cached (the cost proxy; page "
+                  "bounds add 2 rows of D per page on top), pages certified: rows whose page choice no left-out page "
+                  "could change; both from the op's counters, read only when one setting runs (rewrites share node "
+                  "names).",
+                  "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) | keys read | "
+                  "pages certified |", "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             interval = "" if row["dppl_low"] is None else f" ({row['dppl_low']:+.2%} .. {row['dppl_high']:+.2%})"
+            read, certified = (f"{row[key]:.1%}" if key in row else "" for key in
+                               ("selection_keys_read", "selection_pages_certified"))
             lines.append(f"| {row['prefix']} | {row['setting']} | `{row['flags']}` | {row['windows']} | "
-                         f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) |")
+                         f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) | "
+                         f"{read} | {certified} |")
         write_report(args.output, payload, "\n".join(lines) + "\n")
         return lines
 
