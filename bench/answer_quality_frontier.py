@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ortsparse import get_library_path
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
 from ortsparse.graph_rewrite.genai import rewrite_genai_folder
 from ortsparse.harness.answer_quality import answer_quality_of, plan_answer_windows
@@ -37,6 +38,17 @@ def setting_config(flags: str):
     if not any(word.startswith("--kwta") for word in words):
         words.append("--kwta=off")
     return config_from_args(parser.parse_args(words))
+
+
+def share_library(folder: Path) -> Path:
+    """The folder's copy of the op library replaced by a link to the one this process loads: the
+    Generator's dlopen then resolves to the same file (same inode), so the op counters
+    harness.answer_quality reads (the cost proxy) are the ones its kernels bump, not a copy's."""
+    copy = folder / "libortsparse_ops.so"
+    if copy.is_file():
+        copy.unlink()
+        copy.symlink_to(Path(get_library_path()).resolve())
+    return folder
 
 
 def main(argv=None) -> int:
@@ -95,7 +107,7 @@ def main(argv=None) -> int:
         return lines
 
     with tempfile.TemporaryDirectory(prefix="ortsparse-frontier-") as workdir:
-        folders = {name: rewrite_genai_folder(args.model, Path(workdir) / name, config).folder
+        folders = {name: share_library(rewrite_genai_folder(args.model, Path(workdir) / name, config).folder)
                    for name, config in settings.items()}
         for number, (prefix, count) in enumerate(zip(args.prefixes, windows_per_prefix), 1):
             plan = plan_answer_windows(tokens.size, prefix=prefix, answer=args.answer, windows=count,
