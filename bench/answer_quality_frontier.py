@@ -51,6 +51,18 @@ def share_library(folder: Path) -> Path:
     return folder
 
 
+def certificates(row: dict) -> str:
+    """Event-driven reuse and selective prefill figures of a report row (empty where off)."""
+    parts = []
+    if row.get("selection_event_ranked") or row.get("selection_event_reused_certified") \
+            or row.get("selection_event_reused_budget"):
+        parts.append(f"event: {row['selection_event_reused_certified']:.0f} certified, "
+                     f"{row['selection_event_reused_budget']:.0f} budget, {row['selection_event_ranked']:.0f} ranked")
+    if "selection_prefill_skipped" in row:
+        parts.append(f"prefill skipped {row['selection_prefill_skipped']:.1%} of tiles")
+    return "; ".join(parts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,15 +106,17 @@ def main(argv=None) -> int:
                   "bounds add 2 rows of D per page on top), pages certified: rows whose page choice no left-out page "
                   "could change; both from the op's counters, read only when one setting runs (rewrites share node "
                   "names).",
+                  "Reuse / prefill: event-driven reuse (head-steps reused under the certificate, reused on budget, "
+                  "ranked, per window) and the prompt's key tiles selective prefill skipped, where on.",
                   "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) | keys read | "
-                  "pages certified |", "|---|---|---|---|---|---|---|---|"]
+                  "pages certified | reuse / prefill |", "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             interval = "" if row["dppl_low"] is None else f" ({row['dppl_low']:+.2%} .. {row['dppl_high']:+.2%})"
             read, certified = (f"{row[key]:.1%}" if key in row else "" for key in
                                ("selection_keys_read", "selection_pages_certified"))
             lines.append(f"| {row['prefix']} | {row['setting']} | `{row['flags']}` | {row['windows']} | "
                          f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) | "
-                         f"{read} | {certified} |")
+                         f"{read} | {certified} | {certificates(row)} |")
         write_report(args.output, payload, "\n".join(lines) + "\n")
         return lines
 

@@ -142,3 +142,17 @@ def test_a_lone_frontier_setting_reports_what_its_selector_read(tmp_path):
     assert 0.0 < row["selection_keys_read"] < 1.0  # selection ran on the answer steps and skipped keys
     assert all(0.0 <= w["pages_certified"] <= 1.0 for w in row["per_window"])
     assert "of the cached keys per head and step" in aq.describe(row)
+
+
+def test_the_frontier_names_the_certificates_that_were_on():
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "answer_quality_frontier.py"
+    spec = importlib.util.spec_from_file_location("answer_quality_frontier", script)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    row = {"selection_event_ranked": 10.0, "selection_event_reused_certified": 3.0,
+           "selection_event_reused_budget": 0.0, "selection_prefill_skipped": 0.25}
+    assert frontier.certificates(row) == "event: 3 certified, 0 budget, 10 ranked; prefill skipped 25.0% of tiles"
+    assert frontier.certificates({"selection_event_ranked": 0.0, "selection_event_reused_certified": 0.0,
+                                  "selection_event_reused_budget": 0.0}) == ""

@@ -125,6 +125,9 @@ def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tok
                    "dppl": result[name]["dppl_vs_reference"], "top1": result[name]["top1_agreement"]}
             if len(candidates) == 1:
                 row.update(decode_selection(result["_metrics"]))
+                prompt = result["_prompt_metrics"].get(SELECTION_OP) or {}
+                if prompt.get("prefill.tiles"):
+                    row["prefill_skipped"] = float(prompt["prefill.skipped_ratio"])
             per_window[name].append(row)
         say(f"  window {number}/{len(windows.offsets)} (tokens {offset}..{offset + windows.span - 1}): " + "; ".join(
             f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}" for name, rows in per_window.items()))
@@ -137,9 +140,11 @@ def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tok
 
 
 def _mean_selection(rows: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The windows' mean of each :func:`decode_selection` figure (every window has as many steps)."""
+    """The windows' mean of each :func:`decode_selection` figure (every window has as many steps) and
+    of ``prefill_skipped``, the key tiles selective prefill skipped in the prompt."""
     names = [key for key in ("keys_read", "pages_visited", "pages_certified", "event_ranked",
-                             "event_reused_certified", "event_reused_budget") if all(key in row for row in rows)]
+                             "event_reused_certified", "event_reused_budget", "prefill_skipped")
+             if all(key in row for row in rows)]
     return {f"selection_{key}": float(np.mean([row[key] for row in rows])) for key in names}
 
 
