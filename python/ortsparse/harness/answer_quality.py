@@ -130,7 +130,9 @@ def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tok
                     row["prefill_skipped"] = float(prompt["prefill.skipped_ratio"])
             per_window[name].append(row)
         say(f"  window {number}/{len(windows.offsets)} (tokens {offset}..{offset + windows.span - 1}): " + "; ".join(
-            f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}" for name, rows in per_window.items()))
+            f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}"
+            + (f", keys read {rows[-1]['keys_read']:.1%}" if "keys_read" in rows[-1] else "")
+            for name, rows in per_window.items()))
     plan = {"prefix": windows.prefix, "answer": windows.answer, "offsets": list(windows.offsets),
             "overlapping": windows.overlapping,
             "scored": f"the {windows.answer} answer steps after each {windows.prefix}-token prompt (positions "
