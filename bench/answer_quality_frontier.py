@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ortsparse import get_library_path
 from ortsparse.benchmarking import check_report, command_line, machine_info, report_header, write_report
 from ortsparse.graph_rewrite.genai import rewrite_genai_folder
 from ortsparse.measure.answer_quality import answer_quality_of, plan_answer_windows
@@ -37,6 +38,29 @@ def setting_config(flags: str):
     if not any(word.startswith("--kwta") for word in words):
         words.append("--kwta=off")
     return config_from_args(parser.parse_args(words))
+
+
+def share_library(folder: Path) -> Path:
+    """The folder's copy of the op library replaced by a link to the one this process loads: the
+    Generator's dlopen then resolves to the same file (same inode), so the op counters
+    harness.answer_quality reads (the cost proxy) are the ones its kernels bump, not a copy's."""
+    copy = folder / "libortsparse_ops.so"
+    if copy.is_file():
+        copy.unlink()
+        copy.symlink_to(Path(get_library_path()).resolve())
+    return folder
+
+
+def certificates(row: dict) -> str:
+    """Event-driven reuse and selective prefill figures of a report row (empty where off)."""
+    parts = []
+    if row.get("selection_event_ranked") or row.get("selection_event_reused_certified") \
+            or row.get("selection_event_reused_budget"):
+        parts.append(f"event: {row['selection_event_reused_certified']:.0f} certified, "
+                     f"{row['selection_event_reused_budget']:.0f} budget, {row['selection_event_ranked']:.0f} ranked")
+    if "selection_prefill_skipped" in row:
+        parts.append(f"prefill skipped {row['selection_prefill_skipped']:.1%} of tiles")
+    return "; ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -78,17 +102,26 @@ def main(argv=None) -> int:
                   f"in one call by each model, then {args.answer} answer tokens decoded teacher-forced through the "
                   "Generator; only the answer steps are scored. dppl: pooled over the windows' answer steps, with a "
                   f"95% t-interval over windows; top-1: agreement with exact attention (mean, worst window). {done}",
-                  "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) |",
-                  "|---|---|---|---|---|---|"]
+                  "Keys read: keys scored exactly per head and answer step / keys cached (the cost proxy; page "
+                  "bounds add 2 rows of D per page on top), pages certified: rows whose page choice no left-out page "
+                  "could change; both from the op's counters, read only when one setting runs (rewrites share node "
+                  "names).",
+                  "Reuse / prefill: event-driven reuse (head-steps reused under the certificate, reused on budget, "
+                  "ranked, per window) and the prompt's key tiles selective prefill skipped, where on.",
+                  "", "| prefix | setting | flags | windows | dppl (95% interval) | top-1 (worst window) | keys read | "
+                  "pages certified | reuse / prefill |", "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             interval = "" if row["dppl_low"] is None else f" ({row['dppl_low']:+.2%} .. {row['dppl_high']:+.2%})"
+            read, certified = (f"{row[key]:.1%}" if key in row else "" for key in
+                               ("selection_keys_read", "selection_pages_certified"))
             lines.append(f"| {row['prefix']} | {row['setting']} | `{row['flags']}` | {row['windows']} | "
-                         f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) |")
+                         f"{row['dppl']:+.2%}{interval} | {row['top1_agreement']:.3f} ({row['top1_worst_window']:.3f}) | "
+                         f"{read} | {certified} | {certificates(row)} |")
         write_report(args.output, payload, "\n".join(lines) + "\n")
         return lines
 
     with tempfile.TemporaryDirectory(prefix="ortsparse-frontier-") as workdir:
-        folders = {name: rewrite_genai_folder(args.model, Path(workdir) / name, config).folder
+        folders = {name: share_library(rewrite_genai_folder(args.model, Path(workdir) / name, config).folder)
                    for name, config in settings.items()}
         for number, (prefix, count) in enumerate(zip(args.prefixes, windows_per_prefix), 1):
             plan = plan_answer_windows(tokens.size, prefix=prefix, answer=args.answer, windows=count,

@@ -53,7 +53,7 @@ class AttentionSettings(TechniqueSettings):
 
     label: ClassVar[str] = "attention"
     float_fields: ClassVar[tuple[str, ...]] = ("eps", "density_max", "candidates", "event_topk", "event_gap_tol",
-                                               "prefill_eps")
+                                               "prefill_eps", "mass_eps")
 
     mode: str = _OP["mode"]
     select: str = _OP["select"]
@@ -68,6 +68,9 @@ class AttentionSettings(TechniqueSettings):
     center: int = _OP["center"]
     proj_bits: int = _OP["proj_bits"]
     page_size: int = _OP["page_size"]
+    # pages with a budget: a per-row budget, pages scored until a batch carries <= mass_eps of the
+    # softmax mass seen (docs/ops.md "Mass mode"); 0: the plain budget.
+    mass_eps: float = _OP["mass_eps"]
     verify_keys: int = _GQA["verify_keys"]  # GroupQueryAttention form only: key-summary reuse checked by row hash
     # Event-driven attention by heads (docs/ops.md, "Event-driven attention by heads"): decode steps
     # of the budgeted page selector reuse a head's page choice while its query moves little.
@@ -104,6 +107,11 @@ class AttentionSettings(TechniqueSettings):
                 problems.append(f"{name}={value!r} must be an integer >= 0")
         if not (isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and 1 <= self.page_size <= 4096):
             problems.append(f"page_size={self.page_size!r} must be an integer in [1, 4096]")
+        if not (isinstance(self.mass_eps, (int, float)) and 0.0 <= self.mass_eps < 1.0):
+            problems.append(f"mass_eps={self.mass_eps!r} must be in [0, 1)")
+        elif self.mass_eps > 0 and (self.select != "pages" or self.candidates == 0 or self.event):
+            problems.append(f"mass_eps={self.mass_eps!r} needs select='pages' with candidates > 0 and event 0 (got "
+                            f"select={self.select!r}, candidates={self.candidates!r}, event={self.event!r})")
         if not (isinstance(self.event_topk, (int, float)) and 0.0 <= self.event_topk <= 1.0):
             problems.append(f"event_topk={self.event_topk!r} must be in [0, 1]")
         if not (isinstance(self.event_age_max, int) and not isinstance(self.event_age_max, bool)
@@ -149,6 +157,8 @@ class AttentionSettings(TechniqueSettings):
         if self.event:
             attrs.update(event=1, event_topk=float(self.event_topk), event_age_max=int(self.event_age_max),
                          event_gap_every=int(self.event_gap_every), event_gap_tol=float(self.event_gap_tol))
+        if self.mass_eps > 0:  # written only when on, as event-driven reuse: 0 is the op's meaning without it
+            attrs["mass_eps"] = float(self.mass_eps)
         if self.prefill_select != "exact":
             attrs.update(prefill_select=self.prefill_select, prefill_eps=float(self.prefill_eps),
                          prefill_budget=int(self.prefill_budget))
@@ -229,6 +239,11 @@ ATTENTION_FLAGS = FlagGroup(
                   "on SmolLM2, docs/ops.md)"),
         Flag("--attn-page-size", field="page_size", type=flag_types.int_in(1, 4096), default=_D.page_size, metavar="N",
              help=f"--attn=pages: keys per page (default {_D.page_size})"),
+        Flag("--attn-mass-eps", field="mass_eps", type=flag_types.non_negative_float, default=_D.mass_eps,
+             metavar="EPS",
+             help="--attn=pages with --attn-candidates > 0: a budget per query row: pages scored best bound first, "
+                  "topk keys' worth at a time, up to ceil(C*topk) keys, until a batch carries <= EPS of the softmax "
+                  "mass seen; every scored key kept (default 0: the plain budget)"),
         Flag("--attn-verify-keys", field="verify_keys", type=int, choices=(0, 1), default=_D.verify_keys,
              help="GroupQueryAttention cores: also check reused key summaries by hashing every reused key row "
                   "(exact whatever writes the KV buffer, but reads all keys each step; default 0: reuse by "

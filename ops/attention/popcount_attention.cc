@@ -394,6 +394,118 @@ bool choose_certified_pages(const CallPlan& p, const float* q, const float* khea
   return true;
 }
 
+// The softmax state (max, sum of exp(s - max)) a mass-mode row has seen: the protected keys', then
+// each scored batch's. Sums in double: thousands of terms, compared against a small fraction.
+struct MassSoFar {
+  float max = kNegInf;
+  double sum = 0.0;
+
+  // Adds scores s[0, n) (masked ones already -inf); returns their mass relative to the new max.
+  double add(const float* s, size_t n) {
+    float top = max;
+    for (size_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+    if (top == kNegInf) return 0.0;
+    if (top > max) {
+      sum = max == kNegInf ? 0.0 : sum * std::exp(static_cast<double>(max) - top);
+      max = top;
+    }
+    double mass = 0.0;
+    for (size_t j = 0; j < n; ++j) mass += std::exp(static_cast<double>(s[j]) - max);
+    sum += mass;
+    return mass;
+  }
+  // The bound's certificate: `keys` keys scoring at most `bound` carry at most eps of the mass.
+  bool covers(size_t keys, float bound, float eps) const {
+    if (keys == 0 || bound == kNegInf) return true;
+    if (max == kNegInf) return false;
+    return static_cast<double>(keys) * std::exp(static_cast<double>(bound) - max) <= static_cast<double>(eps) * sum;
+  }
+};
+
+// Scores the protected keys [r.lo, mid_lo) and [mid_hi, r.hi) of a mass-mode row into `mass` (scratch
+// in s.scores). finish_kept_row scores them again: their K rows are in cache by then, and every
+// pages mode keeps one ending. False when a score is NaN.
+bool protected_mass(const CallPlan& p, const float* q, const float* khead, size_t ldk, const MaskRow& m,
+                    const KeyRange& r, size_t mid_lo, size_t mid_hi, Scratch& s, MassSoFar& mass) {
+  float* ps = s.scores.data();
+  for (const auto& [a, e] : {std::make_pair(r.lo, mid_lo), std::make_pair(mid_hi, r.hi)}) {
+    if (e <= a) continue;
+    exact_scores(*p.kernels, p.score, q, p.call->dims.d, khead, ldk, m, a, nullptr, e - a, ps);
+    for (size_t j = 0; j < e - a; ++j) {
+      if (std::isnan(ps[j])) return false;
+      if (ps[j] < kMaskedOut) ps[j] = kNegInf;
+    }
+    mass.add(ps, e - a);
+  }
+  return true;
+}
+
+// Mass mode (mass_eps > 0, candidates > 0): a per-row budget. Pages are scored exactly best bound
+// first, ceil(topk / page) pages (a batch) at a time, up to the budget of ceil(candidates·topk) keys;
+// the row stops after a batch that carried at most mass_eps of the softmax mass seen so far (the
+// protected keys' included): a head whose weight sits on the sink and recent keys stops after one
+// batch, one that spreads its weight reads on. It also stops, certified, when the bound says the
+// unvisited keys together carry at most mass_eps of that mass. Every scored key is kept (its K row
+// is read already; dropping it saves one V row). False when an exact score is NaN.
+bool choose_mass_pages(const CallPlan& p, const float* q, const float* khead, size_t ldk, const MaskRow& m,
+                       const KeyRange& r, const RowPages& pages, Scratch& s, RowChoice& choice) {
+  const PopcountAttentionConfig& cfg = *p.config;
+  const size_t topk = static_cast<size_t>(cfg.topk), page = pages.page, npg = pages.npg;
+  const size_t batch = std::max<size_t>(1, (topk + page - 1) / page);
+  const size_t budget = static_cast<size_t>(std::ceil(static_cast<double>(cfg.candidates) * topk));
+  const size_t limit = std::min(npg, std::max(batch, (budget + page - 1) / page));
+  const float* bound = pages.bound;
+  int32_t* order = pages.order;
+  std::partial_sort(order, order + limit, order + npg,
+                    [&pages](int32_t a, int32_t b) { return pages.higher_bound_first(a, b); });
+  MassSoFar mass;
+  if (!protected_mass(p, q, khead, ldk, m, r, pages.mid_lo, pages.mid_hi, s, mass)) return false;
+  int32_t* rows = s.kept.data();
+  float* scores = s.sel.data();
+  const size_t middle = pages.mid_hi - pages.mid_lo;
+  size_t visited = 0, count = 0;
+  choice.certified = false;
+  while (visited < limit) {
+    const float next = bound[order[visited]];
+    if (next == kNegInf || (visited > 0 && mass.covers(middle - count, next, cfg.mass_eps))) {
+      choice.certified = true;  // fully masked pages, or the bound covers the rest
+      break;
+    }
+    const size_t end = std::min(limit, visited + batch), first_row = count;
+    std::sort(order + visited, order + end);  // ascending keys within the batch: the kernel prefetches along
+    for (size_t c = visited; c < end; ++c) {
+      const auto [a, e] = pages.keys(static_cast<size_t>(order[c]));
+      for (size_t j = a; j < e; ++j) rows[count++] = static_cast<int32_t>(j);
+    }
+    exact_scores(*p.kernels, p.score, q, p.call->dims.d, khead, ldk, m, 0, rows + first_row, count - first_row,
+                 scores + first_row);
+    for (size_t j = first_row; j < count; ++j) {
+      if (std::isnan(scores[j])) return false;
+      if (scores[j] < kMaskedOut) scores[j] = kNegInf;
+    }
+    const double carried = mass.add(scores + first_row, count - first_row);
+    visited = end;
+    if (carried <= static_cast<double>(cfg.mass_eps) * mass.sum) break;
+  }
+  if (!choice.certified) {  // stopped by the batch rule or the budget: does the bound cover the rest too?
+    float rest = kNegInf;  // pages [visited, limit) are in descending bound order, the rest below them
+    if (visited < limit) {
+      rest = bound[order[visited]];
+    } else {
+      for (size_t t = limit; t < npg; ++t) rest = std::max(rest, bound[order[t]]);
+    }
+    choice.certified = mass.covers(middle - count, rest, cfg.mass_eps);
+  }
+  for (size_t j = 0; j < count; ++j) {
+    if (scores[j] == kNegInf) continue;
+    s.heap_scores[choice.kept] = scores[j];
+    s.heap_rows[choice.kept++] = rows[j];
+  }
+  choice.visited_keys = count;
+  choice.visited_pages = visited;
+  return true;
+}
+
 // The pages selector on one query row: keys of [lo, hi) outside the protected first / recent ones
 // are grouped in the cache's pages; a page's bound max_k(q·k) <= sum_d max(q_d·min_d, q_d·max_d)
 // (+ rounding slack), mapped to score space (scale, soft-cap, the page's largest mask value: all
@@ -415,8 +527,9 @@ bool attend_row_pages(const CallPlan& p, size_t hk, const float* q, const float*
   const RowPages pages{mid_lo, mid_hi, page, pg0, npg, s.bounds.data(), s.page_order.data()};
   for (size_t t = 0; t < npg; ++t) pages.order[t] = static_cast<int32_t>(t);
   RowChoice choice;
-  const bool chosen = cfg.candidates > 0.0f ? choose_budget_pages(p, hk, q, khead, ldk, m, pages, s, record, choice)
-                                            : choose_certified_pages(p, q, khead, ldk, m, pages, s, choice);
+  const bool chosen = cfg.mass_eps > 0.0f     ? choose_mass_pages(p, q, khead, ldk, m, r, pages, s, choice)
+                      : cfg.candidates > 0.0f ? choose_budget_pages(p, hk, q, khead, ldk, m, pages, s, record, choice)
+                                              : choose_certified_pages(p, q, khead, ldk, m, pages, s, choice);
   if (!chosen) return false;
   s.pages_total += npg;
   s.pages_visited += choice.visited_pages;
@@ -1043,6 +1156,11 @@ PopcountAttention::PopcountAttention(const PopcountAttentionConfig& config, cons
     fail("attribute prefill_eps=", config.prefill_eps, " must be in [0, 1) (the softmax mass a row may drop)");
   if (config.prefill_budget < 0)
     fail("attribute prefill_budget=", config.prefill_budget, " must be >= 0 (keys besides the first and recent ones)");
+  if (!(config.mass_eps >= 0.0f && config.mass_eps < 1.0f))
+    fail("attribute mass_eps=", config.mass_eps, " must be in [0, 1) (the softmax mass a batch of pages may carry)");
+  if (config.mass_eps > 0.0f && (config.select != Selector::kPages || config.candidates == 0.0f || config.event.enabled))
+    fail("attribute mass_eps=", config.mass_eps, " needs select='pages' with candidates > 0 (the budget) and event=0; got select='",
+         selector_name(config.select), "', candidates=", config.candidates, ", event=", config.event.enabled ? 1 : 0);
   if (config.page_size < 1 || config.page_size > 4096)
     fail("attribute page_size=", config.page_size, " must be in [1, 4096]");
   if (!popcnt_path_supported(kernels.popcnt_path))

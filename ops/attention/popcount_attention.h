@@ -47,6 +47,10 @@ struct PopcountAttentionConfig {
   float softcap = 0.0f;      // > 0: scores = softcap * tanh(scores / softcap) (GroupQueryAttention)
   int64_t local_window = -1; // >= 0 with causal: query at position p attends keys (p - window, p]
   int64_t page_size = 16;    // pages: keys per page (bounds of K per page and dim)
+  // pages with a budget, decode rows: > 0 scores pages best bound first, topk keys' worth at a time,
+  // up to the budget, and stops once a batch carried <= mass_eps of the softmax mass seen (or the
+  // bounds certify the rest carries no more); every scored key is kept. 0: the plain budget.
+  float mass_eps = 0.0f;
   bool smooth_softmax = false;  // every softmax has one more logit, 0 (or the call's head_sink), with V = 0
   bool verify_keys = true;   // with a KeyProvenance: still decide key-summary reuse by row hashes
   // A call with at least this many query rows (a prompt or prompt chunk) runs the rows it

@@ -26,6 +26,7 @@ attention::PopcountAttentionConfig read_selection_attributes(const Attributes& a
   c.center = read_flag(attrs, "center", defaults.center);
   c.proj_bits = attrs.get_int("proj_bits", defaults.proj_bits);
   c.page_size = attrs.get_int("page_size", defaults.page_size);
+  c.mass_eps = attrs.get_float("mass_eps", defaults.mass_eps);
   c.prefill_rows = attrs.get_int("prefill_rows", defaults.prefill_rows);
   c.prefill_select = attention::parse_prefill_select(
       attrs.get_string("prefill_select", attention::prefill_select_name(defaults.prefill_select)));

@@ -31,6 +31,7 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
   c.center = Schema::center != 0;
   c.proj_bits = Schema::proj_bits;
   c.page_size = Schema::page_size;
+  c.mass_eps = Schema::mass_eps;
   c.prefill_rows = Schema::prefill_rows;
   c.prefill_select = attention::parse_prefill_select(Schema::prefill_select);
   c.prefill_eps = Schema::prefill_eps;
@@ -47,7 +48,7 @@ attention::PopcountAttentionConfig schema_selection_defaults() {
 bool read_flag(const Attributes& attrs, const char* name, bool fallback);
 
 // Reads select, topk, min_keys, mode, eps, density_max, candidates, pack_cache, keep_first,
-// keep_recent, center, proj_bits, page_size, prefill_rows, prefill_select, prefill_eps, prefill_budget and event-driven attention's event,
+// keep_recent, center, proj_bits, page_size, mass_eps, prefill_rows, prefill_select, prefill_eps, prefill_budget and event-driven attention's event,
 // event_topk, event_age_max, event_gap_every, event_gap_tol, with `defaults` for absent ones; throws naming the
 // attribute when a value is out of range (the engine checks the rest).
 attention::PopcountAttentionConfig read_selection_attributes(const Attributes& attrs,

@@ -86,6 +86,7 @@ struct PopcountAttention {
   static constexpr int64_t center = 1;  // settings
   static constexpr int64_t proj_bits = 0;  // settings
   static constexpr int64_t page_size = 16;  // settings
+  static constexpr float mass_eps = 0x0.0p+0f /* 0.0 */;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
   static constexpr const char* prefill_select = "exact";  // settings
   static constexpr float prefill_eps = 0x1.0624de0000000p-10f /* 0.001 */;  // settings
@@ -115,6 +116,7 @@ struct PopcountGroupQueryAttention {
   static constexpr int64_t center = 1;  // settings
   static constexpr int64_t proj_bits = 0;  // settings
   static constexpr int64_t page_size = 16;  // settings
+  static constexpr float mass_eps = 0x0.0p+0f /* 0.0 */;  // settings
   static constexpr int64_t prefill_rows = 16;  // settings
   static constexpr const char* prefill_select = "exact";  // settings
   static constexpr float prefill_eps = 0x1.0624de0000000p-10f /* 0.001 */;  // settings

@@ -265,6 +265,10 @@ def test_tiny_export_attention(name, manifest):
     ({"keep_first": -1}, "keep_first="), ({"pack_cache": 2}, "pack_cache="),
     ({"prefill_select": "fast"}, "prefill_select='fast' must be one of exact, certified, budget"),
     ({"prefill_eps": 1.0}, "prefill_eps=1.0 must be in"), ({"prefill_budget": -1}, "prefill_budget=-1"),
+    ({"select": "pages", "candidates": 3.0, "mass_eps": 1.0}, r"mass_eps=1.0 must be in \[0, 1\)"),
+    ({"select": "pages", "candidates": 0.0, "mass_eps": 0.1}, "mass_eps=0.1 needs select='pages' with candidates > 0"),
+    ({"select": "pages", "candidates": 3.0, "mass_eps": 0.1, "event": 1}, "and event 0"),
+    ({"select": "popcount", "mass_eps": 0.1}, "mass_eps=0.1 needs select='pages'"),
 ])
 def test_invalid_settings(changes, message):
     with pytest.raises(ConfigError, match=message):

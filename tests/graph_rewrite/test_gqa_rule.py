@@ -190,6 +190,10 @@ def _config(argv):
      dataclasses.replace(GQA_RECOMMENDED, prefill_select="budget", prefill_budget=512)),
     (["--attn=none", "--attn-prefill=certified", "--attn-prefill-eps=0.01"],
      AttentionSettings(select="none", prefill_select="certified", prefill_eps=0.01)),
+    # mass mode: the page selector's per-row budget, written only when on
+    (["--attn=pages", "--attn-candidates=8", "--attn-keep-first=4", "--attn-keep-recent=256", "--attn-min-keys=2048",
+      "--attn-mass-eps=0.01"],
+     AttentionSettings(select="pages", candidates=8.0, keep_first=4, keep_recent=256, min_keys=2048, mass_eps=0.01)),
 ])
 def test_flags_give_the_node_its_settings(argv, expected):
     out, report = rewrite_model(genai_layer(), _config(argv))
@@ -201,6 +205,7 @@ def test_flags_give_the_node_its_settings(argv, expected):
         assert got == pytest.approx(value), name
     assert ("event" in a) == bool(expected.event)  # written only when on
     assert ("prefill_select" in a) == (expected.prefill_select != "exact")  # written only when not exact
+    assert ("mass_eps" in a) == (expected.mass_eps > 0)  # written only when on
 
 
 @pytest.mark.parametrize("argv", [["--attn=popcount", "--attn-topk=64"], ["--attn=pages", "--attn-candidates=0"],

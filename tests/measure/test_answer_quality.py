@@ -110,3 +110,49 @@ def test_the_frontier_script_reports_every_setting_at_every_prefix(tmp_path):
     exact = [r for r in rows if r["setting"] == "exact"]
     assert all(r["top1_agreement"] == 1.0 and abs(r["dppl"]) < 1e-3 for r in exact)  # exact attention in our op
     assert any(r["dppl"] != 0.0 for r in rows if r["setting"] == "gated")
+
+
+def test_selection_counters_of_the_answer_steps_are_read_with_one_candidate():
+    """The op's counters of the answer steps (the cost proxy) come with the figures of a lone
+    candidate; several candidates share node names, so none are read then."""
+    total = {"keys_total": 1000.0, "pack.keys_exact_ratio": 0.25, "pages.visited_ratio": 0.2,
+             "pages.certified_ratio": 0.5, "event.heads_ranked": 3.0, "event.reused_certified": 1.0,
+             "event.reused_budget": 0.0}
+    got = aq.decode_selection({aq.SELECTION_OP: total, "total/KwtaBlockMatMul": {"keys_total": 0}})
+    assert got["keys_read"] == 0.25 and got["pages_certified"] == 0.5 and got["event_ranked"] == 3.0
+    assert aq.decode_selection({}) == {} and aq.decode_selection({aq.SELECTION_OP: {"keys_total": 0}}) == {}
+
+
+def test_a_lone_frontier_setting_reports_what_its_selector_read(tmp_path):
+    """One setting: the Generator loads the very library this process reads counters from
+    (share_library), so the report carries the keys each head read per answer step."""
+    import importlib.util
+    import json
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "answer_quality_frontier.py"
+    spec = importlib.util.spec_from_file_location("answer_quality_frontier", script)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    stem = tmp_path / "frontier"
+    flags = ("--attn=pages --attn-topk 4 --attn-candidates 4 --attn-keep-first 1 --attn-keep-recent 4 "
+             "--attn-min-keys 0 --attn-mass-eps 0.05")
+    assert frontier.main([str(GENAI), "--settings", f"mass={flags}", "--prefixes", "60", "--windows", "2",
+                          "--answer", "6", "-o", str(stem)]) == 0
+    (row,) = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert 0.0 < row["selection_keys_read"] < 1.0  # selection ran on the answer steps and skipped keys
+    assert all(0.0 <= w["pages_certified"] <= 1.0 for w in row["per_window"])
+    assert "of the cached keys per head and step" in aq.describe(row)
+
+
+def test_the_frontier_names_the_certificates_that_were_on():
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "answer_quality_frontier.py"
+    spec = importlib.util.spec_from_file_location("answer_quality_frontier", script)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    row = {"selection_event_ranked": 10.0, "selection_event_reused_certified": 3.0,
+           "selection_event_reused_budget": 0.0, "selection_prefill_skipped": 0.25}
+    assert frontier.certificates(row) == "event: 3 certified, 0 budget, 10 ranked; prefill skipped 25.0% of tiles"
+    assert frontier.certificates({"selection_event_ranked": 0.0, "selection_event_reused_certified": 0.0,
+                                  "selection_event_reused_budget": 0.0}) == ""

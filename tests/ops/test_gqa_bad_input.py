@@ -39,6 +39,8 @@ def error_of(fn) -> str:
     ({"select": "pages", "topk": 0}, "topk=0"),
     ({"page_size": 0}, "page_size=0 must be in [1, 4096]"),
     ({"candidates": 0.5}, "candidates=0.5 must be in [1, 1024]"),
+    ({"select": "pages", "mass_eps": 1.5}, "mass_eps=1.5 must be in [0, 1)"),
+    ({"select": "pages", "mass_eps": 0.1, "event": 1}, "mass_eps=0.1 needs select='pages' with candidates > 0"),
     ({"verify_keys": 2}, "verify_keys=2 must be 0 or 1"),
     ({"scale": -1.0}, "scale=-1 must be >= 0"),
 ])

@@ -120,7 +120,12 @@ def test_later_prompt_chunks_match_onnxruntime(shared, packed, rng):
 @pytest.mark.parametrize("context", [128, 4096])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("attrs", [EXACT, {"select": "pages", "min_keys": 100000}], ids=["none", "below_min_keys"])
+@pytest.mark.parametrize("attrs", [EXACT, {"select": "pages", "min_keys": 100000},
+                                   # mass mode whose budget covers every page and whose eps no batch meets:
+                                   # every key scored and kept, so exact
+                                   {"select": "pages", "min_keys": 0, "topk": 64, "candidates": 1024.0,
+                                    "keep_first": 4, "keep_recent": 64, "mass_eps": 1e-30}],
+                         ids=["none", "below_min_keys", "mass_every_page"])
 def test_decode_64_tokens_matches_onnxruntime(context, shared, threads, attrs, rng):
     """A real decode: a past of context - 64 tokens, then 64 steps of one token."""
     cfg = G.Gqa(num_heads=9, kv_num_heads=3, head_size=64, rotary=True, packed=True)

@@ -82,6 +82,25 @@ def summarize(per_window: Sequence[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
+SELECTION_OP = "total/PopcountGroupQueryAttention"
+
+
+def decode_selection(counters: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """What the attention selector did over a window's answer steps, from the op library's counters
+    (empty when no PopcountGroupQueryAttention ran): ``keys_read`` — keys scored exactly (the K rows
+    a head reads; the kept keys' V rows are among them) / keys in the cache, the cost proxy —
+    ``pages_visited`` and ``pages_certified`` (rows whose choice no left-out page could change), and
+    the event-driven reuse counts per query head and step."""
+    total = counters.get(SELECTION_OP)
+    if not total or not total.get("keys_total"):
+        return {}
+    return {"keys_read": float(total["pack.keys_exact_ratio"]), "pages_visited": float(total["pages.visited_ratio"]),
+            "pages_certified": float(total["pages.certified_ratio"]),
+            "event_ranked": float(total["event.heads_ranked"]),
+            "event_reused_certified": float(total["event.reused_certified"]),
+            "event_reused_budget": float(total["event.reused_budget"])}
+
+
 def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tokens: np.ndarray | Sequence[int],
                       windows: AnswerWindows, *, log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Every candidate against one reference, window by window: each model reads the window's
@@ -96,20 +115,39 @@ def answer_quality_of(reference: Stepper, candidates: Mapping[str, Stepper], tok
     per_window: dict[str, list[dict[str, float]]] = {name: [] for name in candidates}
     for number, offset in enumerate(windows.offsets, 1):
         loop = LoopPlan(offset=offset, prompt=windows.prefix, warmup=0, steps=windows.answer)
+        # The op's counters of the answer steps (reset after the prompt) are read only with one
+        # candidate: several rewrites of one model share node names, so their counts would mix.
         result = decode_loop({"reference": reference, **candidates}, tokens, loop, prefill_chunk=windows.prefix,
-                             reference="reference", measure_metrics=False)
+                             reference="reference", measure_metrics=len(candidates) == 1)
         for name in candidates:
             row = {"offset": offset, "nll_reference": result["reference"]["mean_nll"],
                    "nll_candidate": result[name]["mean_nll"],
                    "dppl": result[name]["dppl_vs_reference"], "top1": result[name]["top1_agreement"]}
+            if len(candidates) == 1:
+                row.update(decode_selection(result["_metrics"]))
+                prompt = result["_prompt_metrics"].get(SELECTION_OP) or {}
+                if prompt.get("prefill.tiles"):
+                    row["prefill_skipped"] = float(prompt["prefill.skipped_ratio"])
             per_window[name].append(row)
         say(f"  window {number}/{len(windows.offsets)} (tokens {offset}..{offset + windows.span - 1}): " + "; ".join(
-            f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}" for name, rows in per_window.items()))
+            f"{name} dppl {rows[-1]['dppl']:+.2%}, top-1 {rows[-1]['top1']:.3f}"
+            + (f", keys read {rows[-1]['keys_read']:.1%}" if "keys_read" in rows[-1] else "")
+            for name, rows in per_window.items()))
     plan = {"prefix": windows.prefix, "answer": windows.answer, "offsets": list(windows.offsets),
             "overlapping": windows.overlapping,
             "scored": f"the {windows.answer} answer steps after each {windows.prefix}-token prompt (positions "
                       f"{windows.prefix}..{windows.prefix + windows.answer - 1}); no prompt position is averaged in"}
-    return {name: {**summarize(rows), "per_window": rows, **plan} for name, rows in per_window.items()}
+    return {name: {**summarize(rows), **_mean_selection(rows), "per_window": rows, **plan}
+            for name, rows in per_window.items()}
+
+
+def _mean_selection(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The windows' mean of each :func:`decode_selection` figure (every window has as many steps) and
+    of ``prefill_skipped``, the key tiles selective prefill skipped in the prompt."""
+    names = [key for key in ("keys_read", "pages_visited", "pages_certified", "event_ranked",
+                             "event_reused_certified", "event_reused_budget", "prefill_skipped")
+             if all(key in row for row in rows)]
+    return {f"selection_{key}": float(np.mean([row[key] for row in rows])) for key in names}
 
 
 def answer_quality(reference: Stepper, candidate: Stepper, tokens: np.ndarray | Sequence[int], windows: AnswerWindows,
@@ -122,6 +160,9 @@ def describe(result: dict[str, Any]) -> str:
     """One line: pooled dppl with its interval, top-1 mean and worst, windows."""
     interval = ("" if result["dppl_low"] is None else
                 f" ({result['dppl_low']:+.2%} .. {result['dppl_high']:+.2%}, {result['confidence']:.0%} over windows)")
+    selection = ("" if "selection_keys_read" not in result else
+                 f"; the selector read {result['selection_keys_read']:.1%} of the cached keys per head and step, "
+                 f"{result['selection_pages_certified']:.1%} of its page choices certified")
     return (f"answer quality after {result['prefix']}-token prompts: dppl {result['dppl']:+.2%}{interval}, "
             f"top-1 agreement {result['top1_agreement']:.3f} (worst window {result['top1_worst_window']:.3f}) "
-            f"on {result['windows']} x {result['answer']} answer tokens")
+            f"on {result['windows']} x {result['answer']} answer tokens{selection}")

@@ -212,8 +212,8 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     negative log-likelihood of the corpus's next token over the decode steps) and, with a
     ``reference`` name, ``top1_agreement`` (predictions equal to the reference's) and
     ``dppl_vs_reference`` (exp of the mean NLL difference, minus 1: a perplexity change measured
-    on decode steps, each seeing its own model's KV cache). Under
-    ``_metrics``: the op library's counters of the decode steps (reset after the prefill).
+    on decode steps, each seeing its own model's KV cache). Under ``_metrics``: the op library's
+    counters of the decode steps (reset after the prefill); ``_prompt_metrics``: the prompt's.
 
     ``interleave`` (default): the models take turns chunk by chunk and step by step, so that each
     step of every model sees the same moment of the machine. Off: each model runs its whole loop in
@@ -228,7 +228,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     say = log or (lambda text: None)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection in the middle of a timed step would land on one model only
-    counters: dict = {}
+    counters, prompt_counters = {}, {}  # the op counters of the decode steps, of the prompt (interleaved)
 
     def prefill_chunks(name, chunks):
         for begin in chunks:
@@ -255,6 +255,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
                 for name in names:
                     prefill_chunks(name, [begin])
             if measure_metrics:
+                prompt_counters = metrics()
                 reset_metrics()
             for step, token in enumerate(forced):
                 for name in names:
@@ -278,7 +279,7 @@ def decode_loop(steppers: Mapping[str, Stepper], tokens: Sequence[int] | np.ndar
     result = {name: _loop_row(steppers[name].runner, times[name], prefill[name], loop.prompt, predictions[name],
                               nll[name], following, predictions.get(reference), nll.get(reference))
               for name in names}
-    result["_metrics"] = counters
+    result["_metrics"], result["_prompt_metrics"] = counters, prompt_counters
     return result
 
 
