@@ -10,6 +10,7 @@ import collections, json, math, sys
 import numpy as np
 
 D = sys.argv[1]
+DENSE = json.load(open(f'{D}/dense_calibration.json'))['dense_dppl']  # the int8 model alone (strategies script)
 GRID = np.asarray([round(0.025 * i, 3) for i in range(37)])
 rows = json.load(open(f'{D}/probe1.json'))
 ex = {e['name']: e['p'] for e in json.load(open(f'{D}/exponents.json'))}
@@ -31,7 +32,7 @@ for p in pts:
     sp = p['sparsity']
     pl = sum(lin(r)[int(np.argmin(abs(GRID - sp.get(r['name'], 0))))] for r in rows)
     pp = sum(pw(r)[int(np.argmin(abs(GRID - sp.get(r['name'], 0))))] for r in rows)
-    dense = 0.0040
+    dense = DENSE
     meas = math.log1p(p['dppl']) - math.log1p(dense)
     print(f"{p['strategy']:12s} {p['skipped_all']:.3f} of all: measured {meas:.4f} nats beyond int8, linear predicts {pl:.4f}, power predicts {pp:.4f}")
 # allocations under power curves
@@ -65,4 +66,4 @@ for frac in (0.16, 0.17, 0.18, 0.19):
     pred = sum(pw(r)[c[r['name']]] for r in rows)
     by = collections.defaultdict(list)
     for r in rows: by[cls(r['name'])].append(GRID[c[r['name']]])
-    print('power', frac, f"skipped {sk:.3f}, predicted {pred:.4f} -> total dppl ~{math.expm1(pred + math.log1p(0.004)):+.2%}", {k: round(float(np.mean(v)),3) for k, v in by.items()})
+    print('power', frac, f"skipped {sk:.3f}, predicted {pred:.4f} -> total dppl ~{math.expm1(pred + math.log1p(DENSE)):+.2%}", {k: round(float(np.mean(v)),3) for k, v in by.items()})
