@@ -204,12 +204,12 @@ def test_flags_are_data_and_round_trip_through_argparse():
 
 
 # The rewrite flags of rewrite-onnx as they were when each technique hand-wrote its argparse calls:
-# declaring them as data must not lose, rename or add one.
+# declaring them as data must not lose, rename or add one (flags added since are appended to their line).
 HISTORICAL_FLAGS = """
 --attn --attn-candidates --attn-center --attn-density-max --attn-eps --attn-keep-first --attn-keep-recent
 --attn-min-keys --attn-mode --attn-pack-cache --attn-page-size --attn-proj-bits --attn-topk --attn-verify-keys
 --attn-event --attn-event-topk --attn-event-age-max --attn-event-gap-every --attn-event-gap-tol
---attn-prefill --attn-prefill-eps --attn-prefill-budget
+--attn-prefill --attn-prefill-eps --attn-prefill-budget --attn-mass-eps
 --event-age-max --event-axis
 --event-block --event-budget-ms --event-delta-theta --event-driven --event-gap-every --event-gap-tol
 --event-max-gated-rows --event-quorum --event-stale-beta --event-stale-lambda --event-target --event-topk --kwta
