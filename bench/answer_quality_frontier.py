@@ -15,6 +15,7 @@ usage: python bench/answer_quality_frontier.py MODEL_DIR --prefixes 4096 8192 --
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
@@ -41,13 +42,20 @@ def setting_config(flags: str):
 
 
 def share_library(folder: Path) -> Path:
-    """The folder's copy of the op library replaced by a link to the one this process loads: the
-    Generator's dlopen then resolves to the same file (same inode), so the op counters
-    harness.answer_quality reads (the cost proxy) are the ones its kernels bump, not a copy's."""
+    """The folder's copy of the op library replaced by a hard link to the one this process loads: the
+    Generator's dlopen then finds the already loaded file (same inode), so the op counters
+    measure.answer_quality reads (the cost proxy) are the ones its kernels bump, not a copy's. A hard
+    link, not a symbolic one: genai resolves symbolic links and refuses a library outside the model's
+    folder. Across file systems the copy stays, and the report has no keys-read figures."""
     copy = folder / "libortsparse_ops.so"
     if copy.is_file():
-        copy.unlink()
-        copy.symlink_to(Path(get_library_path()).resolve())
+        linked = copy.with_name(copy.name + ".link")
+        try:
+            os.link(Path(get_library_path()).resolve(), linked)
+        except OSError as error:
+            print(f"{folder}: op library not shared ({error.strerror}): no keys-read figures", flush=True)
+        else:
+            os.replace(linked, copy)
     return folder
 
 
