@@ -16,7 +16,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: JSON override files only
+    tomllib = None
 
 from .compose import check_attention
 from .errors import ConfigError
@@ -264,6 +267,8 @@ def load_overrides(path: str | Path) -> tuple[LayerOverride, ...]:
         raise ConfigError(f"cannot read override file {path}: {error.strerror or error}") from None
     try:
         if path.suffix.lower() == ".toml":
+            if tomllib is None:
+                raise ConfigError(f"override file {path}: TOML needs Python >= 3.11 (tomllib); write it as JSON")
             data = tomllib.loads(text.decode("utf-8"))
         else:
             data = json.loads(text)

@@ -54,14 +54,34 @@ def _run(command: Sequence[str], log: Callable[[str], None], what: str, timeout:
     return done.stdout
 
 
+def _members_inside(tar: tarfile.TarFile, archive: Path, target: Path) -> list[tarfile.TarInfo]:
+    """The ``data`` filter's refusals, for a Python whose tarfile lacks it (Debian 12's 3.11.2):
+    a member or a link target leaving ``target``, an absolute name, a device or a FIFO."""
+    root = target.resolve()
+    members = tar.getmembers()
+    for member in members:
+        destination = (root / member.name).resolve()
+        linked = ((destination.parent / member.linkname).resolve() if member.issym()
+                  else (root / member.linkname).resolve() if member.islnk() else destination)
+        if (Path(member.name).is_absolute() or not destination.is_relative_to(root)
+                or not linked.is_relative_to(root)):
+            raise PeerUnavailable(f"{archive.name}: member {member.name!r} would leave {target}")
+        if member.ischr() or member.isblk() or member.isfifo():
+            raise PeerUnavailable(f"{archive.name}: member {member.name!r} is a device or FIFO")
+    return members
+
+
 def _safe_extract(archive: Path, target: Path) -> None:
-    """Unpack with tarfile's ``data`` filter: no absolute paths, no member or link leaving ``target``.
-    An archive that cannot be unpacked (not a tar, cut short, damaged) is a :class:`PeerUnavailable`
-    naming it."""
+    """Unpack with tarfile's ``data`` filter (or the same refusals where tarfile lacks it): no absolute
+    paths, no member or link leaving ``target``. An archive that cannot be unpacked (not a tar, cut
+    short, damaged) is a :class:`PeerUnavailable` naming it."""
     try:
         with tarfile.open(archive) as tar:
-            tar.extractall(target, filter="data")
-    except tarfile.FilterError as error:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(target, filter="data")
+            else:
+                tar.extractall(target, members=_members_inside(tar, archive, target))
+    except getattr(tarfile, "FilterError", ()) as error:  # () catches nothing: no data filter here
         raise PeerUnavailable(f"{archive.name}: {error}") from None
     except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
         reason = (str(error).splitlines() or [type(error).__name__])[0]
