@@ -167,8 +167,12 @@ def test_values_of_keys_outside_the_selection_are_never_read(rng):
     assert np.isfinite(y).all()
 
 
+@pytest.mark.parametrize("seed, keys, settings", [
+    (3, 300, "candidates=0.0"),  # certified pages
+    (5, 500, "candidates=6.0, keep_first=2, keep_recent=16, mass_eps=0.05"),  # mass mode
+], ids=["certified", "mass"])
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_every_isa_keeps_the_same_sets(isa, rng):
+def test_every_isa_keeps_the_same_sets(isa, seed, keys, settings, rng):
     """The bounds and exact scores use the ISA's kernels; the kept sets do not depend on it (each
     SIMD ISA against the scalar twin; an ISA the CPU lacks is skipped)."""
     if isa not in _kernels.supported_isas():
@@ -176,10 +180,10 @@ def test_every_isa_keeps_the_same_sets(isa, rng):
     code = (
         "import numpy as np, sys; sys.path.insert(0, %r);"
         "from tests.ops.test_page_selector import kept_sets, structured_keys;"
-        "rng = np.random.default_rng(3); q = rng.standard_normal((1, 2, 2, 24), dtype=np.float32);"
-        "k = structured_keys(rng, 1, 1, 300, 24);"
-        "print(np.flatnonzero(kept_sets(q, k, topk=16, candidates=0.0, page_size=8).ravel()).tolist())"
-    ) % os.getcwd()
+        "rng = np.random.default_rng(%d); q = rng.standard_normal((1, 2, 2, 24), dtype=np.float32);"
+        "k = structured_keys(rng, 1, 1, %d, 24);"
+        "print(np.flatnonzero(kept_sets(q, k, topk=16, page_size=8, %s).ravel()).tolist())"
+    ) % (os.getcwd(), seed, keys, settings)
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "ORTSPARSE_ISA": name}, check=True).stdout for name in (isa, "scalar")]
     assert runs[0] == runs[1] and len(runs[0]) > 10
